@@ -1,0 +1,1 @@
+"""Benchmarks of Fathom: ``python -m bench <command>`` (see ``python -m bench --help``)."""

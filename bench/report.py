@@ -1,0 +1,33 @@
+"""Writing a benchmark's results: JSON (with the command that made them), a markdown table and a PNG plot."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that made a result, as a user would type it."""
+    return "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+def write_json(path: Path, command: str, payload: dict) -> Path:
+    payload = {"command": command, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), **payload}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """``columns``: (key, header, format spec); None cells print as a dash."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = ["—" if row.get(k) is None else format(row[k], f) for k, _, f in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,31 @@
+"""Exact softmax attention over a selected set, and the fidelity metric (SPEC §6)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None,
+              scale: float | None = None) -> np.ndarray:
+    """``softmax(q kᵀ · scale) v`` per head over its selected keys.
+
+    Args:
+        q: ``[G, d]``; k: ``[n, d]``; v: ``[n, dv]``; mask: bool ``[G, n]`` (None = dense);
+        scale: softmax scale, default ``1 / sqrt(d)``.
+    Returns:
+        float64 ``[G, dv]``.
+    """
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    logits = (q.astype(np.float64) @ k.astype(np.float64).T) * scale
+    if mask is not None:
+        logits = np.where(mask, logits, -np.inf)
+    logits -= logits.max(axis=-1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=-1, keepdims=True)
+    return p @ v.astype(np.float64)
+
+
+def relative_error(o_sparse: np.ndarray, o_dense: np.ndarray) -> np.ndarray:
+    """``‖o_sparse − o_dense‖ / ‖o_dense‖`` over the last axis."""
+    return np.linalg.norm(o_sparse - o_dense, axis=-1) / np.linalg.norm(o_dense, axis=-1)

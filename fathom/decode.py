@@ -1,0 +1,141 @@
+"""The reference decode step of one (layer, KV head): scan, select, attend (SPEC §6, §8).
+
+:class:`HeadIndex` is everything a method may scan for one (layer, KV head)
+— the raw and rotated plane stores, landmarks, exact keys — and
+:func:`method_scores` is the one place that turns a method into scores.
+:func:`decode_step` is one query group's step; :mod:`fathom.fidelity`
+evaluates many positions at once through the same two pieces.
+
+Example (oracle top-k at k >= n is dense attention)::
+
+    >>> import numpy as np
+    >>> from fathom import methods
+    >>> from fathom.decode import HeadIndex, decode_step
+    >>> from fathom.selection import Selection
+    >>> rng = np.random.default_rng(0)
+    >>> k, v = rng.standard_normal((2, 300, 16)).astype(np.float32)
+    >>> q = rng.standard_normal((4, 16)).astype(np.float32)
+    >>> index = HeadIndex.build(k, calibration=None)
+    >>> sparse = decode_step(q, k, v, index, methods.oracle(), Selection(k=300))
+    >>> dense = decode_step(q, k, v, index, methods.dense(), Selection(k=0))
+    >>> bool(np.allclose(sparse.output, dense.output))
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fathom import _checks
+from fathom.attention import attention
+from fathom.bits import row_bytes, scan_bits
+from fathom.methods import HeadStats, Method
+from fathom.scoring import DepthScorer, exact_scores, landmark_scores, landmarks
+from fathom.selection import Selection, select, union_rows
+from fathom.store import PlaneStore
+
+
+@dataclass
+class HeadIndex:
+    """What the scan methods read for one (layer, KV head), built once over ``n`` tokens.
+
+    ``stores["raw"]`` holds planes of k; ``stores["rotated"]`` (if a basis is
+    given) planes of ``k @ basis``; ``stats[basis]`` the calibration stats.
+    Scores cover the sealed tokens; a query at context ``m <= n`` uses the
+    first ``m // 64`` blocks, exactly what a store grown to ``m`` tokens holds.
+    """
+
+    keys: np.ndarray
+    stores: dict[str, PlaneStore]
+    scorers: dict[str, DepthScorer]
+    stats: dict[str, HeadStats]
+    landmarks: np.ndarray
+
+    @classmethod
+    def build(cls, keys: np.ndarray, calibration: dict[str, HeadStats] | None,
+              basis: np.ndarray | None = None) -> HeadIndex:
+        """``keys float32 [n, d]``; ``calibration``: stats per basis (None: unit σ², identity DS rank)."""
+        keys = _checks.array("keys", keys, ndim=2, dtype=np.float32)
+        d = keys.shape[1]
+        stores = {"raw": PlaneStore.from_keys(keys)}
+        if basis is not None:
+            stores["rotated"] = PlaneStore.from_keys(keys, basis=basis)
+        if calibration is None:
+            calibration = {b: HeadStats(sigma2=np.ones(d), ds_rank=np.arange(d)) for b in stores}
+        scorers = {b: DepthScorer(s.planes(), s.scales()) for b, s in stores.items()}
+        n_sealed = stores["raw"].n_sealed
+        return cls(keys, stores, scorers, calibration, landmarks(keys[:n_sealed]))
+
+    def store_variance(self, basis: str, blocks: np.ndarray) -> np.ndarray:
+        """σ² from the store at each context: mean squared scale over the first ``blocks[p]`` blocks -> ``[P, d]``."""
+        scales_sq = np.square(self.stores[basis].scales().astype(np.float64))  # [d, nb]
+        cumulative = np.concatenate([np.zeros((scales_sq.shape[0], 1)), np.cumsum(scales_sq, axis=1)], axis=1)
+        return (cumulative[:, blocks] / np.maximum(blocks, 1)).T
+
+
+def method_scores(method: Method, q: np.ndarray, index: HeadIndex, blocks: np.ndarray
+                  ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Scores of the sealed tokens for query groups ``q [P, G, d]`` (raw basis) at contexts of
+    ``blocks [P]`` sealed blocks -> (scores ``[P, G, n_sealed]`` or None for dense, depths ``[P, d]`` or None).
+
+    Scores past a position's sealed blocks are computed but never used by selection.
+    """
+    if method.scorer == "dense":
+        return None, None
+    n_sealed = index.stores["raw"].n_sealed
+    if method.scorer == "exact":
+        return exact_scores(q, index.keys[:n_sealed]), None
+    if method.scorer == "landmark":
+        return landmark_scores(q, index.landmarks), None
+    if method.basis not in index.stores:
+        raise ValueError(f"method {method.name} needs the {method.basis} store; build HeadIndex with a basis")
+    store = index.stores[method.basis]
+    q_store = q @ store.basis if store.basis is not None else q
+    stats = index.stats[method.basis]
+    stats = HeadStats(stats.sigma2, stats.ds_rank, index.store_variance(method.basis, blocks))
+    depths = method.policy.depths(q_store, stats)
+    return index.scorers[method.basis](q_store, depths), depths
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One query group's step: ``output [G, dv]``, selected ``mask [G, m]``, ``depths [d]`` (plane methods),
+    scan bits per token and the union of rows fetched."""
+
+    output: np.ndarray
+    mask: np.ndarray
+    depths: np.ndarray | None
+    bits: float
+    rows: int
+    scan_bytes: float
+    row_bytes: float
+
+
+def step_bits(method: Method, depths: np.ndarray | None, d: int) -> float:
+    """Scan bits per token actually read (planes + scales for plane methods, SPEC §4)."""
+    return float(scan_bits(depths)) if depths is not None else method.nominal_bits(d)
+
+
+def decode_step(q: np.ndarray, keys: np.ndarray, values: np.ndarray, index: HeadIndex, method: Method,
+                sel: Selection, scale: float | None = None) -> DecodeStep:
+    """Decode one query group ``q [G, d]`` over the context ``keys [m, d]``, ``values [m, dv]``.
+
+    ``index`` must have been built over at least the first ``m`` keys (it may hold more).
+    """
+    q = _checks.array("q", q, ndim=2, kind="f")
+    m, d = keys.shape
+    if m > index.keys.shape[0]:
+        raise ValueError(f"keys has {m} tokens but the index holds only {index.keys.shape[0]}")
+    blocks = np.array([m // 64])
+    scores, depths = method_scores(method, q[None], index, blocks)
+    if scores is None:
+        mask = np.ones((q.shape[0], m), bool)
+    else:
+        mask = select(scores[0, :, :blocks[0] * 64], m, sel)
+    out = attention(q, keys, values, mask, scale)
+    bits = step_bits(method, None if depths is None else depths[0], d)
+    rows = union_rows(mask)
+    return DecodeStep(out, mask, None if depths is None else depths[0], bits, rows,
+                      bits * blocks[0] * 64 / 8, rows * row_bytes(d))

@@ -1,0 +1,222 @@
+"""Every scan method as a *basis* plus a *depth policy* over one bit-plane store (SPEC §7).
+
+A depth policy maps the query group (in the store's basis) to per-channel
+read depths; the one scorer (:mod:`fathom.scoring`) turns depths into scores.
+
+==================  ========  ==========================================================
+method              basis     depth policy
+==================  ========  ==========================================================
+fathom              raw       water-filled depths under a budget (bits / token)
+fathom-rotated      rotated   the same on the KLT basis (nothing truncated)
+sparq               raw       depth 4 on the r channels with the largest Σ_h |q[h, c]|
+double-sparsity     raw       depth 4 on r channels fixed offline per KV head
+loki                rotated   depth 4 on the first r coordinates (score-variance order)
+thumbnail-2bit      raw       depth 2 on every channel
+landmark            —         fp16 mean key per 8-token block (its own scorer)
+oracle              —         exact scores (exact top-k)
+dense               —         no selection: the fidelity reference
+==================  ========  ==========================================================
+
+Example (at r = d, SparQ reads everything at 4 bits)::
+
+    >>> import numpy as np
+    >>> from fathom import methods
+    >>> q = np.random.default_rng(0).standard_normal((4, 8))
+    >>> stats = methods.HeadStats(sigma2=np.ones(8), ds_rank=np.arange(8))
+    >>> methods.sparq(8).policy.depths(q, stats).tolist()
+    [4, 4, 4, 4, 4, 4, 4, 4]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fathom.bits import fixed_channel_bits, full_key_bits, landmark_bits, scan_bits
+from fathom.quantize import MAX_DEPTH
+from fathom.waterfill import importance, waterfill_batched
+
+VARIANCE_SOURCES = ("store", "calibration")
+DEFAULT_VARIANCE = "store"  # measured: see README "Where σ² comes from"
+
+
+@dataclass(frozen=True)
+class HeadStats:
+    """What policies may know about one (layer, KV head), in the store's basis.
+
+    ``sigma2``: calibration variance ``[d]``; ``sigma2_store``: the store's own
+    mean squared block scale ``[..., d]`` (None if not kept); ``ds_rank``:
+    channels ordered by Double Sparsity's offline statistic ``[d]``.
+    """
+
+    sigma2: np.ndarray
+    ds_rank: np.ndarray
+    sigma2_store: np.ndarray | None = None
+
+
+def _top_channels(score: np.ndarray, r: int) -> np.ndarray:
+    """Depth 4 on the r channels with the largest ``score [..., d]`` (ties to the lower channel)."""
+    order = np.argsort(-score, axis=-1, kind="stable")[..., :r]
+    depths = np.zeros(score.shape, np.int8)
+    np.put_along_axis(depths, order, MAX_DEPTH, axis=-1)
+    return depths
+
+
+@dataclass(frozen=True)
+class Waterfill:
+    """Reverse water-filling under ``budget`` bits/token; σ² from the store or from calibration."""
+
+    budget: float
+    variance: str = DEFAULT_VARIANCE
+
+    def __post_init__(self):
+        if self.variance not in VARIANCE_SOURCES:
+            raise ValueError(f"variance must be one of {VARIANCE_SOURCES}, got {self.variance!r}")
+        if not self.budget >= 0:
+            raise ValueError(f"budget must be >= 0 bits per token, got {self.budget}")
+
+    def nominal_bits(self, d: int) -> float:
+        return float(self.budget)
+
+    def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
+        sigma2 = stats.sigma2 if self.variance == "calibration" else stats.sigma2_store
+        if sigma2 is None:
+            raise ValueError("stats.sigma2_store is needed for variance='store'")
+        return waterfill_batched(importance(q, sigma2), self.budget)
+
+
+@dataclass(frozen=True)
+class QueryTopChannels:
+    """SparQ: the r channels with the largest ``Σ_h |q[h, c]|`` over the group, at depth 4."""
+
+    r: int
+
+    def nominal_bits(self, d: int) -> float:
+        return fixed_channel_bits(self.r)
+
+    def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
+        return _top_channels(np.abs(q).sum(axis=-2), self.r)
+
+
+@dataclass(frozen=True)
+class FixedChannels:
+    """Double Sparsity: the first r of the channels ranked offline, at depth 4."""
+
+    r: int
+
+    def nominal_bits(self, d: int) -> float:
+        return fixed_channel_bits(self.r)
+
+    def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
+        depths = np.zeros(q.shape[:-2] + q.shape[-1:], np.int8)
+        depths[..., stats.ds_rank[:self.r]] = MAX_DEPTH
+        return depths
+
+
+@dataclass(frozen=True)
+class LeadingCoordinates:
+    """Loki: the first r coordinates of the score-variance-ordered PCA basis, at depth 4."""
+
+    r: int
+
+    def nominal_bits(self, d: int) -> float:
+        return fixed_channel_bits(self.r)
+
+    def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
+        depths = np.zeros(q.shape[:-2] + q.shape[-1:], np.int8)
+        depths[..., :self.r] = MAX_DEPTH
+        return depths
+
+
+@dataclass(frozen=True)
+class UniformDepth:
+    """Every channel at the same depth: the 2-bit thumbnail at depth 2."""
+
+    depth: int
+
+    def nominal_bits(self, d: int) -> float:
+        return float(scan_bits(np.full(d, self.depth)))
+
+    def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
+        return np.full(q.shape[:-2] + q.shape[-1:], self.depth, np.int8)
+
+
+DepthPolicy = Waterfill | QueryTopChannels | FixedChannels | LeadingCoordinates | UniformDepth
+SCORERS = ("planes", "landmark", "exact", "dense")
+BASES = ("raw", "rotated")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A named method: which store (basis) it scans and how (depth policy or its own scorer)."""
+
+    name: str
+    scorer: str = "planes"
+    basis: str = "raw"
+    policy: DepthPolicy | None = None
+
+    def __post_init__(self):
+        if self.scorer not in SCORERS:
+            raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}")
+        if self.basis not in BASES:
+            raise ValueError(f"basis must be one of {BASES}, got {self.basis!r}")
+        if (self.scorer == "planes") != (self.policy is not None):
+            raise ValueError("policy must be given exactly when scorer == 'planes'")
+
+    def nominal_bits(self, d: int) -> float:
+        """Scan bits per token by SPEC §4 (the budget for fathom; 0 for dense)."""
+        if self.policy is not None:
+            return self.policy.nominal_bits(d)
+        return {"landmark": landmark_bits(d), "exact": full_key_bits(d), "dense": 0.0}[self.scorer]
+
+    def label(self, d: int) -> str:
+        """``name@bits``, e.g. ``double-sparsity@136`` (plain ``dense``: it reads no scan)."""
+        if self.scorer == "dense":
+            return self.name
+        return f"{self.name}@{self.nominal_bits(d):g}"
+
+
+def fathom(budget: float, variance: str = DEFAULT_VARIANCE) -> Method:
+    name = "fathom" if variance == DEFAULT_VARIANCE else f"fathom[{variance}]"
+    return Method(name, policy=Waterfill(budget, variance))
+
+
+def fathom_rotated(budget: float, variance: str = DEFAULT_VARIANCE) -> Method:
+    name = "fathom-rotated" if variance == DEFAULT_VARIANCE else f"fathom-rotated[{variance}]"
+    return Method(name, basis="rotated", policy=Waterfill(budget, variance))
+
+
+def sparq(r: int) -> Method:
+    return Method("sparq", policy=QueryTopChannels(r))
+
+
+def double_sparsity(r: int) -> Method:
+    return Method("double-sparsity", policy=FixedChannels(r))
+
+
+def loki(r: int) -> Method:
+    return Method("loki", basis="rotated", policy=LeadingCoordinates(r))
+
+
+def thumbnail(depth: int = 2) -> Method:
+    return Method(f"thumbnail-{depth}bit", policy=UniformDepth(depth))
+
+
+def landmark() -> Method:
+    return Method("landmark", scorer="landmark")
+
+
+def oracle() -> Method:
+    return Method("oracle", scorer="exact")
+
+
+def dense() -> Method:
+    return Method("dense", scorer="dense")
+
+
+def baselines(d: int) -> list[Method]:
+    """Every baseline of SPEC §7 at the paper's channel fractions: r = d/4 and d/8 (136 and 68 bits at d = 128)."""
+    quarter, eighth = d // 4, d // 8
+    return [dense(), oracle(), landmark(), thumbnail(2), sparq(eighth), sparq(quarter),
+            double_sparsity(eighth), double_sparsity(quarter), loki(eighth), loki(quarter)]

@@ -1,0 +1,135 @@
+"""Per-query read depth by reverse water-filling (SPEC §5).
+
+The ``t``-th plane of channel ``c`` removes ``g_{c,t} = (3/4) · w_c · 4^{-(t-1)}``
+of expected squared score error (importance ``w_c = σ_c² · Σ_h q[h, c]²``), so
+for a water line θ the depth is ``b_c(θ) = #{t : g_{c,t} > θ}`` and the cost
+``Σ b_c + 0.25 · #{b_c > 0}`` is non-increasing in θ. θ* is the smallest θ whose
+cost fits the budget, found by 30 bisection steps in log θ (what the GPU
+planner does too, with no host round trip).
+
+Example::
+
+    >>> import numpy as np
+    >>> from fathom import reference as ref
+    >>> w = np.array([16.0, 4.0, 1.0, 0.0])
+    >>> depths = ref.waterfill(w, 8.0)  # the 4th plane of channel 0 ties the 2nd of channel 1: both or neither
+    >>> depths.tolist(), ref.scan_bits(depths)
+    ([3, 2, 1, 0], 6.75)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fathom import _checks
+from fathom.bits import SCALE_BITS
+from fathom.quantize import MAX_DEPTH
+
+BISECTION_STEPS = 30
+_GAIN_DECAY = 4.0 ** -np.arange(MAX_DEPTH)  # g_{c,t} / g_{c,1} for t = 1..4
+
+
+def importance(q: np.ndarray, sigma2: np.ndarray) -> np.ndarray:
+    """``w_c = σ_c² · Σ_h q[h, c]²`` for query groups ``q [..., G, d]`` and ``sigma2 [..., d]``."""
+    return sigma2 * np.square(q).sum(axis=-2)
+
+
+def depths_at(w: np.ndarray, theta: np.ndarray | float) -> np.ndarray:
+    """``b_c(θ) = #{t ∈ 1..4 : g_{c,t} > θ}``, exactly; ``w [..., d]``, θ broadcast over ``[...]``."""
+    gains = 0.75 * np.asarray(w, np.float64)[..., None] * _GAIN_DECAY  # [..., d, 4]
+    theta = np.asarray(theta, np.float64)[..., None, None]
+    return (gains > theta).sum(axis=-1).astype(np.int8)
+
+
+def depths_closed_form(w: np.ndarray, theta: float) -> np.ndarray:
+    """``clip(floor(log4(3 w / (4 θ))) + 1, 0, 4)``: equals :func:`depths_at` away from ``g_{c,t} == θ``."""
+    with np.errstate(divide="ignore"):
+        x = np.floor(np.log(3 * np.asarray(w, np.float64) / (4 * theta)) / np.log(4)) + 1
+    return np.clip(x, 0, MAX_DEPTH).astype(np.int8)
+
+
+def _cost(depths: np.ndarray) -> np.ndarray:
+    return depths.sum(axis=-1) + SCALE_BITS * (depths > 0).sum(axis=-1)
+
+
+def waterfill_batched(w: np.ndarray, budget: float) -> np.ndarray:
+    """Water-fill many query groups at once: ``w float [..., d] >= 0`` -> depths ``int8 [..., d]``.
+
+    Each group gets the depths at the smallest θ (to 30 bisection steps in
+    log θ) whose cost fits ``budget`` bits per token; groups whose every
+    non-zero channel fits at depth 4 get exactly that.
+    """
+    w = np.asarray(w, np.float64)
+    if w.ndim < 1:
+        raise ValueError(f"w must have rank >= 1 (channels last), got shape {w.shape}")
+    _checks.nonnegative("w", w)
+    if not np.isfinite(budget) or budget < 0:
+        raise ValueError(f"budget must be finite and >= 0 bits per token, got {budget}")
+    positive = w > 0
+    w_max = w.max(axis=-1, initial=0.0)
+    w_min = np.where(positive, w, np.inf).min(axis=-1, initial=np.inf)
+    any_positive = w_max > 0
+    w_max, w_min = np.where(any_positive, w_max, 1.0), np.where(any_positive, w_min, 1.0)
+    # hi: twice the largest gain, cost 0. lo: half the smallest 4th-plane gain, every positive channel at depth 4.
+    log_hi = np.log(2 * 0.75) + np.log(w_max)
+    log_lo = np.log(0.5 * 0.75 * _GAIN_DECAY[-1]) + np.log(w_min)  # in logs: no underflow for tiny w
+    for _ in range(BISECTION_STEPS):
+        mid = 0.5 * (log_lo + log_hi)
+        fits = _cost(depths_at(w, np.exp(mid))) <= budget
+        log_hi = np.where(fits, mid, log_hi)
+        log_lo = np.where(fits, log_lo, mid)
+    at_hi = depths_at(w, np.exp(log_hi))
+    everything = np.where(positive, MAX_DEPTH, 0).astype(np.int8)
+    all_fit = (_cost(everything) <= budget)[..., None]
+    return np.where(all_fit, everything, at_hi).astype(np.int8)
+
+
+def waterfill(w: np.ndarray, budget: float) -> np.ndarray:
+    """Depths ``int8 [d]`` for one query group's importances ``w [d] >= 0`` under ``budget`` bits/token.
+
+    ``cost(depths) <= budget`` always; all-zero ``w`` gives all-zero depths.
+    """
+    w = _checks.array("w", w, ndim=1, kind="fiu")
+    return waterfill_batched(w, budget)
+
+
+def per_layer_plan(errors: np.ndarray, budgets: np.ndarray, mean_budget: float) -> np.ndarray:
+    """Greedy per-layer budgets at a fixed mean (SPEC §5, optional tuning step).
+
+    Args:
+        errors: ``[L, nB]`` calibration error of each layer at each candidate budget.
+        budgets: ``[nB]`` increasing candidate budgets (bits per token).
+        mean_budget: the mean budget over layers to spend, ``budgets[0] <= mean_budget <= budgets[-1]``.
+    Returns:
+        float ``[L]``: each layer's budget, one of ``budgets``, with mean <= ``mean_budget``.
+
+    Every layer starts at ``budgets[0]``; the step with the largest error drop
+    per bit (over the next candidates of each layer) is taken first until the
+    next one would exceed the mean budget.
+    """
+    errors = _checks.array("errors", errors, ndim=2, kind="f")
+    budgets = np.asarray(budgets, np.float64)
+    if budgets.ndim != 1 or budgets.size != errors.shape[1] or np.any(np.diff(budgets) <= 0):
+        raise ValueError(f"budgets must be increasing with {errors.shape[1]} entries, got {budgets}")
+    if not budgets[0] <= mean_budget <= budgets[-1]:
+        raise ValueError(f"mean_budget must lie in [{budgets[0]}, {budgets[-1]}], got {mean_budget}")
+    n_layers = errors.shape[0]
+    level = np.zeros(n_layers, np.int64)
+    spare = (mean_budget - budgets[0]) * n_layers
+    while True:
+        best, best_rate = None, -np.inf
+        for layer in range(n_layers):
+            i = level[layer]
+            for j in range(i + 1, budgets.size):  # allow jumps past a flat stretch of the error curve
+                extra = budgets[j] - budgets[i]
+                if extra > spare:
+                    break
+                rate = (errors[layer, i] - errors[layer, j]) / extra
+                if rate > best_rate:
+                    best, best_rate = (layer, j), rate
+        if best is None or best_rate <= 0:
+            break
+        layer, j = best
+        spare -= budgets[j] - budgets[level[layer]]
+        level[layer] = j
+    return budgets[level]

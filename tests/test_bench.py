@@ -1,0 +1,21 @@
+import json
+
+from bench.__main__ import main
+
+
+def test_fidelity_quick_writes_json_table_and_plot(tmp_path):
+    main(["fidelity", "--quick", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "fidelity-synthetic-quick.json").read_text())
+    assert payload["synthetic"] and payload["command"].startswith("python -m bench fidelity")
+    records = {r["label"]: r for r in payload["records"]}
+    for label in ("fathom@48", "fathom@68", "fathom@136", "sparq@68", "sparq@136", "double-sparsity@136",
+                  "loki@136", "thumbnail-2bit@288", "landmark@256", "oracle@2048", "dense", "fathom-rotated@48"):
+        assert label in records, label
+    for r in payload["records"]:
+        assert {"model", "context", "method", "bits", "scan_bytes", "row_bytes", "rel_error",
+                "rel_error_per_layer"} <= r.keys()
+        assert r["bits_read"] <= r["bits"] + 1e-9 and len(r["rel_error_per_layer"]) == 4
+    assert records["dense"]["rel_error"] == 0
+    assert records["oracle@2048"]["rel_error"] <= min(r["rel_error"] for r in payload["records"] if r["label"] != "dense")
+    assert "synthetic" in (tmp_path / "fidelity-synthetic-quick.md").read_text()
+    assert (tmp_path / "fidelity-synthetic-quick.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,94 @@
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from fathom import methods as M
+from fathom.decode import HeadIndex, decode_step, method_scores
+from fathom.methods import HeadStats
+from fathom.scoring import DepthScorer, approx_scores
+from fathom.selection import Selection
+from fathom.store import PlaneStore
+
+
+def head(seed, n=256, d=8, G=3):
+    rng = np.random.default_rng(seed)
+    k = (rng.standard_normal((n, d)) * np.exp(rng.normal(0, 1, d))).astype(np.float32)
+    v = rng.standard_normal((n, d)).astype(np.float32)
+    q = rng.standard_normal((G, d)).astype(np.float32)
+    return k, v, q
+
+
+@given(st.integers(0, 2 ** 32 - 1), st.lists(st.integers(0, 4), min_size=8, max_size=8))
+def test_depth_scorer_equals_approx_scores(seed, depths):
+    k, _, q = head(seed)
+    store = PlaneStore.from_keys(k)
+    depths = np.array(depths)
+    np.testing.assert_allclose(DepthScorer(store.planes(), store.scales())(q, depths),
+                               approx_scores(q, store.planes(), store.scales(), depths), rtol=1e-5, atol=1e-4)
+
+
+def test_thumbnail_is_the_depth_two_everywhere_policy():
+    k, _, q = head(0)
+    index = HeadIndex.build(k, None)
+    scores, depths = method_scores(M.thumbnail(2), q[None], index, np.array([4]))
+    assert (depths == 2).all()
+    store = index.stores["raw"]
+    np.testing.assert_allclose(scores[0], approx_scores(q, store.planes(), store.scales(), np.full(8, 2)),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_sparq_with_all_channels_is_the_full_four_bit_scan():
+    k, _, q = head(1)
+    index = HeadIndex.build(k, None)
+    sparq, _ = method_scores(M.sparq(8), q[None], index, np.array([4]))
+    full, _ = method_scores(M.thumbnail(4), q[None], index, np.array([4]))
+    np.testing.assert_array_equal(sparq, full)
+
+
+def test_sparq_picks_the_channels_with_the_largest_summed_query_magnitude():
+    q = np.zeros((2, 6))
+    q[0, [1, 4]] = 5.0
+    q[1, [4, 2]] = -3.0
+    depths = M.sparq(3).policy.depths(q, HeadStats(np.ones(6), np.arange(6)))
+    np.testing.assert_array_equal(depths, [0, 4, 4, 0, 4, 0])
+
+
+def test_double_sparsity_and_loki_read_fixed_channels():
+    stats = HeadStats(np.ones(6), np.array([5, 0, 3, 1, 2, 4]))
+    q = np.random.default_rng(0).standard_normal((2, 6))
+    np.testing.assert_array_equal(M.double_sparsity(2).policy.depths(q, stats), [4, 0, 0, 0, 0, 4])
+    np.testing.assert_array_equal(M.loki(2).policy.depths(q, stats), [4, 4, 0, 0, 0, 0])
+    assert M.loki(2).basis == "rotated"
+
+
+def test_fathom_spends_its_budget_where_variance_times_query_energy_is():
+    q = np.array([[1.0, 1.0, 1.0, 0.0]])
+    stats = HeadStats(sigma2=np.array([100.0, 1.0, 0.0, 50.0]), ds_rank=np.arange(4),
+                      sigma2_store=np.array([1.0, 100.0, 0.0, 50.0]))
+    by_calibration = M.fathom(6, "calibration").policy.depths(q, stats)
+    by_store = M.fathom(6, "store").policy.depths(q, stats)
+    assert by_calibration[0] > by_calibration[1] and by_store[1] > by_store[0]
+    assert by_calibration[2:].sum() == by_store[2:].sum() == 0
+
+
+def test_oracle_at_k_at_least_n_is_dense():
+    k, v, q = head(2, n=300)
+    index = HeadIndex.build(k, None)
+    dense = decode_step(q, k, v, index, M.dense(), Selection(k=0))
+    oracle = decode_step(q, k, v, index, M.oracle(), Selection(k=300))
+    np.testing.assert_allclose(oracle.output, dense.output, rtol=1e-12)
+    assert oracle.rows == dense.rows == 300
+
+
+def test_method_settings_are_checked():
+    with pytest.raises(ValueError, match="^variance "):
+        M.fathom(48, "nope")
+    with pytest.raises(ValueError, match="^budget "):
+        M.fathom(-1)
+    with pytest.raises(ValueError, match="^scorer "):
+        M.Method("x", scorer="magic")
+    with pytest.raises(ValueError, match="^policy "):
+        M.Method("x", scorer="exact", policy=M.UniformDepth(2))
+    k, v, q = head(3)
+    with pytest.raises(ValueError, match="rotated store"):
+        decode_step(q, k, v, HeadIndex.build(k, None), M.loki(2), Selection(k=8))

@@ -1,0 +1,37 @@
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from fathom.selection import Selection, always_kept, select, union_rows
+
+
+@given(st.integers(1, 300), st.integers(0, 300), st.integers(0, 150), st.integers(1, 4), st.integers(0, 2 ** 32 - 1))
+def test_sink_local_tail_always_in_and_exactly_k_more_per_head(n, n_scored, k, G, seed):
+    n_scored = min(n_scored, n)
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(-5, 5, (G, n_scored)).astype(np.float32)  # many ties on purpose
+    sel = Selection(k=k)
+    mask = select(scores, n, sel)
+    keep = always_kept(n, n_scored, sel)
+    assert mask.shape == (G, n) and mask[:, keep].all()
+    candidates = np.flatnonzero(~keep)
+    assert (mask[:, candidates].sum(axis=1) == min(k, len(candidates))).all()
+    for h in range(G):  # every selected candidate scores at least as high as every unselected one
+        chosen, left = mask[h, candidates], ~mask[h, candidates]
+        if chosen.any() and left.any():
+            assert scores[h, candidates[chosen]].min() >= scores[h, candidates[left]].max()
+            # ties at the boundary go to the earliest tokens
+            boundary = scores[h, candidates[chosen]].min()
+            tied = candidates[scores[h, candidates] == boundary]
+            taken = mask[h, tied]
+            assert not (np.diff(taken.astype(int)) > 0).any()
+    assert union_rows(mask) == mask.any(axis=0).sum()
+
+
+def test_protocol_constants_and_k_by_context():
+    assert always_kept(100, 64, Selection(k=1)).sum() == 4 + 36
+    assert [Selection.for_context(n).k for n in (4096, 16384, 32768, 10 ** 6)] == [128, 256, 512, 512]
+    with pytest.raises(ValueError, match="^k "):
+        Selection(k=-1)
+    with pytest.raises(ValueError, match="^scores"):
+        select(np.zeros((2, 10), np.float32), 5, Selection(k=1))
