@@ -17,7 +17,7 @@ from tqdm import tqdm
 from bench.report import RESULTS, markdown_table, write_json
 from fathom import methods as M
 from fathom.calibration import calibrate
-from fathom.fidelity import evaluate
+from fathom.fidelity import evaluate, plan_layers
 from fathom.selection import Selection
 from fathom.synthetic import SyntheticConfig, generate
 
@@ -31,7 +31,9 @@ COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
 
 
 def method_grid(d: int) -> list[M.Method]:
-    """Every method at matched bits: fathom flat budgets (both σ² sources), rotated, and every baseline."""
+    """Every method at matched bits: fathom flat budgets (both σ² sources), rotated, and every baseline.
+
+    (The per-layer plans are added by :func:`run`: they need the calibration capture.)"""
     return ([M.fathom(b) for b in FATHOM_BUDGETS]
             + [M.fathom(b, "calibration") for b in (48, 68)]
             + [M.fathom_rotated(b) for b in (48, 68, 136)]
@@ -51,15 +53,17 @@ def run(args: argparse.Namespace) -> Path:
     sel = Selection(k=args.k) if args.k is not None else Selection.for_context(cfg.tokens)
     start = time.perf_counter()
     capture = generate(cfg)
-    calibration = calibrate(generate(SyntheticConfig(**{**cfg.__dict__, "text_seed": cfg.text_seed + 1})))
-    methods = method_grid(cfg.head_dim)
+    calibration_capture = generate(SyntheticConfig(**{**cfg.__dict__, "text_seed": cfg.text_seed + 1}))
+    calibration = calibrate(calibration_capture)
+    methods = method_grid(cfg.head_dim) + plan_layers(calibration_capture, calibration, [48, 64], sel)
     with tqdm(total=cfg.layers * cfg.kv_heads, desc="fidelity (synthetic)", unit="head") as bar:
         results = evaluate(capture, calibration, methods, sel, on_head=bar.update)
+    plans = {m.label(cfg.head_dim): list(m.policy.budgets) for m in methods if m.name.endswith("-plan")}
     meta = {"model": "synthetic", "context": cfg.tokens}
     records = [r.record(**meta) for r in results]
     write_json(args.out / f"{name}.json", args.command_line, {
         "synthetic": True, "data": "synthetic keys (fathom.synthetic), calibration on another synthetic text",
-        "config": cfg.__dict__, "selection": sel.__dict__, "wall_s": round(time.perf_counter() - start, 1),
+        "config": cfg.__dict__, "selection": sel.__dict__, "per_layer_plans": plans, "wall_s": round(time.perf_counter() - start, 1),
         "records": records})
     _write_table(args.out / f"{name}.md", records, cfg, sel)
     _plot(args.out / f"{name}.png", results, cfg, sel)

@@ -24,7 +24,7 @@ Example (oracle top-k at k >= n is dense attention)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -94,7 +94,7 @@ def method_scores(method: Method, q: np.ndarray, index: HeadIndex, blocks: np.nd
     store = index.stores[method.basis]
     q_store = q @ store.basis if store.basis is not None else q
     stats = index.stats[method.basis]
-    stats = HeadStats(stats.sigma2, stats.ds_rank, index.store_variance(method.basis, blocks))
+    stats = replace(stats, sigma2_store=index.store_variance(method.basis, blocks))
     depths = method.policy.depths(q_store, stats)
     return index.scorers[method.basis](q_store, depths), depths
 

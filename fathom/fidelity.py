@@ -18,9 +18,13 @@ from fathom.bits import row_bytes, scan_bits
 from fathom.calibration import Calibration
 from fathom.capture import Capture
 from fathom.decode import HeadIndex, method_scores
+from fathom import methods as M
 from fathom.methods import Method
 from fathom.quantize import BLOCK
 from fathom.selection import Selection, select
+from fathom.waterfill import per_layer_plan
+
+PLAN_BUDGETS = (16, 24, 32, 48, 64, 92, 136)  # candidate per-layer budgets of the plan
 
 
 @dataclass(frozen=True)
@@ -96,3 +100,15 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
         channels_touched=float(touched[i].mean()) if m.scorer == "planes" else None,
         mean_depth=float(depth[i].mean()) if m.scorer == "planes" else None,
     ) for i, m in enumerate(methods)]
+
+
+def plan_layers(calibration_capture: Capture, calibration: Calibration, mean_budgets: list[float], sel: Selection,
+                basis: str = "raw", candidates: tuple[float, ...] = PLAN_BUDGETS) -> list[Method]:
+    """Per-layer plans at each mean budget, calibrated on ``calibration_capture`` (never the evaluation text).
+
+    Per-layer error curves come from fathom at every candidate flat budget; the
+    greedy of :func:`~fathom.waterfill.per_layer_plan` then spends each mean budget.
+    """
+    flat = [M.fathom(b) if basis == "raw" else M.fathom_rotated(b) for b in candidates]
+    curves = np.array([r.rel_error_per_layer for r in evaluate(calibration_capture, calibration, flat, sel)]).T
+    return [M.fathom_plan(tuple(per_layer_plan(curves, np.array(candidates, float), b)), basis) for b in mean_budgets]

@@ -8,6 +8,7 @@ method              basis     depth policy
 ==================  ========  ==========================================================
 fathom              raw       water-filled depths under a budget (bits / token)
 fathom-rotated      rotated   the same on the KLT basis (nothing truncated)
+fathom-plan         either    water-filling with a per-layer budget calibrated offline
 sparq               raw       depth 4 on the r channels with the largest Σ_h |q[h, c]|
 double-sparsity     raw       depth 4 on r channels fixed offline per KV head
 loki                rotated   depth 4 on the first r coordinates (score-variance order)
@@ -47,12 +48,14 @@ class HeadStats:
 
     ``sigma2``: calibration variance ``[d]``; ``sigma2_store``: the store's own
     mean squared block scale ``[..., d]`` (None if not kept); ``ds_rank``:
-    channels ordered by Double Sparsity's offline statistic ``[d]``.
+    channels ordered by Double Sparsity's offline statistic ``[d]``; ``layer``:
+    the layer index (for per-layer budgets).
     """
 
     sigma2: np.ndarray
     ds_rank: np.ndarray
     sigma2_store: np.ndarray | None = None
+    layer: int = 0
 
 
 def _top_channels(score: np.ndarray, r: int) -> np.ndarray:
@@ -84,6 +87,22 @@ class Waterfill:
         if sigma2 is None:
             raise ValueError("stats.sigma2_store is needed for variance='store'")
         return waterfill_batched(importance(q, sigma2), self.budget)
+
+
+@dataclass(frozen=True)
+class LayerWaterfill:
+    """The per-layer plan: water-filling with each layer's own budget (their mean is the target)."""
+
+    budgets: tuple[float, ...]
+    variance: str = DEFAULT_VARIANCE
+
+    def nominal_bits(self, d: int) -> float:
+        return float(np.mean(self.budgets))
+
+    def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
+        if not 0 <= stats.layer < len(self.budgets):
+            raise ValueError(f"stats.layer must lie in 0..{len(self.budgets) - 1}, got {stats.layer}")
+        return Waterfill(self.budgets[stats.layer], self.variance).depths(q, stats)
 
 
 @dataclass(frozen=True)
@@ -142,7 +161,7 @@ class UniformDepth:
         return np.full(q.shape[:-2] + q.shape[-1:], self.depth, np.int8)
 
 
-DepthPolicy = Waterfill | QueryTopChannels | FixedChannels | LeadingCoordinates | UniformDepth
+DepthPolicy = Waterfill | LayerWaterfill | QueryTopChannels | FixedChannels | LeadingCoordinates | UniformDepth
 SCORERS = ("planes", "landmark", "exact", "dense")
 BASES = ("raw", "rotated")
 
@@ -185,6 +204,12 @@ def fathom(budget: float, variance: str = DEFAULT_VARIANCE) -> Method:
 def fathom_rotated(budget: float, variance: str = DEFAULT_VARIANCE) -> Method:
     name = "fathom-rotated" if variance == DEFAULT_VARIANCE else f"fathom-rotated[{variance}]"
     return Method(name, basis="rotated", policy=Waterfill(budget, variance))
+
+
+def fathom_plan(budgets: tuple[float, ...], basis: str = "raw", variance: str = DEFAULT_VARIANCE) -> Method:
+    """Fathom with a per-layer plan (``budgets[layer]``; see :func:`fathom.waterfill.per_layer_plan`)."""
+    return Method("fathom-plan" if basis == "raw" else "fathom-rotated-plan", basis=basis,
+                  policy=LayerWaterfill(tuple(float(b) for b in budgets), variance))
 
 
 def sparq(r: int) -> Method:

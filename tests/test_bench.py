@@ -9,13 +9,17 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path):
     assert payload["synthetic"] and payload["command"].startswith("python -m bench fidelity")
     records = {r["label"]: r for r in payload["records"]}
     for label in ("fathom@48", "fathom@68", "fathom@136", "sparq@68", "sparq@136", "double-sparsity@136",
-                  "loki@136", "thumbnail-2bit@288", "landmark@256", "oracle@2048", "dense", "fathom-rotated@48"):
+                  "loki@136", "thumbnail-2bit@288", "landmark@256", "oracle@2048", "dense", "fathom-rotated@48",
+                  "fathom[calibration]@48"):
         assert label in records, label
     for r in payload["records"]:
         assert {"model", "context", "method", "bits", "scan_bytes", "row_bytes", "rel_error",
                 "rel_error_per_layer"} <= r.keys()
         assert r["bits_read"] <= r["bits"] + 1e-9 and len(r["rel_error_per_layer"]) == 4
     assert records["dense"]["rel_error"] == 0
+    plans = payload["per_layer_plans"]
+    assert len(plans) == 2 and all(len(b) == 4 for b in plans.values())
+    assert all(f"{label}" in records for label in plans)
     assert records["oracle@2048"]["rel_error"] <= min(r["rel_error"] for r in payload["records"] if r["label"] != "dense")
     assert "synthetic" in (tmp_path / "fidelity-synthetic-quick.md").read_text()
     assert (tmp_path / "fidelity-synthetic-quick.png").read_bytes()[:4] == b"\x89PNG"

@@ -4,7 +4,7 @@ import pytest
 from fathom import methods as M
 from fathom.calibration import Calibration, calibrate
 from fathom.decode import HeadIndex, decode_step
-from fathom.fidelity import evaluate
+from fathom.fidelity import evaluate, plan_layers
 from fathom.selection import Selection
 from fathom.synthetic import SyntheticConfig, generate
 
@@ -77,3 +77,16 @@ def test_synthetic_texts_share_the_model_and_differ_in_tokens():
     assert not np.allclose(a.keys, b.keys)
     np.testing.assert_allclose(np.log(a.keys.std(axis=2)), np.log(b.keys.std(axis=2)), atol=0.5)
     np.testing.assert_array_equal(generate(SMALL).keys, a.keys)
+
+
+def test_per_layer_plan_reads_each_layers_own_budget_and_keeps_the_mean(capture_and_calibration):
+    capture, calibration = capture_and_calibration
+    calibration_capture = generate(SyntheticConfig(**{**SMALL.__dict__, "text_seed": 1}))
+    sel = Selection(k=32)
+    (plan,) = plan_layers(calibration_capture, calibration, [32], sel, candidates=(8, 16, 32, 48, 64))
+    budgets = plan.policy.budgets
+    assert len(budgets) == 2 and np.mean(budgets) <= 32 and plan.label(16) == f"fathom-plan@{np.mean(budgets):g}"
+    (result,) = evaluate(capture, calibration, [plan], sel)
+    flat = [evaluate(capture, calibration, [M.fathom(b)], sel)[0] for b in budgets]
+    for layer, (budget, reference) in enumerate(zip(budgets, flat)):  # layer l reads exactly fathom@budgets[l]
+        assert result.rel_error_per_layer[layer] == pytest.approx(reference.rel_error_per_layer[layer])
