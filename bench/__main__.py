@@ -1,17 +1,23 @@
-"""``python -m bench <command>``: fidelity (error against bits)."""
+"""``python -m bench <command>``: fidelity (error against bits), fetch (models and corpora into the cache)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from bench import fidelity
+from bench import fetch, fidelity
 from bench.report import command_line
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["fetch"]:  # fetch parses its own arguments
+        raise SystemExit(fetch.main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     fidelity.add_arguments(commands.add_parser("fidelity", help="attention error against scan bits, every method"))
+    commands.add_parser("fetch", help="download, check and convert models and corpora (see fetch --help)")
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
     if args.command == "fidelity":

@@ -1,9 +1,13 @@
 """``python -m bench fidelity``: attention error against scan bits for every method (SPEC §6, §7).
 
-For now on synthetic keys (:mod:`fathom.synthetic`; every output says
-"synthetic"): the capture to evaluate and the calibration capture are two
-texts of the same synthetic model. Writes ``<name>.json`` (one record per
-method × budget), ``<name>.md`` and ``<name>.png`` under ``--out``.
+Real models (default): the evaluation capture is a window of ``--text`` /
+``--corpus`` (Paul Graham essays by default), the calibration capture a window
+of another corpus (Jane Austen by default) of the same length; the basis rule
+(raw vs rotated store) is decided on the calibration capture and recorded.
+``--synthetic``: the same on synthetic keys (every output says "synthetic").
+
+Writes ``<name>.json`` (one record per method × budget, and a ``summary``),
+``<name>.md`` and ``<name>.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -12,80 +16,205 @@ import argparse
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from bench.report import RESULTS, markdown_table, write_json
 from fathom import methods as M
-from fathom.calibration import calibrate
-from fathom.fidelity import evaluate, plan_layers
+from fathom.bits import fixed_channel_bits
+from fathom.calibration import Calibration, calibrate
+from fathom.capture import Capture
+from fathom.fidelity import MethodResult, evaluate, plan_layers
 from fathom.selection import Selection
 from fathom.synthetic import SyntheticConfig, generate
 
-FATHOM_BUDGETS = (32, 48, 64, 68, 92, 136)
-QUICK = SyntheticConfig(layers=4, kv_heads=2, group=4, head_dim=128, tokens=4096, positions=16)
-FULL = SyntheticConfig(layers=8, kv_heads=4, group=4, head_dim=128, tokens=16384, positions=32)
+FATHOM_BUDGETS = (32, 48, 64, 68, 92, 136)  # 68: matched to SparQ r = d/8 at d = 128
+PLAN_MEANS = (48, 64)
+BASIS_RULE_BUDGETS = (48, 64)  # the raw-vs-rotated decision compares these budgets on calibration text
+QUICK_MODEL, QUICK_CONTEXT, QUICK_POSITIONS = "smollm2-135m", 4096, 32
+SYNTHETIC_QUICK = SyntheticConfig(layers=4, kv_heads=2, group=4, head_dim=128, tokens=4096, positions=16)
+SYNTHETIC_FULL = SyntheticConfig(layers=8, kv_heads=4, group=4, head_dim=128, tokens=16384, positions=32)
 COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
            ("scan_bytes", "scan KiB/step", ",.0f"), ("row_bytes", "row KiB/step", ",.0f"),
            ("rows_per_head", "rows/KV head", ".0f"), ("rel_error", "rel. error", ".4f"),
            ("channels_touched", "channels", ".1f"), ("mean_depth", "depth", ".2f")]
 
 
-def method_grid(d: int) -> list[M.Method]:
-    """Every method at matched bits: fathom flat budgets (both σ² sources), rotated, and every baseline.
-
-    (The per-layer plans are added by :func:`run`: they need the calibration capture.)"""
-    return ([M.fathom(b) for b in FATHOM_BUDGETS]
-            + [M.fathom(b, "calibration") for b in (48, 68)]
-            + [M.fathom_rotated(b) for b in (48, 68, 136)]
-            + M.baselines(d))
+def method_grid(d: int, basis: str) -> list[M.Method]:
+    """Every method at matched bits: fathom flat budgets on both stores, the other σ² source on the
+    preferred store, and every baseline. (Per-layer plans are added by :func:`run`.)"""
+    flat = ([M.fathom(b) for b in FATHOM_BUDGETS] + [M.fathom_rotated(b) for b in FATHOM_BUDGETS])
+    other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, "calibration") for b in (48, 64)]
+    return flat + other_variance + M.baselines(d)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small synthetic setting, under a minute on 2 cores")
+    parser.add_argument("--model", default=None, help=f"real model (default {QUICK_MODEL}; see bench fetch)")
+    parser.add_argument("--context", type=int, default=None, help="window length n in tokens")
+    parser.add_argument("--text", type=Path, default=None, help="evaluation text: any UTF-8 file")
+    parser.add_argument("--corpus", default="paul-graham", help="evaluation corpus when no --text is given")
+    parser.add_argument("--calibration-corpus", default="austen", help="calibration corpus (not the evaluation one)")
+    parser.add_argument("--positions", type=int, default=None, help="decode positions P (default 128; 64 at >= 64k)")
+    parser.add_argument("--synthetic", action="store_true", help="synthetic keys instead of a real model")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_MODEL} at {QUICK_CONTEXT} tokens, {QUICK_POSITIONS} positions (a few minutes)")
+    parser.add_argument("--cache", type=Path, default=None, help="model / corpus / capture cache folder")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
-    parser.add_argument("--name", default=None, help="file name stem (default fidelity-synthetic[-quick])")
+    parser.add_argument("--name", default=None, help="file name stem (default from the setting)")
     parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, SPEC §6)")
 
 
+def _synthetic(args) -> tuple[Capture, Capture, str, dict]:
+    cfg = SYNTHETIC_QUICK if args.quick else SYNTHETIC_FULL
+    calibration_text = SyntheticConfig(**{**cfg.__dict__, "text_seed": cfg.text_seed + 1})
+    name = "fidelity-synthetic-quick" if args.quick else "fidelity-synthetic"
+    info = {"synthetic": True, "data": "synthetic keys (fathom.synthetic), calibration on another synthetic text",
+            "config": cfg.__dict__}
+    return generate(cfg), generate(calibration_text), name, info
+
+
+def _real(args) -> tuple[Capture, Capture, str, dict]:
+    from bench.capture import load_capture
+    from bench.models import MODELS, load
+
+    model = args.model or QUICK_MODEL
+    if model not in MODELS:
+        raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
+    n = args.context or (QUICK_CONTEXT if args.quick else MODELS[model].context)
+    positions = args.positions or (QUICK_POSITIONS if args.quick else None)
+    if args.text is None and args.corpus == args.calibration_corpus:
+        raise ValueError("--corpus and --calibration-corpus must differ: calibrate on one text, evaluate on another")
+    loaded = []
+
+    def model_once():
+        if not loaded:
+            loaded.append(load(model, args.cache))
+        return loaded[0]
+
+    evaluation_text = args.text if args.text is not None else args.corpus
+    captures, seconds = [], {}
+    for role, text in (("evaluation", evaluation_text), ("calibration", args.calibration_corpus)):
+        print(f"capture {model} at {n} tokens of {text} ({role}) ...", flush=True)
+        cap, secs = load_capture(model, text, n, args.cache, positions=positions, loaded=model_once)
+        captures.append(cap)
+        seconds[f"prefill_{role}_s"] = round(secs, 1)
+    text_name = evaluation_text.name if isinstance(evaluation_text, Path) else evaluation_text
+    name = f"fidelity-{model}-{n // 1024}k-{text_name}" + ("-quick" if args.quick else "")
+    info = {"synthetic": False, "model": model, "evaluation_text": text_name,
+            "calibration_text": args.calibration_corpus, **seconds}
+    return captures[0], captures[1], name, info
+
+
+def choose_basis(calibration_capture: Capture, calibration: Calibration, sel: Selection) -> tuple[str, dict]:
+    """The basis rule (SPEC §7): both stores on calibration text, the lower mean error wins."""
+    methods = [M.fathom(b) for b in BASIS_RULE_BUDGETS] + [M.fathom_rotated(b) for b in BASIS_RULE_BUDGETS]
+    results = evaluate(calibration_capture, calibration, methods, sel)
+    half = len(BASIS_RULE_BUDGETS)
+    errors = {"raw": float(np.mean([r.rel_error for r in results[:half]])),
+              "rotated": float(np.mean([r.rel_error for r in results[half:]]))}
+    return min(errors, key=errors.get), errors
+
+
+def equal_error_bits(curve: list[MethodResult], target: float) -> tuple[float | None, str]:
+    """Bits at which a fathom curve reaches ``target`` error, interpolated in log-log between budgets.
+
+    Returns (bits, how): "interpolated"; "at most" (already below target at the
+    lowest budget: bits is that budget); "not reached" (None).
+    """
+    pts = sorted((r.bits_read, r.rel_error) for r in curve)
+    if pts[0][1] <= target:
+        return pts[0][0], "at most"
+    for (b0, e0), (b1, e1) in zip(pts, pts[1:]):
+        if e1 <= target < e0:
+            f = (np.log(e0) - np.log(target)) / (np.log(e0) - np.log(e1))
+            return float(np.exp(np.log(b0) + f * (np.log(b1) - np.log(b0)))), "interpolated"
+    return None, "not reached"
+
+
+def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dict) -> dict:
+    by_label = {r.label: r for r in results}
+    family = "fathom" if basis == "raw" else "fathom-rotated"
+    curve = [r for r in results if r.method == family]
+    ds = by_label[f"double-sparsity@{fixed_channel_bits(d // 4):g}"]
+    bits, how = equal_error_bits(curve, ds.rel_error)
+    fathom48 = by_label[f"{family}@48"]
+    sparq_eighth = by_label[f"sparq@{fixed_channel_bits(d // 8):g}"]
+    return {
+        "basis": basis, "basis_rule_errors": basis_errors, "fathom_family": family,
+        "ds_label": ds.label, "ds_error": ds.rel_error,
+        "fathom48_error": fathom48.rel_error,
+        "sparq_eighth_label": sparq_eighth.label, "sparq_eighth_error": sparq_eighth.rel_error,
+        "oracle_error": by_label[f"oracle@{16 * d}"].rel_error,
+        "equal_error_bits": bits, "equal_error_how": how,
+        "equal_error_saving": None if bits is None else ds.bits / bits,
+        "channels_touched_48": fathom48.channels_touched, "mean_depth_48": fathom48.mean_depth,
+        "fathom48_beats_sparq_eighth": fathom48.rel_error < sparq_eighth.rel_error,
+    }
+
+
 def run(args: argparse.Namespace) -> Path:
-    cfg = QUICK if args.quick else FULL
-    name = args.name or ("fidelity-synthetic-quick" if args.quick else "fidelity-synthetic")
-    sel = Selection(k=args.k) if args.k is not None else Selection.for_context(cfg.tokens)
     start = time.perf_counter()
-    capture = generate(cfg)
-    calibration_capture = generate(SyntheticConfig(**{**cfg.__dict__, "text_seed": cfg.text_seed + 1}))
+    capture, calibration_capture, name, info = (_synthetic if args.synthetic else _real)(args)
+    name = args.name or name
+    shape = capture.shape
+    d, n = shape["head_dim"], shape["tokens"]
+    sel = Selection(k=args.k) if args.k is not None else Selection.for_context(n)
     calibration = calibrate(calibration_capture)
-    methods = method_grid(cfg.head_dim) + plan_layers(calibration_capture, calibration, [48, 64], sel)
-    with tqdm(total=cfg.layers * cfg.kv_heads, desc="fidelity (synthetic)", unit="head") as bar:
+    basis, basis_errors = choose_basis(calibration_capture, calibration, sel)
+    calibration = calibration.with_preferred_basis(basis)
+    methods = method_grid(d, basis) + plan_layers(calibration_capture, calibration, list(PLAN_MEANS), sel, basis)
+    with tqdm(total=shape["layers"] * shape["kv_heads"], desc=f"fidelity {name}", unit="head") as bar:
         results = evaluate(capture, calibration, methods, sel, on_head=bar.update)
-    plans = {m.label(cfg.head_dim): list(m.policy.budgets) for m in methods if m.name.endswith("-plan")}
-    meta = {"model": "synthetic", "context": cfg.tokens}
+    summary = summarize(results, d, basis, basis_errors)
+    plans = {m.label(d): list(m.policy.budgets) for m in methods if m.name.endswith("-plan")}
+    meta = {"model": info.get("model", "synthetic"), "context": n}
     records = [r.record(**meta) for r in results]
+    args.out.mkdir(parents=True, exist_ok=True)
+    calibration.save(args.out / f"{name}.calibration.npz") if not info["synthetic"] else None
     write_json(args.out / f"{name}.json", args.command_line, {
-        "synthetic": True, "data": "synthetic keys (fathom.synthetic), calibration on another synthetic text",
-        "config": cfg.__dict__, "selection": sel.__dict__, "per_layer_plans": plans, "wall_s": round(time.perf_counter() - start, 1),
+        **info, "capture": shape, "layers": capture.meta.get("layers"), "selection": sel.__dict__,
+        "per_layer_plans": plans, "summary": summary, "wall_s": round(time.perf_counter() - start, 1),
         "records": records})
-    _write_table(args.out / f"{name}.md", records, cfg, sel)
-    _plot(args.out / f"{name}.png", results, cfg, sel)
+    _write_table(args.out / f"{name}.md", records, shape, sel, info, summary)
+    _plot(args.out / f"{name}.png", results, shape, sel, info)
     print(f"\n{(args.out / f'{name}.md').read_text()}")
     return args.out / f"{name}.json"
 
 
-def _write_table(path: Path, records: list[dict], cfg: SyntheticConfig, sel: Selection) -> None:
+def _title(shape: dict, sel: Selection, info: dict) -> str:
+    what = "**synthetic** keys" if info["synthetic"] else \
+        f"{info['model']} on {info['evaluation_text']} (calibrated on {info['calibration_text']})"
+    return (f"{what}: {shape['layers']} layers × {shape['kv_heads']} KV heads × G = {shape['group']}, "
+            f"d = {shape['head_dim']}, n = {shape['tokens']}, {shape['positions']} decode positions, k = {sel.k}")
+
+
+def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, info: dict, summary: dict) -> None:
     kib = [{**r, "scan_bytes": r["scan_bytes"] / 1024, "row_bytes": r["row_bytes"] / 1024} for r in records]
-    title = (f"Fidelity on **synthetic** keys: {cfg.layers} layers × {cfg.kv_heads} KV heads × G = {cfg.group}, "
-             f"d = {cfg.head_dim}, n = {cfg.tokens}, {cfg.positions} decode positions, k = {sel.k}.\n\n")
-    path.write_text(title + markdown_table(kib, COLUMNS) + "\n")
+    saving = summary["equal_error_saving"]
+    lines = [f"Fidelity of {_title(shape, sel, info)}.", "",
+             f"Store basis (decided on calibration text): **{summary['basis']}** "
+             f"(mean error at {'/'.join(map(str, BASIS_RULE_BUDGETS))} bits: "
+             + ", ".join(f"{k} {v:.4f}" for k, v in summary["basis_rule_errors"].items()) + ").",
+             f"Equal-error saving vs {summary['ds_label']}: "
+             + ("not reached" if saving is None else f"{saving:.2f}× ({summary['equal_error_how']}, "
+                f"{summary['equal_error_bits']:.1f} bits)") + ".", "",
+             markdown_table(kib, COLUMNS), "", "Error per layer:", ""]
+    key = [f"{summary['fathom_family']}@48", summary["ds_label"], summary["sparq_eighth_label"],
+           f"oracle@{16 * shape['head_dim']}"]
+    per_layer = {r["label"]: r["rel_error_per_layer"] for r in records}
+    rows = [{"layer": i, **{k: per_layer[k][i] for k in key}} for i in range(shape["layers"])]
+    lines.append(markdown_table(rows, [("layer", "layer", "d")] + [(k, k, ".4f") for k in key]))
+    path.write_text("\n".join(lines) + "\n")
 
 
-def _plot(path: Path, results, cfg: SyntheticConfig, sel: Selection) -> None:
+def _plot(path: Path, results: list[MethodResult], shape: dict, sel: Selection, info: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
-    families: dict[str, list] = {}
+    families: dict[str, list[MethodResult]] = {}
     for r in results:
         if r.method != "dense":
             families.setdefault(r.method, []).append(r)
@@ -94,13 +223,13 @@ def _plot(path: Path, results, cfg: SyntheticConfig, sel: Selection) -> None:
         if family == "oracle":
             ax.axhline(rs[0].rel_error, color="k", ls=":", label=f"oracle (exact top-{sel.k})")
             continue
-        style = "-o" if family.startswith("fathom") else "s"
+        style = "-o" if family.startswith("fathom") and "-plan" not in family else "s"
         ax.plot([r.bits_read for r in rs], [r.rel_error for r in rs], style, label=family, ms=5)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("scan bits per token (per KV head, per layer)")
     ax.set_ylabel("attention output rel. error vs dense")
-    ax.set_title(f"synthetic keys, d={cfg.head_dim}, n={cfg.tokens}, k={sel.k}", fontsize=10)
+    ax.set_title(_title(shape, sel, info).replace("**", ""), fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()

@@ -15,13 +15,21 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     Returns:
         float64 ``[G, dv]``.
     """
+    return attend(logits(q, k, scale), v, mask)
+
+
+def logits(q: np.ndarray, k: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """``q kᵀ · scale`` in float64, ``[..., G, n]``; scale defaults to ``1 / sqrt(d)``."""
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
-    logits = (q.astype(np.float64) @ k.astype(np.float64).T) * scale
+    return (q.astype(np.float64) @ k.astype(np.float64).T) * scale
+
+
+def attend(logits: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Softmax of ``logits [..., G, n]`` over the keys in ``mask``, applied to ``v [n, dv]``."""
     if mask is not None:
         logits = np.where(mask, logits, -np.inf)
-    logits -= logits.max(axis=-1, keepdims=True)
-    p = np.exp(logits)
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     return p @ v.astype(np.float64)
 

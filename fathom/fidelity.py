@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from fathom.attention import attention, relative_error
+from fathom.attention import attend, logits, relative_error
 from fathom.bits import row_bytes, scan_bits
 from fathom.calibration import Calibration
 from fathom.capture import Capture
@@ -71,7 +71,8 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
                 {b: calibration.head_stats(layer, head, b) for b in ("raw", "rotated")}
             basis = calibration.basis[layer, head] if needs_rotated else None
             index = HeadIndex.build(keys, stats, basis)
-            dense = attention(q, keys, values, np.broadcast_to(causal[:, None], q.shape[:2] + (n,)), capture.scale)
+            exact = logits(q, keys, capture.scale)  # [P, G, n], shared by every method's softmax
+            dense = attend(exact, values, np.broadcast_to(causal[:, None], q.shape[:2] + (n,)))
             for i, method in enumerate(methods):
                 scores, depths = method_scores(method, q, index, blocks)
                 if scores is None:
@@ -80,7 +81,7 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
                     mask = np.zeros(q.shape[:2] + (n,), bool)
                     for p in range(len(context)):
                         mask[p, :, :context[p]] = select(scores[p, :, :blocks[p] * BLOCK], context[p], sel)
-                out = attention(q, keys, values, mask, capture.scale)
+                out = attend(exact, values, mask)
                 err[i, layer] += relative_error(out, dense).mean() / H
                 step = scan_bits(depths) if depths is not None else np.full(len(context), method.nominal_bits(d))
                 bits[i, layer, head] = step.mean()
@@ -111,4 +112,5 @@ def plan_layers(calibration_capture: Capture, calibration: Calibration, mean_bud
     """
     flat = [M.fathom(b) if basis == "raw" else M.fathom_rotated(b) for b in candidates]
     curves = np.array([r.rel_error_per_layer for r in evaluate(calibration_capture, calibration, flat, sel)]).T
-    return [M.fathom_plan(tuple(per_layer_plan(curves, np.array(candidates, float), b)), basis) for b in mean_budgets]
+    return [M.fathom_plan(tuple(per_layer_plan(curves, np.array(candidates, float), b)), b, basis)
+            for b in mean_budgets]

@@ -91,13 +91,18 @@ class Waterfill:
 
 @dataclass(frozen=True)
 class LayerWaterfill:
-    """The per-layer plan: water-filling with each layer's own budget (their mean is the target)."""
+    """The per-layer plan: water-filling with each layer's own budget; their mean is at most ``target``."""
 
     budgets: tuple[float, ...]
+    target: float
     variance: str = DEFAULT_VARIANCE
 
+    def __post_init__(self):
+        if np.mean(self.budgets) > self.target + 1e-9:
+            raise ValueError(f"budgets must average at most target = {self.target}, got {np.mean(self.budgets)}")
+
     def nominal_bits(self, d: int) -> float:
-        return float(np.mean(self.budgets))
+        return float(self.target)
 
     def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
         if not 0 <= stats.layer < len(self.budgets):
@@ -206,10 +211,12 @@ def fathom_rotated(budget: float, variance: str = DEFAULT_VARIANCE) -> Method:
     return Method(name, basis="rotated", policy=Waterfill(budget, variance))
 
 
-def fathom_plan(budgets: tuple[float, ...], basis: str = "raw", variance: str = DEFAULT_VARIANCE) -> Method:
-    """Fathom with a per-layer plan (``budgets[layer]``; see :func:`fathom.waterfill.per_layer_plan`)."""
+def fathom_plan(budgets: tuple[float, ...], target: float, basis: str = "raw",
+                variance: str = DEFAULT_VARIANCE) -> Method:
+    """Fathom with a per-layer plan (``budgets[layer]``, mean <= ``target``; see
+    :func:`fathom.waterfill.per_layer_plan`)."""
     return Method("fathom-plan" if basis == "raw" else "fathom-rotated-plan", basis=basis,
-                  policy=LayerWaterfill(tuple(float(b) for b in budgets), variance))
+                  policy=LayerWaterfill(tuple(float(b) for b in budgets), float(target), variance))
 
 
 def sparq(r: int) -> Method:

@@ -4,7 +4,7 @@ from bench.__main__ import main
 
 
 def test_fidelity_quick_writes_json_table_and_plot(tmp_path):
-    main(["fidelity", "--quick", "--out", str(tmp_path)])
+    main(["fidelity", "--synthetic", "--quick", "--out", str(tmp_path)])
     payload = json.loads((tmp_path / "fidelity-synthetic-quick.json").read_text())
     assert payload["synthetic"] and payload["command"].startswith("python -m bench fidelity")
     records = {r["label"]: r for r in payload["records"]}

@@ -1,0 +1,129 @@
+"""Capture real attention inputs: post-RoPE keys, values and the last P decode queries of every layer.
+
+One dense fp32 prefill on the CPU over a real text window. The keys, values
+and queries are recorded inside attention through transformers' own
+extension point (a registered attention function that records its inputs and
+then runs the stock SDPA attention), so they are exactly what the model's
+attention sees: after RoPE and after QK-norm where the model has it. Only
+global-attention layers are kept (sliding-window layers never see the long
+context). Captures are cached on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import corpora, fetch, models
+from fathom.capture import Capture
+
+ATTENTION_NAME = "fathom_capture"
+
+
+def decode_positions(n: int) -> int:
+    """P = 128 decode positions, 64 at >= 64k tokens (issue "Real-model fidelity")."""
+    return 64 if n >= 65536 else 128
+
+
+class _Recorder:
+    """An attention function that records each layer's inputs, then attends with SDPA."""
+
+    def __init__(self, positions: int, layers: set[int]):
+        self.positions, self.layers = positions, layers
+        self.keys: dict[int, np.ndarray] = {}
+        self.values: dict[int, np.ndarray] = {}
+        self.queries: dict[int, np.ndarray] = {}
+        self.scales: dict[int, float] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        layer = module.layer_idx
+        if layer in self.layers:
+            # query [1, Hq, n, d]; key / value [1, H, n, d] (before GQA repetition)
+            self.keys[layer] = key[0].float().numpy().copy()
+            self.values[layer] = value[0].float().numpy().copy()
+            self.queries[layer] = query[0, :, -self.positions:].float().numpy().copy()
+            self.scales[layer] = float(kwargs.get("scaling") or module.scaling)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def global_layers(config) -> list[int]:
+    """Layers that attend over the whole context (all of them unless the model has sliding-window layers)."""
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return list(range(config.num_hidden_layers))
+    return [i for i, t in enumerate(types) if t == "full_attention"]
+
+
+def window(tokenizer, text: str, n: int):
+    """The first ``n`` token ids of ``text`` as a ``[1, n]`` tensor."""
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=True).input_ids[:, :n]
+    if ids.shape[1] < n:
+        raise ValueError(f"text has only {ids.shape[1]} tokens, fewer than n = {n}")
+    return ids
+
+
+def capture(model, ids, positions: int | None = None, meta: dict | None = None) -> Capture:
+    """Run ``model`` densely over token ids ``[1, n]`` and record every global layer.
+
+    Returns keys ``[L, H, n, d]``, values, and the queries of the last ``P``
+    positions ``[L, H, P, G, d]`` (query head ``h`` belongs to KV head ``h // G``).
+    """
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    n = ids.shape[1]
+    positions = positions or decode_positions(n)
+    layers = global_layers(model.config)
+    recorder = _Recorder(positions, set(layers))
+    AttentionInterface.register(ATTENTION_NAME, recorder)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        with torch.inference_mode():
+            model(ids, use_cache=False, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+    scales = {recorder.scales[i] for i in layers}
+    if len(scales) != 1:
+        raise ValueError(f"layers use different softmax scales {scales}; a Capture holds one")
+    keys = np.stack([recorder.keys[i] for i in layers])  # [L, H, n, d]
+    H = keys.shape[1]
+    queries = np.stack([recorder.queries[i] for i in layers])  # [L, Hq, P, d]
+    L, Hq, P, d = queries.shape
+    queries = queries.reshape(L, H, Hq // H, P, d).transpose(0, 1, 3, 2, 4)  # [L, H, P, G, d]
+    return Capture(keys, np.stack([recorder.values[i] for i in layers]), np.ascontiguousarray(queries),
+                   np.arange(n - P, n), scales.pop(), {**(meta or {}), "layers": layers, "synthetic": False})
+
+
+def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path | None = None,
+                 positions: int | None = None, loaded=None) -> tuple[Capture, float]:
+    """The capture of ``model_name`` over the first ``n`` tokens of a corpus (a name or a UTF-8 file),
+    cached on disk; returns it with the seconds the prefill took (0 when cached).
+
+    ``loaded``: a callable returning the loaded ``(model, tokenizer)``, called only on a cache miss.
+    """
+    positions = positions or decode_positions(n)
+    if isinstance(corpus, Path):
+        text, text_name = corpus.read_text(encoding="utf-8"), corpus.name
+        tag = hashlib.sha256(text.encode()).hexdigest()[:12]
+    else:
+        text, text_name, tag = corpora.load(corpus, cache), corpus, corpus
+    path = fetch.cache_dir(cache) / "captures" / f"{model_name}-{tag}-{n}-{positions}.npz"
+    if path.exists():
+        return Capture.load(path), 0.0
+    model, tokenizer = loaded() if loaded else models.load(model_name, cache)
+    start = time.perf_counter()
+    result = capture(model, window(tokenizer, text, n), positions, meta={"model": model_name, "context": n, "text": text_name})
+    seconds = time.perf_counter() - start
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial.npz")
+    result.save(partial)
+    partial.rename(path)
+    return result, seconds

@@ -1,0 +1,58 @@
+"""The capture records exactly what attention sees: checked against the model's own attention output
+on tiny randomly initialised models (no download), with and without QK-norm and sliding-window layers."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from bench.capture import capture, global_layers  # noqa: E402
+from fathom.attention import attention  # noqa: E402
+
+
+def tiny_llama():
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100.0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def tiny_gemma3():
+    config = transformers.Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                           num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                           sliding_window=16, layer_types=["sliding_attention", "full_attention",
+                                                                           "sliding_attention"],
+                                           query_pre_attn_scalar=32)
+    return transformers.Gemma3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_captured_queries_keys_values_reproduce_the_models_attention(make):
+    torch.manual_seed(0)
+    model = make()
+    n, P = 70, 5
+    ids = torch.randint(0, 97, (1, n))
+    outputs = {}
+    layers = global_layers(model.config)
+    hooks = [model.model.layers[i].self_attn.o_proj.register_forward_pre_hook(
+        lambda module, args, i=i: outputs.__setitem__(i, args[0][0].detach().numpy().copy())) for i in layers]
+    cap = capture(model, ids, positions=P)
+    for hook in hooks:
+        hook.remove()
+    L, H, _, d = cap.keys.shape
+    G = cap.queries.shape[3]
+    assert L == len(layers) and cap.meta["layers"] == layers and cap.scale == model.model.layers[0].self_attn.scaling
+    np.testing.assert_array_equal(cap.positions, np.arange(n - P, n))
+    for li, layer in enumerate(layers):
+        model_out = outputs[layer].reshape(n, H * G, d)  # attention output before o_proj
+        for p, pos in enumerate(cap.positions):
+            causal = np.arange(n) <= pos
+            for kv in range(H):
+                ours = attention(cap.queries[li, kv, p], cap.keys[li, kv][causal], cap.values[li, kv][causal],
+                                 scale=cap.scale)
+                np.testing.assert_allclose(ours, model_out[pos, kv * G:(kv + 1) * G], rtol=1e-4, atol=1e-5)
+
+
+def test_global_layers_skip_sliding_window_layers():
+    assert global_layers(tiny_gemma3().config) == [1]
+    assert global_layers(tiny_llama().config) == [0, 1]
