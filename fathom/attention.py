@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fathom._linalg import stacked_matmul
+
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None,
               scale: float | None = None) -> np.ndarray:
@@ -22,7 +24,7 @@ def logits(q: np.ndarray, k: np.ndarray, scale: float | None = None) -> np.ndarr
     """``q kᵀ · scale`` in float64, ``[..., G, n]``; scale defaults to ``1 / sqrt(d)``."""
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
-    return (q.astype(np.float64) @ k.astype(np.float64).T) * scale
+    return stacked_matmul(q.astype(np.float64), k.astype(np.float64).T) * scale
 
 
 def attend(logits: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
@@ -31,7 +33,7 @@ def attend(logits: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) ->
         logits = np.where(mask, logits, -np.inf)
     p = np.exp(logits - logits.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
-    return p @ v.astype(np.float64)
+    return stacked_matmul(p, v.astype(np.float64))
 
 
 def relative_error(o_sparse: np.ndarray, o_dense: np.ndarray) -> np.ndarray:

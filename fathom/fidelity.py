@@ -21,7 +21,7 @@ from fathom.decode import HeadIndex, method_scores
 from fathom import methods as M
 from fathom.methods import Method
 from fathom.quantize import BLOCK
-from fathom.selection import Selection, select
+from fathom.selection import Selection, select_many
 from fathom.waterfill import per_layer_plan
 
 PLAN_BUDGETS = (16, 24, 32, 48, 64, 92, 136)  # candidate per-layer budgets of the plan
@@ -78,9 +78,7 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
                 if scores is None:
                     mask = np.broadcast_to(causal[:, None], q.shape[:2] + (n,))
                 else:
-                    mask = np.zeros(q.shape[:2] + (n,), bool)
-                    for p in range(len(context)):
-                        mask[p, :, :context[p]] = select(scores[p, :, :blocks[p] * BLOCK], context[p], sel)
+                    mask = select_many(scores, context, blocks * BLOCK, sel, n)
                 out = attend(exact, values, mask)
                 err[i, layer] += relative_error(out, dense).mean() / H
                 step = scan_bits(depths) if depths is not None else np.full(len(context), method.nominal_bits(d))

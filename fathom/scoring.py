@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from fathom import _checks
+from fathom._linalg import stacked_matmul
 from fathom.quantize import MAX_DEPTH, dequantize
 
 LANDMARK_TOKENS = 8  # ShadowKV-style: one fp16 mean key per 8-token block
@@ -43,7 +44,7 @@ class DepthScorer:
         for t in range(1, MAX_DEPTH + 1):
             at_t = depths == t
             if at_t.any():
-                scores += (q * at_t[..., None, :]) @ self.khat[t - 1].T
+                scores += stacked_matmul(q * at_t[..., None, :], self.khat[t - 1].T)
         return scores
 
 
@@ -57,10 +58,10 @@ def landmarks(k: np.ndarray) -> np.ndarray:
 
 def landmark_scores(q: np.ndarray, marks: np.ndarray) -> np.ndarray:
     """Each token's score is its block's: ``q [G, d]``, ``marks float16 [n // 8, d]`` -> ``[G, n]``."""
-    block_scores = q.astype(np.float32) @ marks.astype(np.float32).T
+    block_scores = stacked_matmul(q.astype(np.float32), marks.astype(np.float32).T)
     return np.repeat(block_scores, LANDMARK_TOKENS, axis=-1)
 
 
 def exact_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """The oracle's scores ``q @ kᵀ`` (float32)."""
-    return q.astype(np.float32) @ k.astype(np.float32).T
+    return stacked_matmul(q.astype(np.float32), k.astype(np.float32).T)

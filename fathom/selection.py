@@ -36,11 +36,13 @@ class Selection:
 
 def always_kept(n: int, n_scored: int, sel: Selection) -> np.ndarray:
     """bool ``[n]``: sink, local and the tail (tokens ``n_scored..n``)."""
-    keep = np.zeros(n, bool)
-    keep[:sel.sink] = True
-    keep[max(n - sel.local, 0):] = True
-    keep[n_scored:] = True
-    return keep
+    return _always_kept(np.array([n]), np.array([n_scored]), sel, n)[0]
+
+
+def _always_kept(contexts: np.ndarray, scored: np.ndarray, sel: Selection, width: int) -> np.ndarray:
+    token = np.arange(width)
+    keep = (token < sel.sink) | (token >= contexts[:, None] - sel.local) | (token >= scored[:, None])
+    return keep & (token < contexts[:, None])
 
 
 def select(scores: np.ndarray, n: int, sel: Selection) -> np.ndarray:
@@ -52,21 +54,33 @@ def select(scores: np.ndarray, n: int, sel: Selection) -> np.ndarray:
         sel: the protocol's settings.
     """
     scores = _checks.array("scores", scores, ndim=2, kind="f")
-    n_scored = scores.shape[1]
-    if n_scored > n:
-        raise ValueError(f"scores cover {n_scored} tokens, more than the context n = {n}")
-    keep = always_kept(n, n_scored, sel)
-    candidates = np.flatnonzero(~keep[:n_scored])
-    mask = np.broadcast_to(keep, (scores.shape[0], n)).copy()
-    if len(candidates) <= sel.k or sel.k == 0:
-        mask[:, candidates] = sel.k > 0
+    if scores.shape[1] > n:
+        raise ValueError(f"scores cover {scores.shape[1]} tokens, more than the context n = {n}")
+    return select_many(scores[None], np.array([n]), np.array([scores.shape[1]]), sel, n)[0]
+
+
+def select_many(scores: np.ndarray, contexts: np.ndarray, scored: np.ndarray, sel: Selection,
+                width: int) -> np.ndarray:
+    """:func:`select` for many decode positions at once -> bool ``[P, G, width]``.
+
+    Args:
+        scores: ``[P, G, S]``; position ``p`` uses the first ``scored[p] <= S`` of them.
+        contexts: ``[P]`` context lengths (``scored[p] <= contexts[p] <= width``).
+        scored: ``[P]`` sealed (scored) tokens of each position.
+    """
+    P, G, S = scores.shape
+    keep = _always_kept(contexts, scored, sel, width)  # [P, width]
+    candidate = ~keep[:, :S] & (np.arange(S) < scored[:, None])  # [P, S]
+    mask = np.broadcast_to(keep[:, None, :], (P, G, width)).copy()
+    k = min(sel.k, S)
+    if k == 0:
         return mask
-    cand_scores = scores[:, candidates]  # [G, C]
-    kth = np.partition(cand_scores, len(candidates) - sel.k, axis=1)[:, len(candidates) - sel.k, None]
-    above = cand_scores > kth
-    ties = cand_scores == kth  # ties at the k-th score go to the earliest tokens
-    take = above | (ties & (np.cumsum(ties, axis=1) <= sel.k - above.sum(axis=1, keepdims=True)))
-    mask[:, candidates] = take
+    masked = np.where(candidate[:, None, :], scores, -np.inf)
+    kth = np.partition(masked, S - k, axis=-1)[..., S - k, None]  # k-th largest candidate (-inf if fewer)
+    above = masked > kth
+    ties = (masked == kth) & candidate[:, None, :]  # ties at the k-th score go to the earliest tokens
+    take = above | (ties & (np.cumsum(ties, axis=-1) <= sel.k - above.sum(axis=-1, keepdims=True)))
+    mask[..., :S] |= take
     return mask
 
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from fathom.selection import Selection, always_kept, select, union_rows
+from fathom.selection import Selection, always_kept, select, select_many, union_rows
 
 
 @given(st.integers(1, 300), st.integers(0, 300), st.integers(0, 150), st.integers(1, 4), st.integers(0, 2 ** 32 - 1))
@@ -35,3 +35,18 @@ def test_protocol_constants_and_k_by_context():
         Selection(k=-1)
     with pytest.raises(ValueError, match="^scores"):
         select(np.zeros((2, 10), np.float32), 5, Selection(k=1))
+
+
+@given(st.integers(0, 2 ** 32 - 1), st.integers(0, 40))
+def test_many_positions_at_once_equal_one_at_a_time(seed, k):
+    rng = np.random.default_rng(seed)
+    width = 200
+    contexts = np.sort(rng.integers(1, width + 1, 4))
+    scored = np.array([rng.integers(0, c + 1) for c in contexts])
+    scores = rng.integers(-3, 3, (4, 2, width)).astype(np.float32)
+    sel = Selection(k=k)
+    many = select_many(scores, contexts, scored, sel, width)
+    for p in range(4):
+        one = select(scores[p, :, :scored[p]], contexts[p], sel)
+        np.testing.assert_array_equal(many[p, :, :contexts[p]], one)
+        assert not many[p, :, contexts[p]:].any()
