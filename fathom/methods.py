@@ -125,31 +125,23 @@ class QueryTopChannels:
 
 @dataclass(frozen=True)
 class FixedChannels:
-    """Double Sparsity: the first r of the channels ranked offline, at depth 4."""
+    """Depth 4 on r channels fixed offline: Double Sparsity's first r ranked channels
+    (``ranking="double-sparsity"``), or Loki's first r coordinates of the basis (``ranking="basis"``)."""
 
     r: int
+    ranking: str = "double-sparsity"
+
+    def __post_init__(self):
+        if self.ranking not in ("double-sparsity", "basis"):
+            raise ValueError(f"ranking must be 'double-sparsity' or 'basis', got {self.ranking!r}")
 
     def nominal_bits(self, d: int) -> float:
         return fixed_channel_bits(self.r)
 
     def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
+        channels = stats.ds_rank[:self.r] if self.ranking == "double-sparsity" else np.arange(self.r)
         depths = np.zeros(q.shape[:-2] + q.shape[-1:], np.int8)
-        depths[..., stats.ds_rank[:self.r]] = MAX_DEPTH
-        return depths
-
-
-@dataclass(frozen=True)
-class LeadingCoordinates:
-    """Loki: the first r coordinates of the score-variance-ordered PCA basis, at depth 4."""
-
-    r: int
-
-    def nominal_bits(self, d: int) -> float:
-        return fixed_channel_bits(self.r)
-
-    def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
-        depths = np.zeros(q.shape[:-2] + q.shape[-1:], np.int8)
-        depths[..., :self.r] = MAX_DEPTH
+        depths[..., channels] = MAX_DEPTH
         return depths
 
 
@@ -166,7 +158,7 @@ class UniformDepth:
         return np.full(q.shape[:-2] + q.shape[-1:], self.depth, np.int8)
 
 
-DepthPolicy = Waterfill | LayerWaterfill | QueryTopChannels | FixedChannels | LeadingCoordinates | UniformDepth
+DepthPolicy = Waterfill | LayerWaterfill | QueryTopChannels | FixedChannels | UniformDepth
 SCORERS = ("planes", "landmark", "exact", "dense")
 BASES = ("raw", "rotated")
 
@@ -228,7 +220,7 @@ def double_sparsity(r: int) -> Method:
 
 
 def loki(r: int) -> Method:
-    return Method("loki", basis="rotated", policy=LeadingCoordinates(r))
+    return Method("loki", basis="rotated", policy=FixedChannels(r, ranking="basis"))
 
 
 def thumbnail(depth: int = 2) -> Method:
