@@ -105,10 +105,11 @@ def _real(args) -> tuple[Capture, Capture, str, dict]:
     return captures[0], captures[1], name, info
 
 
-def choose_basis(calibration_capture: Capture, calibration: Calibration, sel: Selection) -> tuple[str, dict]:
+def choose_basis(calibration_capture: Capture, calibration: Calibration, sel: Selection,
+                 on_head=None) -> tuple[str, dict]:
     """The basis rule (SPEC §7): both stores on calibration text, the lower mean error wins."""
     methods = [M.fathom(b) for b in BASIS_RULE_BUDGETS] + [M.fathom_rotated(b) for b in BASIS_RULE_BUDGETS]
-    results = evaluate(calibration_capture, calibration, methods, sel)
+    results = evaluate(calibration_capture, calibration, methods, sel, on_head)
     half = len(BASIS_RULE_BUDGETS)
     errors = {"raw": float(np.mean([r.rel_error for r in results[:half]])),
               "rotated": float(np.mean([r.rel_error for r in results[half:]]))}
@@ -159,11 +160,15 @@ def run(args: argparse.Namespace) -> Path:
     shape = capture.shape
     d, n = shape["head_dim"], shape["tokens"]
     sel = Selection(k=args.k) if args.k is not None else Selection.for_context(n)
+    heads = shape["layers"] * shape["kv_heads"]
     calibration = calibrate(calibration_capture)
-    basis, basis_errors = choose_basis(calibration_capture, calibration, sel)
+    with tqdm(total=heads, desc="basis rule (calibration text)", unit="head") as bar:
+        basis, basis_errors = choose_basis(calibration_capture, calibration, sel, bar.update)
     calibration = calibration.with_preferred_basis(basis)
-    methods = method_grid(d, basis) + plan_layers(calibration_capture, calibration, list(PLAN_MEANS), sel, basis)
-    with tqdm(total=shape["layers"] * shape["kv_heads"], desc=f"fidelity {name}", unit="head") as bar:
+    with tqdm(total=heads, desc="per-layer plan (calibration text)", unit="head") as bar:
+        plans = plan_layers(calibration_capture, calibration, list(PLAN_MEANS), sel, basis, on_head=bar.update)
+    methods = method_grid(d, basis) + plans
+    with tqdm(total=heads, desc=f"fidelity {name}", unit="head") as bar:
         results = evaluate(capture, calibration, methods, sel, on_head=bar.update)
     summary = summarize(results, d, basis, basis_errors)
     plans = {m.label(d): list(m.policy.budgets) for m in methods if m.name.endswith("-plan")}

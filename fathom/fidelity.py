@@ -102,13 +102,14 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
 
 
 def plan_layers(calibration_capture: Capture, calibration: Calibration, mean_budgets: list[float], sel: Selection,
-                basis: str = "raw", candidates: tuple[float, ...] = PLAN_BUDGETS) -> list[Method]:
+                basis: str = "raw", candidates: tuple[float, ...] = PLAN_BUDGETS,
+                on_head: Callable[[], None] | None = None) -> list[Method]:
     """Per-layer plans at each mean budget, calibrated on ``calibration_capture`` (never the evaluation text).
 
     Per-layer error curves come from fathom at every candidate flat budget; the
     greedy of :func:`~fathom.waterfill.per_layer_plan` then spends each mean budget.
     """
     flat = [M.fathom(b) if basis == "raw" else M.fathom_rotated(b) for b in candidates]
-    curves = np.array([r.rel_error_per_layer for r in evaluate(calibration_capture, calibration, flat, sel)]).T
+    curves = np.array([r.rel_error_per_layer for r in evaluate(calibration_capture, calibration, flat, sel, on_head)]).T
     return [M.fathom_plan(tuple(per_layer_plan(curves, np.array(candidates, float), b)), b, basis)
             for b in mean_budgets]
