@@ -41,11 +41,14 @@ COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
 
 
 def method_grid(d: int, basis: str) -> list[M.Method]:
-    """Every method at matched bits: fathom flat budgets on both stores, the other σ² source on the
-    preferred store, and every baseline. (Per-layer plans are added by :func:`run`.)"""
-    flat = ([M.fathom(b) for b in FATHOM_BUDGETS] + [M.fathom_rotated(b) for b in FATHOM_BUDGETS])
+    """Every method at matched bits: fathom flat budgets on both stores (reaching DS r = d/4's bits), the other
+    σ² source on the preferred store, every baseline at the SPEC's channel fractions, and SparQ r = 16 /
+    Double Sparsity r = 32 (68 / 136 bits at any d). (Per-layer plans are added by :func:`run`.)"""
+    budgets = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
+    flat = [M.fathom(b) for b in budgets] + [M.fathom_rotated(b) for b in budgets]
     other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, "calibration") for b in (48, 64)]
-    return flat + other_variance + M.baselines(d)
+    grid = flat + other_variance + M.baselines(d) + [M.sparq(16), M.double_sparsity(32)]
+    return list({m.label(d): m for m in reversed(grid)}.values())[::-1]  # one method per label
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,24 +136,25 @@ def equal_error_bits(curve: list[MethodResult], target: float) -> tuple[float | 
 
 
 def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dict) -> dict:
+    """The headline numbers: equal-error savings vs Double Sparsity at 136 bits (r = 32, the issue's DS-136)
+    and at r = d/4 (the SPEC's fraction; the same at d = 128), fathom-48 vs SparQ-68 (r = 16), channels at 48."""
     by_label = {r.label: r for r in results}
     family = "fathom" if basis == "raw" else "fathom-rotated"
     curve = [r for r in results if r.method == family]
-    ds = by_label[f"double-sparsity@{fixed_channel_bits(d // 4):g}"]
-    bits, how = equal_error_bits(curve, ds.rel_error)
     fathom48 = by_label[f"{family}@48"]
-    sparq_eighth = by_label[f"sparq@{fixed_channel_bits(d // 8):g}"]
-    return {
-        "basis": basis, "basis_rule_errors": basis_errors, "fathom_family": family,
-        "ds_label": ds.label, "ds_error": ds.rel_error,
-        "fathom48_error": fathom48.rel_error,
-        "sparq_eighth_label": sparq_eighth.label, "sparq_eighth_error": sparq_eighth.rel_error,
-        "oracle_error": by_label[f"oracle@{16 * d}"].rel_error,
-        "equal_error_bits": bits, "equal_error_how": how,
-        "equal_error_saving": None if bits is None else ds.bits / bits,
-        "channels_touched_48": fathom48.channels_touched, "mean_depth_48": fathom48.mean_depth,
-        "fathom48_beats_sparq_eighth": fathom48.rel_error < sparq_eighth.rel_error,
-    }
+    sparq68 = by_label["sparq@68"]
+    summary = {"basis": basis, "basis_rule_errors": basis_errors, "fathom_family": family,
+               "fathom48_error": fathom48.rel_error, "sparq68_error": sparq68.rel_error,
+               "fathom48_beats_sparq68": fathom48.rel_error < sparq68.rel_error,
+               "oracle_error": by_label[f"oracle@{16 * d}"].rel_error,
+               "channels_touched_48": fathom48.channels_touched, "mean_depth_48": fathom48.mean_depth}
+    for key, ds in (("", by_label["double-sparsity@136"]),
+                    ("_quarter", by_label[f"double-sparsity@{fixed_channel_bits(d // 4):g}"])):
+        bits, how = equal_error_bits(curve, ds.rel_error)
+        summary.update({f"ds{key}_label": ds.label, f"ds{key}_error": ds.rel_error,
+                        f"equal_error_bits{key}": bits, f"equal_error_how{key}": how,
+                        f"equal_error_saving{key}": None if bits is None else ds.bits / bits})
+    return summary
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -195,17 +199,22 @@ def _title(shape: dict, sel: Selection, info: dict) -> str:
 
 def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, info: dict, summary: dict) -> None:
     kib = [{**r, "scan_bytes": r["scan_bytes"] / 1024, "row_bytes": r["row_bytes"] / 1024} for r in records]
-    saving = summary["equal_error_saving"]
+    def saving(key: str) -> str:
+        value = summary[f"equal_error_saving{key}"]
+        return f"vs {summary[f'ds{key}_label']}: " + ("not reached within the fathom budgets" if value is None else
+                                                      f"{value:.2f}× ({summary[f'equal_error_how{key}']} "
+                                                      f"{summary[f'equal_error_bits{key}']:.1f} bits)")
+
     lines = [f"Fidelity of {_title(shape, sel, info)}.", "",
              f"Store basis (decided on calibration text): **{summary['basis']}** "
              f"(mean error at {'/'.join(map(str, BASIS_RULE_BUDGETS))} bits: "
              + ", ".join(f"{k} {v:.4f}" for k, v in summary["basis_rule_errors"].items()) + ").",
-             f"Equal-error saving vs {summary['ds_label']}: "
-             + ("not reached" if saving is None else f"{saving:.2f}× ({summary['equal_error_how']}, "
-                f"{summary['equal_error_bits']:.1f} bits)") + ".", "",
+             f"Equal-error saving {saving('')}; {saving('_quarter')}.",
+             f"fathom@48 {summary['fathom48_error']:.4f} vs sparq@68 {summary['sparq68_error']:.4f}; "
+             f"at 48 bits {summary['channels_touched_48']:.1f} of {shape['head_dim']} channels are read, "
+             f"{summary['mean_depth_48']:.2f} planes deep on average.", "",
              markdown_table(kib, COLUMNS), "", "Error per layer:", ""]
-    key = [f"{summary['fathom_family']}@48", summary["ds_label"], summary["sparq_eighth_label"],
-           f"oracle@{16 * shape['head_dim']}"]
+    key = [f"{summary['fathom_family']}@48", "double-sparsity@136", "sparq@68", f"oracle@{16 * shape['head_dim']}"]
     per_layer = {r["label"]: r["rel_error_per_layer"] for r in records}
     rows = [{"layer": i, **{k: per_layer[k][i] for k in key}} for i in range(shape["layers"])]
     lines.append(markdown_table(rows, [("layer", "layer", "d")] + [(k, k, ".4f") for k in key]))

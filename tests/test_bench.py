@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from bench.__main__ import main
 
 
@@ -23,3 +25,17 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path):
     assert records["oracle@2048"]["rel_error"] <= min(r["rel_error"] for r in payload["records"] if r["label"] != "dense")
     assert "synthetic" in (tmp_path / "fidelity-synthetic-quick.md").read_text()
     assert (tmp_path / "fidelity-synthetic-quick.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_equal_error_bits_interpolates_in_log_log_and_says_when_it_cannot():
+    from bench.fidelity import equal_error_bits
+    from fathom.fidelity import MethodResult
+
+    def point(bits, err):
+        return MethodResult("f", "fathom", bits, bits, 0, 0, 0, err, [err], None, None)
+
+    curve = [point(32, 0.4), point(64, 0.1), point(128, 0.05)]
+    bits, how = equal_error_bits(curve, 0.2)
+    assert how == "interpolated" and bits == pytest.approx(32 * 2 ** 0.5)  # halfway in log error
+    assert equal_error_bits(curve, 0.5) == (32, "at most")
+    assert equal_error_bits(curve, 0.01) == (None, "not reached")
