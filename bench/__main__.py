@@ -1,11 +1,11 @@
-"""``python -m bench <command>``: fidelity (error against bits), fetch (models and corpora into the cache)."""
+"""``python -m bench <command>``: fidelity (error against bits), headline (summary table), fetch (models and corpora into the cache)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench import fetch, fidelity
+from bench import fetch, fidelity, headline
 from bench.report import command_line
 
 
@@ -17,11 +17,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     fidelity.add_arguments(commands.add_parser("fidelity", help="attention error against scan bits, every method"))
+    headline.add_arguments(commands.add_parser("headline", help="one table of the real-model fidelity summaries"))
     commands.add_parser("fetch", help="download, check and convert models and corpora (see fetch --help)")
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
     if args.command == "fidelity":
         fidelity.run(args)
+    elif args.command == "headline":
+        headline.run(args)
 
 
 if __name__ == "__main__":

@@ -39,3 +39,18 @@ def test_equal_error_bits_interpolates_in_log_log_and_says_when_it_cannot():
     assert how == "interpolated" and bits == pytest.approx(32 * 2 ** 0.5)  # halfway in log error
     assert equal_error_bits(curve, 0.5) == (32, "at most")
     assert equal_error_bits(curve, 0.01) == (None, "not reached")
+
+
+def test_headline_tables_the_real_settings_only(tmp_path):
+    summary = {"basis": "raw", "ds_error": 0.2, "fathom48_error": 0.1, "sparq68_error": 0.3, "oracle_error": 0.05,
+               "equal_error_saving": 2.5, "equal_error_how": "interpolated", "ds_label": "double-sparsity@136",
+               "equal_error_saving_quarter": None, "equal_error_how_quarter": "not reached",
+               "ds_quarter_label": "double-sparsity@136", "channels_touched_48": 31.0}
+    real = {"synthetic": False, "model": "m", "evaluation_text": "t", "capture": {"tokens": 16384, "head_dim": 128},
+            "summary": summary, "wall_s": 120.0}
+    (tmp_path / "fidelity-m-16k-t.json").write_text(json.dumps(real))
+    (tmp_path / "fidelity-synthetic.json").write_text(json.dumps({**real, "synthetic": True}))
+    main(["headline", "--results", str(tmp_path)])
+    table = (tmp_path / "headline.md").read_text()
+    assert "| m 16k (t) | 128 | raw | 0.2000 | 0.1000 | 0.3000 | 0.0500 | 2.50× (double-sparsity@136) | not reached" in table
+    assert table.count("| m 16k") == 1
