@@ -1,3 +1,6 @@
-"""Host side of the offloaded decode step: pinned, mapped host memory and its lifetime,
-growing segments of the bit-plane store and K/V rows, cuda-python streams and events.
+"""Host side of the offloaded decode step (SPEC §8).
+
+``pinned``: page-locked, device-mapped host memory with an explicit lifetime (cuda-python);
+``cache``: the offloaded K/V rows and growing bit-plane segments of S sessions × L layers × H KV heads;
+``decoder``: the per-layer step, ``Decoder(cache, DecoderSettings(...), group).run(layer, q)``.
 """

@@ -1,0 +1,25 @@
+"""Zero-copy views of torch tensors as Numba device arrays.
+
+On a GPU, tensors and arrays share device memory through
+``__cuda_array_interface__``. Under the CUDA simulator (CI) "device" memory
+is host memory: tensors live on the CPU and the views go through NumPy,
+still without copies, so the same code paths run in both.
+"""
+
+from __future__ import annotations
+
+import torch
+from numba import config, cuda
+
+SIMULATED = bool(config.ENABLE_CUDASIM)
+DEVICE = torch.device("cpu") if SIMULATED else torch.device("cuda")
+
+
+def as_array(tensor: torch.Tensor):
+    """A Numba device array viewing ``tensor`` (which must be on :data:`DEVICE`)."""
+    if SIMULATED:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(tensor.detach().numpy())  # wraps, unlike passing NumPy arrays (copied per launch)
+    return cuda.as_cuda_array(tensor.detach(), sync=False)  # one stream: no host sync on the tensor's stream
+

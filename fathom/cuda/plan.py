@@ -1,0 +1,143 @@
+"""Reverse water-filling for every query group of a layer in one launch (SPEC §5).
+
+The twin of ``fathom.waterfill.waterfill_batched(importance(q, sigma2), budget)``,
+bit-for-bit away from exact ties: one CUDA block of ``THREADS`` threads per query
+group, channels strided over the threads, the 30 bisection steps in log θ with
+the reference's bounds and all-fit rule, the cost summed in quarter bits
+(integers, so exact in any order).
+
+Precision: the bisection runs in float64 like the reference. A float32 θ has a
+relative resolution of 6e-8, coarser than the bisection's final interval
+(``log(w_max / w_min) / 2^30``), so float32 would flip depths whenever two
+gains lie within ~1e-7 of each other; float64 leaves only libm-vs-libdevice
+last-ulp differences in ``log``/``exp``, which move a depth only if a gain sits
+within ~1e-15 of a bisection point. The importance ``Σ_h q²`` is summed in
+float32 in head order like NumPy's reduction over axis -2; each square is
+formed in float64 (exact) and rounded to float32 so no multiply-add can be
+contracted into an FMA, which would round differently.
+The bounds are the reference's: log θ between half the smallest positive
+4th-plane gain and twice the largest gain (neither is a gain, so no rounding of
+``exp(log(x))`` can land on one), each computed as a sum of logs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from fathom.quantize import MAX_DEPTH
+from fathom.waterfill import BISECTION_STEPS
+
+THREADS = 32
+MAX_D = 512  # shared-memory size of one group's importances
+
+
+@cuda.jit
+def _waterfill_kernel(q, sigma2, budget_quarters, depths):
+    """q float32 [groups, G, d], sigma2 float64 [groups, d] -> depths int8 [groups, d]."""
+    g = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    n_threads = cuda.blockDim.x
+    n_heads = q.shape[1]
+    d = q.shape[2]
+    w = cuda.shared.array(MAX_D, np.float64)
+    part_cost = cuda.shared.array(THREADS, np.int64)
+    part_max = cuda.shared.array(THREADS, np.float64)
+    part_min = cuda.shared.array(THREADS, np.float64)
+    bounds = cuda.shared.array(3, np.float64)  # log_lo, log_hi, all_fit
+
+    my_max = 0.0
+    my_min = np.inf
+    my_all = 0
+    for c in range(t, d, n_threads):
+        acc = np.float32(0)
+        for h in range(n_heads):
+            x = np.float64(q[g, h, c])
+            acc = acc + np.float32(x * x)
+        wc = sigma2[g, c] * np.float64(acc)
+        w[c] = wc
+        my_max = max(my_max, wc)
+        if wc > 0:
+            my_min = min(my_min, wc)
+            my_all += 4 * MAX_DEPTH + 1
+    part_max[t] = my_max
+    part_min[t] = my_min
+    part_cost[t] = my_all
+    cuda.syncthreads()
+    if t == 0:
+        w_max = 0.0
+        w_min = np.inf
+        cost_all = 0
+        for i in range(n_threads):
+            w_max = max(w_max, part_max[i])
+            w_min = min(w_min, part_min[i])
+            cost_all += part_cost[i]
+        if w_max > 0:
+            bounds[1] = math.log(2 * 0.75) + math.log(w_max)
+            bounds[0] = math.log(0.5 * 0.75 * 0.015625) + math.log(w_min)
+        else:
+            bounds[1] = 0.0
+            bounds[0] = 0.0
+        bounds[2] = 1.0 if cost_all <= budget_quarters else 0.0
+    cuda.syncthreads()
+
+    for _ in range(BISECTION_STEPS):
+        theta = math.exp(0.5 * (bounds[0] + bounds[1]))
+        cost = 0
+        for c in range(t, d, n_threads):
+            b = _depth_at(w[c], theta)
+            cost += 4 * b + (1 if b > 0 else 0)
+        part_cost[t] = cost
+        cuda.syncthreads()
+        if t == 0:
+            total = 0
+            for i in range(n_threads):
+                total += part_cost[i]
+            mid = 0.5 * (bounds[0] + bounds[1])
+            if total <= budget_quarters:
+                bounds[1] = mid
+            else:
+                bounds[0] = mid
+        cuda.syncthreads()
+
+    theta = math.exp(bounds[1])
+    everything = bounds[2] != 0.0
+    for c in range(t, d, n_threads):
+        if everything:
+            depths[g, c] = MAX_DEPTH if w[c] > 0 else 0
+        else:
+            depths[g, c] = _depth_at(w[c], theta)
+
+
+@cuda.jit(device=True, inline=True)
+def _depth_at(wc, theta):
+    """``#{t : (3/4) w 4^-(t-1) > θ}``: the gains are exact power-of-two scalings of 0.75 w."""
+    g1 = 0.75 * wc
+    return (1 if g1 > theta else 0) + (1 if g1 * 0.25 > theta else 0) + \
+        (1 if g1 * 0.0625 > theta else 0) + (1 if g1 * 0.015625 > theta else 0)
+
+
+def waterfill(q, sigma2, budget: float, depths, threads: int = THREADS) -> None:
+    """Depths of every query group under ``budget`` bits per token, one block per group.
+
+    Args:
+        q: float32 device array ``[groups, G, d]`` (the G query heads of each KV head, in the store's basis).
+        sigma2: float64 ``[groups, d]`` channel variances.
+        budget: bits per token (finite, >= 0).
+        depths: int8 ``[groups, d]``, written.
+    """
+    groups, _, d = q.shape
+    if q.dtype != np.float32 or sigma2.dtype != np.float64 or sigma2.shape != (groups, d):
+        raise ValueError(f"q must be float32 [groups, G, d] and sigma2 float64 [groups, d], "
+                         f"got {q.dtype} {q.shape} and {sigma2.dtype} {sigma2.shape}")
+    if depths.shape != (groups, d) or depths.dtype != np.int8:
+        raise ValueError(f"depths must be int8 {(groups, d)}, got {depths.dtype} {depths.shape}")
+    if d > MAX_D or not 1 <= threads <= THREADS:
+        raise ValueError(f"d must be <= {MAX_D} and threads in 1..{THREADS}, got d = {d}, threads = {threads}")
+    if not math.isfinite(budget) or budget < 0:
+        raise ValueError(f"budget must be finite and >= 0 bits per token, got {budget}")
+    if groups:
+        # cost <= budget  <=>  4 * cost <= 4 * budget: quarter bits are integers, 4 * budget is exact
+        _waterfill_kernel[groups, threads](q, sigma2, 4.0 * float(budget), depths)
