@@ -105,7 +105,8 @@ def capture(model, ids, positions: int | None = None, meta: dict | None = None) 
 def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path | None = None,
                  positions: int | None = None, loaded=None) -> tuple[Capture, float]:
     """The capture of ``model_name`` over the first ``n`` tokens of a corpus (a name or a UTF-8 file),
-    cached on disk; returns it with the seconds the prefill took (0 when cached).
+    cached on disk; returns it with the seconds its prefill took (recorded with the capture, so a cached
+    capture reports the time it took when it was made).
 
     ``loaded``: a callable returning the loaded ``(model, tokenizer)``, called only on a cache miss.
     """
@@ -117,11 +118,14 @@ def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path 
         text, text_name, tag = corpora.load(corpus, cache), corpus, corpus
     path = fetch.cache_dir(cache) / "captures" / f"{model_name}-{tag}-{n}-{positions}.npz"
     if path.exists():
-        return Capture.load(path), 0.0
+        cached = Capture.load(path)
+        return cached, cached.meta.get("prefill_s", 0.0)
     model, tokenizer = loaded() if loaded else models.load(model_name, cache)
     start = time.perf_counter()
-    result = capture(model, window(tokenizer, text, n), positions, meta={"model": model_name, "context": n, "text": text_name})
+    meta = {"model": model_name, "context": n, "text": text_name}
+    result = capture(model, window(tokenizer, text, n), positions, meta=meta)
     seconds = time.perf_counter() - start
+    result.meta["prefill_s"] = round(seconds, 1)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial.npz")
     result.save(partial)
