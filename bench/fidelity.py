@@ -48,7 +48,7 @@ def method_grid(d: int, basis: str) -> list[M.Method]:
     flat = [M.fathom(b) for b in budgets] + [M.fathom_rotated(b) for b in budgets]
     other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, "calibration") for b in (48, 64)]
     grid = flat + other_variance + M.baselines(d) + [M.sparq(16), M.double_sparsity(32)]
-    return list({m.label(d): m for m in reversed(grid)}.values())[::-1]  # one method per label
+    return list({m.label(d): m for m in grid}.values())  # one method per label, in first-seen order
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,7 +209,8 @@ def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, i
              f"Store basis (decided on calibration text): **{summary['basis']}** "
              f"(mean error at {'/'.join(map(str, BASIS_RULE_BUDGETS))} bits: "
              + ", ".join(f"{k} {v:.4f}" for k, v in summary["basis_rule_errors"].items()) + ").",
-             f"Equal-error saving {saving('')}; {saving('_quarter')}.",
+             f"Equal-error saving {saving('')}"
+             + (f"; {saving('_quarter')}." if summary["ds_quarter_label"] != summary["ds_label"] else "."),
              f"fathom@48 {summary['fathom48_error']:.4f} vs sparq@68 {summary['sparq68_error']:.4f}; "
              f"at 48 bits {summary['channels_touched_48']:.1f} of {shape['head_dim']} channels are read, "
              f"{summary['mean_depth_48']:.2f} planes deep on average.", "",
