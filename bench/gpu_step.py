@@ -1,15 +1,20 @@
 """Time one offloaded decode step of one layer on the GPU, stage by stage (SPEC §8).
 
-``python -m bench.gpu_step --out DIR`` (needs a CUDA GPU). Store and K/V rows in
+``python -m bench.gpu_step --out DIR`` (needs a CUDA GPU). K/V rows and landmarks in
 pinned, mapped host memory; Qwen3-8B's shape by default (8 KV heads, G = 4,
 d = 128) at 128k tokens, k = 512. Methods, interleaved step by step (A B A B):
-fathom at B bits (water-filling, σ² from the store) and double-sparsity
-(32 fixed channels at depth 4, 136 bits). Each stage is timed with CUDA events
-on the one stream every kernel runs on; medians of ``--steps`` steps after 2
-warm-ups. Then the transport comparison on double-sparsity's run list (known on
-the host): the zero-copy gather kernel against one ``cudaMemcpyAsync`` per run,
-one ``cudaMemcpyBatchAsync`` for all runs, and one contiguous copy of the same
-bytes (the link's ceiling), plus the gather from an HBM-resident store.
+fathom at B bits (water-filling, σ² from the store), double-sparsity and loki
+(32 channels at depth 4, 136 bits; loki on a rotated cache, the keys' PCA basis),
+sparq (16 query-chosen channels, 68 bits), the 2-bit thumbnail (288 bits),
+landmark (256 bits), oracle (every sealed bf16 K row, 2048 bits) and dense, with
+the store in pinned host memory (the target regime); and fathom and
+double-sparsity again with the store resident in HBM (where fathom is not
+expected to be faster: the scan is compute-bound there). Each stage is timed with
+CUDA events on the one stream every kernel runs on; medians of ``--steps`` steps
+after 2 warm-ups. Then the transport comparison on double-sparsity's run list
+(known on the host): the zero-copy gather kernel against one ``cudaMemcpyAsync``
+per run, one ``cudaMemcpyBatchAsync`` for all runs, and one contiguous copy of
+the same bytes (the link's ceiling), plus the gather from an HBM-resident store.
 
 Writes ``gpu_step_<n/1024>k.json`` and ``.md`` into ``--out``. Keys are random
 with channel standard deviations spread log-uniformly over 2.5 decades.
@@ -81,13 +86,9 @@ def timed_step(decoder: Decoder, q: torch.Tensor, queued: bool) -> tuple[dict[st
 
 def step_bytes(decoder: Decoder) -> tuple[float, float, float]:
     """(scan bytes, row bytes, mean scan bits per token) of the last step, read back after it."""
-    depths = decoder.depths.cpu().numpy().astype(np.int64)
-    n_blocks = decoder.cache.layer(0).n_blocks
-    scan = float((depths.sum() * 8 + (depths > 0).sum() * 2) * n_blocks)
-    rows = float(decoder.n_rows.cpu().numpy().sum() * row_bytes(decoder.cache.shape.head_dim))
-    bits = float((depths.sum(-1) + 0.25 * (depths > 0).sum(-1)).mean())
-    return scan, rows, bits
-
+    scan = decoder.scan_nbytes(0)
+    tokens = decoder.streams * decoder.cache.layer(0).n_blocks * BLOCK
+    return scan, decoder.row_nbytes(), scan * 8 / tokens
 
 def host_runs(cache: OffloadedCache, depths: np.ndarray, staged_ptr: int) -> list[tuple[int, int, int]]:
     """(dst, src, bytes) of every run of ``depths [S·H, d]`` (planes, then scales), compact like the kernel."""
@@ -183,27 +184,51 @@ def transport(cache: OffloadedCache, decoder: Decoder, steps: int) -> dict:
     return out
 
 
-def build(args) -> tuple[OffloadedCache, torch.Tensor, np.ndarray]:
+def build(args) -> tuple[dict[str, OffloadedCache], torch.Tensor, np.ndarray]:
+    """Caches of the same keys and values: raw store in host memory, raw store in HBM, rotated store in host
+    memory (the PCA basis of each head's first chunk of keys, by decreasing variance)."""
     torch.manual_seed(0)
     s = CacheShape(sessions=1, layers=1, kv_heads=args.kv_heads, head_dim=args.head_dim,
                    max_tokens=args.tokens + BLOCK)
-    cache = OffloadedCache(s)
     std = torch.exp(torch.empty(s.kv_heads, s.head_dim, device="cuda").uniform_(np.log(0.05), np.log(15.0)))
     chunk = 8192
+    caches: dict[str, OffloadedCache] = {}
     for start in range(0, args.tokens, chunk):
         m = min(chunk, args.tokens - start)
         k = torch.randn(1, s.kv_heads, m, s.head_dim, device="cuda") * std[None, :, None, :]
         v = torch.randn(1, s.kv_heads, m, s.head_dim, device="cuda")
-        cache.append(0, k, v)
+        if not caches:
+            keys = k[0].double().cpu().numpy()
+            cov = np.einsum("hni,hnj->hij", keys, keys) / m
+            basis = np.linalg.eigh(cov)[1][..., ::-1][None]  # [1, H, d, d], columns by decreasing variance
+            caches = {"host": OffloadedCache(s), "hbm": OffloadedCache(CacheShape(**{**vars(s), "store": "device"})),
+                      "rotated": OffloadedCache(s, basis=np.ascontiguousarray(basis))}
+        for cache in caches.values():
+            cache.append(0, k, v)
     torch.cuda.synchronize()
     q = torch.randn(1, s.kv_heads * args.group, s.head_dim, device="cuda")
     ds_rank = torch.argsort(std, dim=1, descending=True).cpu().numpy()[None]  # DS: largest mean|k| first
-    return cache, q, ds_rank
+    return caches, q, ds_rank
+
+
+def decoders(args, caches: dict[str, OffloadedCache], ds_rank: np.ndarray) -> dict[str, Decoder]:
+    """Every timed (method, store) pair, named ``label`` (host store) or ``label (HBM store)``."""
+    d, sel = args.head_dim, Selection(k=args.k)
+    host = [(methods.fathom(args.budget), "host"), (methods.double_sparsity(d // 4), "host"),
+            (methods.sparq(d // 8), "host"), (methods.loki(d // 4), "rotated"), (methods.thumbnail(2), "host"),
+            (methods.landmark(), "host"), (methods.oracle(), "host"), (methods.dense(), "host"),
+            (methods.fathom(args.budget), "hbm"), (methods.double_sparsity(d // 4), "hbm")]
+    out = {}
+    for method, where in host:
+        name = method.label(d) + (" (HBM store)" if where == "hbm" else "")
+        out[name] = Decoder(caches[where], DecoderSettings(method, sel), args.group, ds_rank=ds_rank)
+    return out
 
 
 def markdown(result: dict) -> str:
-    lines = [(f"One layer, {result['config']['tokens']} tokens, {result['device']}; store and K/V rows in pinned "
-              f"host memory; median of {result['config']['steps']} steps. Stages: GPU time (µs, CUDA events with "
+    lines = [(f"One layer, {result['config']['tokens']} tokens, {result['device']}; K/V rows and landmarks in pinned "
+              "host memory, the bit-plane store too unless marked (HBM store); median of "
+              f"{result['config']['steps']} steps, methods interleaved. Stages: GPU time (µs, CUDA events with "
               "the step queued behind a sleep kernel); wall: host time of an unqueued step (µs)."), "",
              "| method | bits/token | " + " | ".join(STAGES) + " | GPU total | wall | scan MB | scan GB/s | "
              "rows MB | rows GB/s |", "|" + " --- |" * (len(STAGES) + 8)]
@@ -212,6 +237,14 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {m['bits_per_token']:.1f} | {stages} | {m['gpu_us']:.0f} | {m['wall_us']:.0f} | "
                      f"{m['scan_bytes'] / 1e6:.2f} | {m['scan_GBps']:.1f} | {m['row_bytes'] / 1e6:.2f} | "
                      f"{m['rows_GBps']:.1f} |")
+    ms = result["methods"]
+    ratios = [f"{ms[ds + where]['gpu_us'] / ms[fa + where]['gpu_us']:.2f}× with the store in {memory}"
+              for fa in ms if fa.startswith("fathom@") and "(" not in fa
+              for ds in ms if ds.startswith("double-sparsity@") and "(" not in ds
+              for where, memory in (("", "host memory"), (" (HBM store)", "HBM"))
+              if fa + where in ms and ds + where in ms]
+    if ratios:
+        lines += ["", "GPU time of double-sparsity over fathom: " + ", ".join(ratios) + "."]
     t = result["transport"]
     lines += ["", (f"Transport of double-sparsity's scan: {t['bytes'] / 1e6:.2f} MB in {t['copies']} runs "
                   "(planes and scales separately)."), "", "| transport | µs | GB/s |", "| --- | --- | --- |"]
@@ -233,38 +266,37 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     command = "python -m bench.gpu_step " + shlex.join(sys.argv[1:] if argv is None else argv)
 
-    cache, q, ds_rank = build(args)
-    sel = Selection(k=args.k)
-    decoders = {f"fathom@{args.budget:g}": Decoder(cache, DecoderSettings(methods.fathom(args.budget), sel),
-                                                   args.group),
-                "double-sparsity@136": Decoder(cache, DecoderSettings(methods.double_sparsity(args.head_dim // 4),
-                                                                      sel), args.group, ds_rank=ds_rank)}
-    samples = {name: {"gpu": [], "host": []} for name in decoders}
+    caches, q, ds_rank = build(args)
+    timed = decoders(args, caches, ds_rank)
+    samples = {name: {"gpu": [], "host": []} for name in timed}
     for i in range(args.steps + WARMUP):
-        for name, decoder in decoders.items():  # A B A B
+        for name, decoder in timed.items():  # A B A B
             for mode, queued in (("host", False), ("gpu", True)):
                 stages, wall = timed_step(decoder, q, queued)
                 if i >= WARMUP:
                     samples[name][mode].append((stages, wall))
     result = {"device": torch.cuda.get_device_name(), "config": vars(args) | {"out": None}, "methods": {}}
-    for name, decoder in decoders.items():
+    for name, decoder in timed.items():
         gpu, host = samples[name]["gpu"], samples[name]["host"]
         stages = {s: statistics.median(x[0][s] for x in gpu) for s in STAGES}
         scan, rows, bits = step_bytes(decoder)
         result["methods"][name] = {
-            "stages_us": stages, "gpu_us": statistics.median(sum(x[0].values()) for x in gpu),
+            "store": decoder.cache.shape.store, "stages_us": stages,
+            "gpu_us": statistics.median(sum(x[0].values()) for x in gpu),
             "wall_us": statistics.median(x[1] for x in host),
             "host_bound_stages_us": {s: statistics.median(x[0][s] for x in host) for s in STAGES},
             "scan_bytes": scan, "row_bytes": rows, "bits_per_token": bits,
-            "rows_per_kv_head": rows / row_bytes(args.head_dim) / cache.shape.streams,
-            "scan_GBps": scan / stages["gather"] / 1e3, "rows_GBps": rows / stages["rows"] / 1e3}
-    result["transport"] = transport(cache, decoders["double-sparsity@136"], args.steps)
+            "rows_per_kv_head": rows / row_bytes(args.head_dim) / decoder.streams,
+            "scan_GBps": scan / max(stages["gather"], 1e-3) / 1e3, "rows_GBps": rows / stages["rows"] / 1e3}
+    result["transport"] = transport(caches["host"], timed[methods.double_sparsity(args.head_dim // 4).label(
+        args.head_dim)], args.steps)
     name = f"gpu_step_{args.tokens // 1024}k"
     write_json(args.out / f"{name}.json", command, result)
     table = markdown(result)
     (args.out / f"{name}.md").write_text(table)
     print(table)
-    cache.close()
+    for cache in caches.values():
+        cache.close()
 
 
 if __name__ == "__main__":

@@ -119,14 +119,18 @@ def build_runs(depths, n_blocks: int, cap: int, n_seg: int, max_planes: int, max
     if runs.shape != (n_streams * d * n_seg, RUN_FIELDS):
         raise ValueError(f"runs must have shape {(n_streams * d * n_seg, RUN_FIELDS)}, got {runs.shape}")
     if n_streams:
-        _build_runs_kernel[n_streams, threads](depths, n_blocks, cap, n_seg, max_planes, max_channels,
-                                               runs, plane_row, scale_row, active, n_active)
+        _build_runs_kernel[n_streams, min(threads, d * n_seg)](depths, n_blocks, cap, n_seg, max_planes,
+                                                               max_channels, runs, plane_row, scale_row, active,
+                                                               n_active)
 
 
 def gather_runs(runs, src_planes, src_scales, cap: int, n_blocks: int, dst_planes, dst_scales,
                 threads: int = COPY_THREADS, chunks: int = COPY_CHUNKS) -> None:
     """Copy every active run (1-D views of the store and staging buffers) in one launch."""
-    if runs.shape[0]:
+    longest = PLANES * min(n_blocks, cap)  # words of the longest run: no CUDA block is left without any
+    threads = min(threads, max(longest, 1))
+    chunks = min(chunks, math.ceil(longest / threads))
+    if runs.shape[0] and chunks:
         _gather_runs_kernel[(runs.shape[0], chunks), threads](runs, src_planes, src_scales, cap, n_blocks,
                                                               dst_planes, dst_scales)
 

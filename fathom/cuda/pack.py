@@ -64,7 +64,7 @@ def _pack_kernel(keys, key_bits, planes, scales, block0, scale_sq_sum):
         cuda.atomic.add(scale_sq_sum, (s, c), np.float64(scale) * np.float64(scale))
 
 
-def pack(keys, planes, scales, block0: int = 0, scale_sq_sum=None, threads: int = THREADS) -> None:
+def pack(keys, planes, scales, block0: int = 0, scale_sq_sum=None, stream=0, threads: int = THREADS) -> None:
     """Quantize ``keys`` and write their planes and fp16 scale bits into a store, on the GPU.
 
     Args:
@@ -74,6 +74,7 @@ def pack(keys, planes, scales, block0: int = 0, scale_sq_sum=None, threads: int 
         scales: uint16 ``[S, d, cap]``: fp16 bit patterns (``.view(np.float16)`` on the host).
         block0: first block (column) written.
         scale_sq_sum: optional float64 ``[S, d]`` to which each new block's ``s²`` is added.
+        stream: the CUDA stream of the launch (0: the default stream).
     """
     n_streams, n, d = keys.shape
     if keys.dtype != np.float32 or n % BLOCK:
@@ -91,4 +92,4 @@ def pack(keys, planes, scales, block0: int = 0, scale_sq_sum=None, threads: int 
     if nb == 0:
         return
     grid = (math.ceil(d / threads), nb, n_streams)
-    _pack_kernel[grid, min(threads, d)](keys, keys.view(np.uint32), planes, scales, block0, scale_sq_sum)
+    _pack_kernel[grid, min(threads, d), stream](keys, keys.view(np.uint32), planes, scales, block0, scale_sq_sum)

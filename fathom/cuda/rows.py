@@ -1,5 +1,5 @@
-"""K/V rows in (mapped, pinned) host memory: the gather of the selected rows (SPEC §8 step 5)
-and the append of new rows.
+"""K/V rows in (mapped, pinned) host memory: the gather of the selected rows (SPEC §8 step 5),
+the staging of the first rows of every stream (the scan of landmark and oracle) and the append of new rows.
 
 Rows are bf16 stored as raw 16-bit words and moved as 8-byte words (``d % 4 == 0``),
 consecutive threads on consecutive words, so a warp moves whole 256-byte rows.
@@ -65,13 +65,38 @@ def _words(rows):
     return rows.reshape(rows.size).view(np.uint64)
 
 
-def store_rows(src, dst, first_row: int, threads: int = 256) -> None:
-    """Write ``src`` 16-bit ``[S, m, d]`` (contiguous) into rows ``first_row .. first_row + m`` of ``dst [S, T, d]``."""
+@cuda.jit
+def _stage_rows_kernel(src, dst, words, src_words, dst_words):
+    """The first ``words`` 8-byte words of each stream: src [S·src_words] -> dst [S·dst_words]."""
+    g = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < words:
+        dst[g * dst_words + i] = src[g * src_words + i]
+
+
+def stage_rows(src, dst, rows: int, threads: int = 256) -> None:
+    """Copy rows ``0 .. rows`` of every stream of ``src`` 16-bit ``[S, T, d]`` (host-mapped or device) into
+    ``dst [S, ≥ rows, d]`` (device), coalesced 8-byte words: the whole-prefix read of landmark and oracle."""
+    streams, tokens, d = src.shape
+    if src.dtype.itemsize != 2 or dst.dtype.itemsize != 2 or d % 4 or dst.shape[0] != streams \
+            or dst.shape[2] != d or not 0 <= rows <= min(tokens, dst.shape[1]):
+        raise ValueError(f"cannot stage {rows} 16-bit rows of {src.shape} into {dst.shape} (d % 4 == 0)")
+    words = rows * d // 4
+    if streams and words:
+        threads = min(threads, words)
+        _stage_rows_kernel[(math.ceil(words / threads), streams), threads](
+            _words(src), _words(dst), words, tokens * d // 4, dst.shape[1] * d // 4)
+
+
+def store_rows(src, dst, first_row: int, stream=0, threads: int = 256) -> None:
+    """Write ``src`` 16-bit ``[S, m, d]`` (contiguous) into rows ``first_row .. first_row + m`` of ``dst [S, T, d]``,
+    on ``stream``."""
     streams, m, d = src.shape
     if src.dtype.itemsize != 2 or dst.dtype.itemsize != 2 or dst.shape[0] != streams or dst.shape[2] != d or d % 4 \
             or not 0 <= first_row <= dst.shape[1] - m:
         raise ValueError(f"cannot store 16-bit rows {src.shape} at row {first_row} of {dst.shape}")
     if src.size:
         words = _words(src)
-        _store_rows_kernel[math.ceil(words.shape[0] / threads), threads](words, _words(dst), first_row, m, d // 4,
-                                                                         dst.shape[1])
+        threads = min(threads, words.shape[0])  # a small append launches no idle threads
+        _store_rows_kernel[math.ceil(words.shape[0] / threads), threads, stream](words, _words(dst), first_row, m,
+                                                                                 d // 4, dst.shape[1])

@@ -308,8 +308,9 @@ def select(scores, n_scored: int, n: int, k: int, sink: int, local: int, top_his
         chunks = (math.ceil((hi - lo) / per_block), heads, groups)
         _top_digit_kernel[chunks, threads](bits, lo, hi, top_hist)
         _candidates_kernel[chunks, threads](bits, lo, hi, k, top_hist, winners, cand_key, cand_idx, cand_count)
-    # one block per head: as many threads as a block may have, the grid being small
-    _select_kernel[(heads, groups), select_threads](lo, hi, k, top_hist, cand_key, cand_idx, cand_count, winners)
+    # one block per head: as many threads as a block may have (the grid being small), but no more than tokens
+    _select_kernel[(heads, groups), max(1, min(select_threads, hi - lo))](lo, hi, k, top_hist, cand_key, cand_idx,
+                                                                          cand_count, winners)
 
 
 def union_rows(winners, heads: int, n_scored: int, n: int, sink: int, local: int, block_rows,

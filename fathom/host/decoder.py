@@ -3,17 +3,21 @@
 
 Steps, each a public method so they can be timed one by one (``run`` calls them in order):
 
+0. :meth:`Decoder.check`   validate the input, wait (on the GPU) for the layer's appends, rotate the query
+   into the store's basis (``q @ R``, rotated store only);
 1. :meth:`Decoder.plan`    depths ``int8 [S·H, d]`` on the GPU (water-filling, or the method's fixed policy);
-2. :meth:`Decoder.stage`   run list from the depths + zero-copy gather of the runs into HBM;
-3. :meth:`Decoder.scan`    approximate scores of every query head;
+2. :meth:`Decoder.stage`   run list from the depths + zero-copy gather of the runs into HBM (plane methods),
+   or of every sealed landmark (landmark) or K row (oracle);
+3. :meth:`Decoder.scan`    scores of every query head over the sealed tokens;
 4. :meth:`Decoder.select`  top-k per head (+ sink, local, tail), then :meth:`Decoder.union` of rows per KV head;
 5. :meth:`Decoder.fetch`   the union's K and V rows from pinned host memory;
 6. :meth:`Decoder.attend`  exact attention of each head over its own selection (torch).
 
 No step waits for the host: all sizes are fixed by the settings and the token count.
-Supported methods (``fathom.methods``): plane scorers on the raw basis — fathom
-(water-filling, σ² from the store or calibration), sparq, double-sparsity,
-thumbnail. Rotated stores, landmark, oracle and dense are not on the GPU path.
+Every method of ``fathom.methods`` runs: plane scorers (fathom with a flat budget or a per-layer plan,
+σ² from the store or calibration; fathom-rotated and loki on a cache made with a basis; sparq,
+double-sparsity, thumbnail), landmark, oracle (exact scores over the sealed K rows) and dense (plan,
+stage, scan and top-k skipped: the union keeps every row).
 """
 
 from __future__ import annotations
@@ -25,18 +29,23 @@ import numpy as np
 import torch
 
 from fathom import methods
+from fathom.bits import row_bytes
 from fathom.cuda.attention import selected_attention
+from fathom.cuda.exact import row_scores
 from fathom.cuda.gather import Staging, budget_capacity, staging_capacity
 from fathom.cuda.interop import DEVICE, as_array
+from fathom.cuda.plan import THREADS as PLAN_THREADS
 from fathom.cuda.plan import waterfill
-from fathom.cuda.rows import gather_rows
+from fathom.cuda.rows import gather_rows, stage_rows
 from fathom.cuda.scan import approx_scores
 from fathom.cuda.topk import select, union_rows
 from fathom.host.cache import OffloadedCache
 from fathom.quantize import BLOCK, MAX_DEPTH
+from fathom.scoring import LANDMARK_TOKENS
 from fathom.selection import Selection
 
 ROWS_PER_BLOCK = 4096  # tokens per block of the row compaction
+WATERFILL = (methods.Waterfill, methods.LayerWaterfill)
 
 
 @dataclass(frozen=True)
@@ -50,9 +59,6 @@ class DecoderSettings:
     threads: int = 256
 
     def __post_init__(self):
-        m = self.method
-        if m.scorer != "planes" or m.basis != "raw":
-            raise ValueError(f"method {m.name!r} is not on the GPU path (plane scorers on the raw basis only)")
         if not 1 <= self.threads <= 1024:
             raise ValueError(f"threads must lie in 1..1024, got {self.threads}")
 
@@ -61,10 +67,11 @@ class Decoder:
     """Sparse decode over an :class:`OffloadedCache` for query groups of ``group`` heads per KV head.
 
     Args:
-        cache: the offloaded cache (its sessions, layers, KV heads and head dim).
+        cache: the offloaded cache (its sessions, layers, KV heads, head dim and store basis).
         settings: :class:`DecoderSettings`.
         group: query heads per KV head (G).
-        sigma2: calibration variances ``[L, H, d]`` (needed for fathom with ``variance='calibration'``).
+        sigma2: calibration variances ``[L, H, d]`` in the store's basis (needed for fathom with
+            ``variance='calibration'``).
         ds_rank: Double Sparsity's offline channel order ``[L, H, d]`` (needed for double-sparsity).
     """
 
@@ -75,24 +82,42 @@ class Decoder:
             raise ValueError(f"group must lie in 1..16 query heads per KV head, got {group}")
         self.cache, self.settings, self.group = cache, settings, group
         self.streams, d = shape.streams, shape.head_dim
-        policy = settings.method.policy
+        method = settings.method
+        policy = method.policy
+        held = "rotated" if cache.rotated else "raw"
+        if method.scorer == "planes" and method.basis != held:
+            raise ValueError(f"method {method.name!r} scans the {method.basis} store but the cache holds the "
+                             f"{held} store (make the cache {'with' if method.basis == 'rotated' else 'without'} "
+                             f"a basis)")
+        if isinstance(policy, methods.LayerWaterfill) and len(policy.budgets) != shape.layers:
+            raise ValueError(f"method {method.name!r} has {len(policy.budgets)} per-layer budgets for a cache of "
+                             f"{shape.layers} layers")
         self._sigma2 = None
         self._fixed = None
-        if isinstance(policy, methods.Waterfill):
-            capacity = budget_capacity(policy.budget, d)
+        self.staging = None
+        self.staged_rows = None
+        if isinstance(policy, WATERFILL):
+            budget = policy.budget if isinstance(policy, methods.Waterfill) else max(policy.budgets)
+            capacity = budget_capacity(budget, d)
             if policy.variance == "calibration":
                 self._sigma2 = self._per_stream("sigma2", sigma2, np.float64)
         elif isinstance(policy, methods.QueryTopChannels):
             capacity = staging_capacity(MAX_DEPTH * policy.r, policy.r, d)
-        else:
+        elif policy is not None:
             fixed = self._fixed_depths(policy, ds_rank)  # [L, H, d]
             capacity = staging_capacity(int(fixed.sum(-1).max()), int((fixed > 0).sum(-1).max()), d)
             self._fixed = torch.as_tensor(np.repeat(fixed[:, None], shape.sessions, 1).reshape(
                 shape.layers, self.streams, d), device=DEVICE)
-        self.staging = Staging(self.streams, d, shape.segments, shape.segment_blocks, *capacity,
-                               copy_threads=settings.threads)
+        if policy is not None:
+            self.staging = Staging(self.streams, d, shape.segments, shape.segment_blocks, *capacity,
+                                   copy_threads=settings.threads)
+        elif method.scorer in ("landmark", "exact"):
+            per_row = LANDMARK_TOKENS if method.scorer == "landmark" else 1
+            self.staged_rows = torch.zeros((self.streams, shape.max_tokens // per_row, d), dtype=torch.int16,
+                                           device=DEVICE)
         sel = settings.selection
-        self.max_rows = min(group * sel.k + sel.sink + sel.local + BLOCK - 1, shape.max_tokens)
+        sparse_rows = min(group * sel.k + sel.sink + sel.local + BLOCK - 1, shape.max_tokens)
+        self.max_rows = shape.max_tokens if method.scorer == "dense" else sparse_rows
         self.depths = torch.zeros((self.streams, d), dtype=torch.int8, device=DEVICE)
         self.scores = torch.zeros((self.streams, group, shape.max_tokens), dtype=torch.float32, device=DEVICE)
         self.top_hist = torch.zeros((self.streams, group, 256), dtype=torch.int32, device=DEVICE)
@@ -108,8 +133,8 @@ class Decoder:
         self.k_rows = torch.zeros((self.streams, self.max_rows, d), dtype=torch.int16, device=DEVICE)
         self.v_rows = torch.zeros_like(self.k_rows)
         self._arrays = {name: as_array(getattr(self, name)) for name in
-                        ("depths", "scores", "top_hist", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "k_rows",
-                         "v_rows")}
+                        ("depths", "scores", "top_hist", "cand_idx", "cand_count", "block_rows", "row_index",
+                         "head_mask", "n_rows", "k_rows", "v_rows")}
         self._arrays["winners"] = as_array(self.winners).view(np.uint32)
         self._arrays["cand_key"] = as_array(self.cand_key).view(np.uint32)
 
@@ -121,12 +146,13 @@ class Decoder:
         return torch.as_tensor(per_stream, device=DEVICE)
 
     def _fixed_depths(self, policy, ds_rank: np.ndarray | None) -> np.ndarray:
-        """Depths ``int8 [L, H, d]`` of a query-independent policy (double-sparsity, thumbnail)."""
+        """Depths ``int8 [L, H, d]`` of a query-independent policy (double-sparsity, loki, thumbnail)."""
         s = self.cache.shape
         shape = (s.layers, s.kv_heads, s.head_dim)
-        if isinstance(policy, methods.FixedChannels) and (ds_rank is None or np.shape(ds_rank) != shape):
+        ranked = isinstance(policy, methods.FixedChannels) and policy.ranking == "double-sparsity"
+        if ranked and (ds_rank is None or np.shape(ds_rank) != shape):
             raise ValueError(f"ds_rank must have shape {shape} for double-sparsity")
-        ranks = np.broadcast_to(np.arange(s.head_dim), shape) if ds_rank is None else np.asarray(ds_rank)
+        ranks = np.asarray(ds_rank) if ranked else np.broadcast_to(np.arange(s.head_dim), shape)
         no_query = np.zeros((self.group, s.head_dim), np.float32)
         return np.array([[policy.depths(no_query, methods.HeadStats(np.ones(s.head_dim), ranks[layer, h]))
                           for h in range(s.kv_heads)] for layer in range(s.layers)], np.int8)
@@ -134,7 +160,8 @@ class Decoder:
     # -- the step -------------------------------------------------------------------------------------------
 
     def check(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Validate a step's input before any kernel runs; ``q [S, H·G, d]`` -> float32 ``[S·H, G, d]``."""
+        """Validate a step's input before any kernel runs, and order the step after the layer's appends (on the
+        GPU); ``q [S, H·G, d]`` -> float32 ``[S·H, G, d]`` (raw basis)."""
         s = self.cache.shape
         if not 0 <= layer < s.layers:
             raise ValueError(f"layer must lie in 0..{s.layers - 1}, got {layer}")
@@ -148,39 +175,63 @@ class Decoder:
         n = self.cache.n_tokens(layer)
         if self.settings.selection.k > n:
             raise ValueError(f"k = {self.settings.selection.k} exceeds the context of {n} tokens")
+        self.cache.wait(layer)
         return q.reshape(self.streams, self.group, s.head_dim).float().contiguous()
 
     def plan(self, layer: int, q: torch.Tensor) -> None:
+        """The query in the store's basis (``self.q_store``) and the depths of a plane method."""
         policy = self.settings.method.policy
-        if isinstance(policy, methods.Waterfill):
+        basis = self.cache.layer(layer).basis
+        self.q_store = q if basis is None or policy is None else torch.bmm(q, basis)
+        if isinstance(policy, WATERFILL):
+            budget = policy.budget if isinstance(policy, methods.Waterfill) else policy.budgets[layer]
             sigma2 = self.cache.store_variance(layer) if self._sigma2 is None else self._sigma2[layer]
-            waterfill(as_array(q), as_array(sigma2.contiguous()), policy.budget, self._arrays["depths"])
+            waterfill(as_array(self.q_store), as_array(sigma2.contiguous()), budget, self._arrays["depths"],
+                      min(self.settings.threads, PLAN_THREADS, self.cache.shape.head_dim))
         elif isinstance(policy, methods.QueryTopChannels):
-            order = torch.sort(q.abs().sum(dim=1), dim=1, descending=True, stable=True).indices[:, :policy.r]
-            self.depths.zero_().scatter_(1, order, MAX_DEPTH)
-        else:
+            order = torch.sort(self.q_store.abs().sum(dim=1), dim=1, descending=True, stable=True).indices
+            self.depths.zero_().scatter_(1, order[:, :policy.r], MAX_DEPTH)
+        elif policy is not None:
             self.depths.copy_(self._fixed[layer])
 
     def stage(self, layer: int) -> None:
-        store = self.cache.layer(layer)
-        self.staging.stage(self._arrays["depths"], store.planes_dev.reshape(store.planes_dev.size),
-                           store.scales_dev.reshape(store.scales_dev.size), store.n_blocks)
+        """What the scan reads, into HBM: the active runs (planes), every sealed landmark, or every sealed K row."""
+        store, scorer = self.cache.layer(layer), self.settings.method.scorer
+        if self.staging is not None:
+            self.staging.stage(self._arrays["depths"], store.planes_dev.reshape(store.planes_dev.size),
+                               store.scales_dev.reshape(store.scales_dev.size), store.n_blocks)
+        elif scorer == "landmark":
+            stage_rows(store.marks_dev, as_array(self.staged_rows), store.n_blocks * BLOCK // LANDMARK_TOKENS,
+                       self.settings.threads)
+        elif scorer == "exact":
+            stage_rows(store.keys_dev, as_array(self.staged_rows), store.n_blocks * BLOCK, self.settings.threads)
 
     def scan(self, layer: int, q: torch.Tensor) -> None:
-        st = self.staging
-        approx_scores(as_array(q), self._arrays["depths"], st.active, st.n_active, st.plane_row, st.scale_row,
-                      st.planes, st.scales, st.max_planes, st.max_channels, self.cache.layer(layer).n_blocks,
-                      self._arrays["scores"], self.settings.threads)
+        """Scores ``self.scores [S·H, G, n_sealed]`` of the sealed tokens (after :meth:`plan` and :meth:`stage`)."""
+        n_blocks, scorer = self.cache.layer(layer).n_blocks, self.settings.method.scorer
+        if self.staging is not None:
+            st = self.staging
+            approx_scores(as_array(self.q_store), self._arrays["depths"], st.active, st.n_active, st.plane_row,
+                          st.scale_row, st.planes, st.scales, st.max_planes, st.max_channels, n_blocks,
+                          self._arrays["scores"], self.settings.threads)
+        elif scorer == "landmark":
+            row_scores(q, self.staged_rows, n_blocks * BLOCK // LANDMARK_TOKENS, torch.float16, LANDMARK_TOKENS,
+                       self.scores)
+        elif scorer == "exact":
+            row_scores(q, self.staged_rows, n_blocks * BLOCK, torch.bfloat16, 1, self.scores)
 
     def select(self, layer: int) -> None:
         store, sel, a = self.cache.layer(layer), self.settings.selection, self._arrays
+        if self.settings.method.scorer == "dense":
+            return
         select(a["scores"], store.n_blocks * BLOCK, store.n_tokens, sel.k, sel.sink, sel.local, a["top_hist"],
                a["cand_key"], a["cand_idx"], a["cand_count"], a["winners"], self.settings.threads,
                select_threads=min(4 * self.settings.threads, 1024))
 
     def union(self, layer: int) -> None:
         store, sel, a = self.cache.layer(layer), self.settings.selection, self._arrays
-        union_rows(a["winners"], self.group, store.n_blocks * BLOCK, store.n_tokens, sel.sink, sel.local,
+        scored = 0 if self.settings.method.scorer == "dense" else store.n_blocks * BLOCK  # dense: all rows kept
+        union_rows(a["winners"], self.group, scored, store.n_tokens, sel.sink, sel.local,
                    a["block_rows"], a["row_index"], a["head_mask"], a["n_rows"], self.settings.threads,
                    ROWS_PER_BLOCK)
 
@@ -204,6 +255,19 @@ class Decoder:
         out = selected_attention(q, self.k_rows.view(torch.bfloat16), self.v_rows.view(torch.bfloat16),
                                  self.head_mask, self.n_rows, scale)
         return out.reshape(s.sessions, s.kv_heads * self.group, s.head_dim)
+
+    def scan_nbytes(self, layer: int) -> float:
+        """Bytes the last step's scan read from the store (planes + scales, landmarks or K rows): a host sync."""
+        store, scorer, d = self.cache.layer(layer), self.settings.method.scorer, self.cache.shape.head_dim
+        if self.staging is not None:
+            depths = self.depths.cpu().numpy().astype(np.int64)
+            return float((depths.sum() * 8 + (depths > 0).sum() * 2) * store.n_blocks)
+        per_token = {"landmark": 2 * d / LANDMARK_TOKENS, "exact": 2 * d, "dense": 0.0}[scorer]
+        return float(self.streams * store.n_blocks * BLOCK * per_token)
+
+    def row_nbytes(self) -> float:
+        """Bytes of K and V rows the last step fetched: a host sync."""
+        return float(self.n_rows.cpu().numpy().sum() * row_bytes(self.cache.shape.head_dim))
 
     def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """One decode step of ``layer``: ``q [S, H·G, d]`` -> float32 attention output ``[S, H·G, d]``."""

@@ -1,9 +1,9 @@
-"""fathom.cuda.rows: the row gather of listed rows and the append of new rows."""
+"""fathom.cuda.rows: the row gather of listed rows, the staging of the first rows and the append of new rows."""
 
 import numpy as np
 from numba import cuda
 
-from fathom.cuda.rows import gather_rows, store_rows
+from fathom.cuda.rows import gather_rows, stage_rows, store_rows
 
 
 def test_gather_rows_copies_listed_rows():
@@ -32,3 +32,13 @@ def test_store_rows_appends_after_the_held_rows():
     store_rows(cuda.to_device(src), dst_dev, 11, threads=8)
     dst[:, 11:16] = src
     np.testing.assert_array_equal(dst_dev.copy_to_host(), dst)
+
+
+def test_stage_rows_copies_the_first_rows_of_every_stream():
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 2**16, (2, 30, 8)).astype(np.uint16)
+    dst = cuda.to_device(np.zeros((2, 24, 8), np.uint16))
+    stage_rows(cuda.to_device(src), dst, 17, threads=8)
+    want = np.zeros((2, 24, 8), np.uint16)
+    want[:, :17] = src[:, :17]
+    np.testing.assert_array_equal(dst.copy_to_host(), want)
