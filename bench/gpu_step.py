@@ -16,13 +16,16 @@ after 2 warm-ups. Then the transport comparison on double-sparsity's run list
 per run, one ``cudaMemcpyBatchAsync`` for all runs, and one contiguous copy of
 the same bytes (the link's ceiling), plus the gather from an HBM-resident store.
 
-Writes ``gpu_step_<n/1024>k.json`` and ``.md`` into ``--out``. Keys are random
-with channel standard deviations spread log-uniformly over 2.5 decades.
+Writes ``gpu_step_<n/1024>k.json``, ``.md`` and ``.png`` (GPU time per stage)
+into ``--out``; ``--replot JSON`` remakes the table and plot from a result on any
+machine. Keys are synthetic: random, with channel standard deviations spread
+log-uniformly over 2.5 decades (not real captures).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import statistics
 import sys
@@ -33,7 +36,7 @@ import numpy as np
 import torch
 from numba import cuda
 
-from bench.report import write_json
+from bench.report import RESULTS, write_json
 from fathom import methods
 from fathom.bits import row_bytes
 from fathom.cuda.gather import gather_runs
@@ -253,9 +256,36 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: Path) -> None:
+    """Stacked GPU time per stage of every timed method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in result["methods"] if n != "dense"]  # dense is 20x the others: in the table only
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    left = np.zeros(len(names))
+    for stage in STAGES:
+        widths = np.array([result["methods"][n]["stages_us"][stage] for n in names])
+        ax.barh(names, widths, left=left, label=stage)
+        left += widths
+    ax.invert_yaxis()
+    ax.set_xlabel("GPU time of one layer's decode step (µs)")
+    cfg = result["config"]
+    ax.set_title(f"{result['device']}: one layer, {cfg['tokens']} tokens, {cfg['kv_heads']} KV heads, "
+                 f"G = {cfg['group']}, d = {cfg['head_dim']}, k = {cfg['k']} (synthetic keys)", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_step", description=__doc__)
-    parser.add_argument("--out", type=Path, required=True)
+    parser = argparse.ArgumentParser(prog="python -m bench gpu-step", description=__doc__)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--replot", type=Path, default=None, help="remake .md and .png from this JSON (no GPU)")
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
@@ -264,7 +294,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=48.0)
     parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args(argv)
-    command = "python -m bench.gpu_step " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.replot is not None:
+        result = json.loads(args.replot.read_text())
+        args.replot.with_suffix(".md").write_text(markdown(result))
+        plot(result, args.replot.with_suffix(".png"))
+        return
+    command = "python -m bench gpu-step " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     caches, q, ds_rank = build(args)
     timed = decoders(args, caches, ds_rank)
@@ -294,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     write_json(args.out / f"{name}.json", command, result)
     table = markdown(result)
     (args.out / f"{name}.md").write_text(table)
+    plot(result, args.out / f"{name}.png")
     print(table)
     for cache in caches.values():
         cache.close()
