@@ -220,20 +220,27 @@ def _row_heads(winners, g, j, n, n_scored, sink, local, all_heads):
     return winners[g, j]
 
 
+@cuda.jit(device=True)
+def _thread_rows(winners, g, t, n, n_scored, sink, local, all_heads, per_block):
+    """This thread's token range in its block of per_block tokens, and how many rows it keeps there."""
+    per_thread = (per_block + cuda.blockDim.x - 1) // cuda.blockDim.x
+    start = cuda.blockIdx.x * per_block + t * per_thread
+    stop = min(start + per_thread, (cuda.blockIdx.x + 1) * per_block, n)
+    kept = 0
+    for j in range(start, stop):
+        if _row_heads(winners, g, j, n, n_scored, sink, local, all_heads):
+            kept += 1
+    return start, stop, kept
+
+
 @cuda.jit
 def _count_rows_kernel(winners, n, n_scored, sink, local, all_heads, per_block, block_rows):
     """Rows kept in each block of per_block tokens: block_rows int32 [groups, blocks]."""
     g = cuda.blockIdx.y
     t = cuda.threadIdx.x
     counts = cuda.shared.array(MAX_THREADS, np.int32)
-    per_thread = (per_block + cuda.blockDim.x - 1) // cuda.blockDim.x
-    start = cuda.blockIdx.x * per_block + t * per_thread
-    stop = min(start + per_thread, (cuda.blockIdx.x + 1) * per_block, n)
-    mine = 0
-    for j in range(start, stop):
-        if _row_heads(winners, g, j, n, n_scored, sink, local, all_heads):
-            mine += 1
-    counts[t] = mine
+    _, _, kept = _thread_rows(winners, g, t, n, n_scored, sink, local, all_heads, per_block)
+    counts[t] = kept
     _, total = _block_exclusive_scan(counts, t, cuda.blockDim.x)
     if t == 0:
         block_rows[g, cuda.blockIdx.x] = total
@@ -255,14 +262,8 @@ def _write_rows_kernel(winners, n, n_scored, sink, local, all_heads, per_block, 
         base[0] = before
         if cuda.blockIdx.x == cuda.gridDim.x - 1:
             n_rows[g] = min(before + block_rows[g, cuda.blockIdx.x], max_rows)
-    per_thread = (per_block + cuda.blockDim.x - 1) // cuda.blockDim.x
-    start = cuda.blockIdx.x * per_block + t * per_thread
-    stop = min(start + per_thread, (cuda.blockIdx.x + 1) * per_block, n)
-    mine = 0
-    for j in range(start, stop):
-        if _row_heads(winners, g, j, n, n_scored, sink, local, all_heads):
-            mine += 1
-    counts[t] = mine
+    start, stop, kept = _thread_rows(winners, g, t, n, n_scored, sink, local, all_heads, per_block)
+    counts[t] = kept
     pos, _ = _block_exclusive_scan(counts, t, cuda.blockDim.x)
     pos += base[0]
     for j in range(start, stop):
