@@ -41,7 +41,3 @@ def full_key_bits(d: int) -> float:
 def row_bytes(d: int) -> int:
     """One winner row: bf16 K plus bf16 V."""
     return 4 * d
-
-
-def scan_bytes(bits_per_token: float, n_tokens: int) -> float:
-    return bits_per_token * n_tokens / 8
