@@ -113,9 +113,10 @@ class DecodeStep:
     row_bytes: float
 
 
-def step_bits(method: Method, depths: np.ndarray | None, d: int) -> float:
-    """Scan bits per token actually read (planes + scales for plane methods, SPEC §4)."""
-    return float(scan_bits(depths)) if depths is not None else method.nominal_bits(d)
+def step_bits(method: Method, depths: np.ndarray | None, d: int) -> np.ndarray | float:
+    """Scan bits per token actually read, per query group of ``depths [..., d]`` (SPEC §4); the nominal bits
+    of a method without depths."""
+    return scan_bits(depths) if depths is not None else method.nominal_bits(d)
 
 
 def decode_step(q: np.ndarray, keys: np.ndarray, values: np.ndarray, index: HeadIndex, method: Method,
@@ -135,7 +136,7 @@ def decode_step(q: np.ndarray, keys: np.ndarray, values: np.ndarray, index: Head
     else:
         mask = select(scores[0, :, :blocks[0] * 64], m, sel)
     out = attention(q, keys, values, mask, scale)
-    bits = step_bits(method, None if depths is None else depths[0], d)
+    bits = float(step_bits(method, None if depths is None else depths[0], d))
     rows = union_rows(mask)
     return DecodeStep(out, mask, None if depths is None else depths[0], bits, rows,
                       bits * blocks[0] * 64 / 8, rows * row_bytes(d))

@@ -14,10 +14,10 @@ from typing import Callable
 import numpy as np
 
 from fathom.attention import attend, logits, relative_error
-from fathom.bits import row_bytes, scan_bits
+from fathom.bits import row_bytes
 from fathom.calibration import Calibration
 from fathom.capture import Capture
-from fathom.decode import HeadIndex, method_scores
+from fathom.decode import HeadIndex, method_scores, step_bits
 from fathom import methods as M
 from fathom.methods import Method
 from fathom.quantize import BLOCK
@@ -81,7 +81,7 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
                     mask = select_many(scores, context, blocks * BLOCK, sel, n)
                 out = attend(exact, values, mask)
                 err[i, layer] += relative_error(out, dense).mean() / H
-                step = scan_bits(depths) if depths is not None else np.full(len(context), method.nominal_bits(d))
+                step = np.broadcast_to(step_bits(method, depths, d), context.shape)
                 bits[i, layer, head] = step.mean()
                 scan[i, layer, head] = (step * blocks * BLOCK / 8).mean()
                 rows[i, layer, head] = mask.any(axis=1).sum(axis=-1).mean()
