@@ -175,14 +175,15 @@ def run(args: argparse.Namespace) -> Path:
     with tqdm(total=heads, desc=f"fidelity {name}", unit="head") as bar:
         results = evaluate(capture, calibration, methods, sel, on_head=bar.update)
     summary = summarize(results, d, basis, basis_errors)
-    plans = {m.label(d): list(m.policy.budgets) for m in methods if m.name.endswith("-plan")}
+    plan_budgets = {m.label(d): list(m.policy.budgets) for m in plans}
     meta = {"model": info.get("model", "synthetic"), "context": n}
     records = [r.record(**meta) for r in results]
     args.out.mkdir(parents=True, exist_ok=True)
-    calibration.save(args.out / f"{name}.calibration.npz") if not info["synthetic"] else None
+    if not info["synthetic"]:
+        calibration.save(args.out / f"{name}.calibration.npz")
     write_json(args.out / f"{name}.json", args.command_line, {
         **info, "capture": shape, "layers": capture.meta.get("layers"), "selection": sel.__dict__,
-        "per_layer_plans": plans, "summary": summary, "wall_s": round(time.perf_counter() - start, 1),
+        "per_layer_plans": plan_budgets, "summary": summary, "wall_s": round(time.perf_counter() - start, 1),
         "records": records})
     _write_table(args.out / f"{name}.md", records, shape, sel, info, summary)
     _plot(args.out / f"{name}.png", results, shape, sel, info)
