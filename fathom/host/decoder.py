@@ -39,6 +39,7 @@ from fathom.cuda.plan import waterfill
 from fathom.cuda.rows import gather_rows, stage_rows
 from fathom.cuda.scan import approx_scores
 from fathom.cuda.topk import select, union_rows
+from fathom.decode import step_bits
 from fathom.host.cache import OffloadedCache
 from fathom.quantize import BLOCK, MAX_DEPTH
 from fathom.scoring import LANDMARK_TOKENS
@@ -257,13 +258,14 @@ class Decoder:
         return out.reshape(s.sessions, s.kv_heads * self.group, s.head_dim)
 
     def scan_nbytes(self, layer: int) -> float:
-        """Bytes the last step's scan read from the store (planes + scales, landmarks or K rows): a host sync."""
-        store, scorer, d = self.cache.layer(layer), self.settings.method.scorer, self.cache.shape.head_dim
-        if self.staging is not None:
-            depths = self.depths.cpu().numpy().astype(np.int64)
-            return float((depths.sum() * 8 + (depths > 0).sum() * 2) * store.n_blocks)
-        per_token = {"landmark": 2 * d / LANDMARK_TOKENS, "exact": 2 * d, "dense": 0.0}[scorer]
-        return float(self.streams * store.n_blocks * BLOCK * per_token)
+        """Bytes the last step's scan read from the store (planes + scales, landmarks or K rows): a host sync.
+
+        By the one bit accounting (``fathom.decode.step_bits``): the depths actually read, else the method's bits.
+        """
+        tokens = self.cache.layer(layer).n_blocks * BLOCK
+        depths = self.depths.cpu().numpy() if self.staging is not None else None
+        bits = np.broadcast_to(step_bits(self.settings.method, depths, self.cache.shape.head_dim), (self.streams,))
+        return float(bits.sum() * tokens / 8)
 
     def row_nbytes(self) -> float:
         """Bytes of K and V rows the last step fetched: a host sync."""

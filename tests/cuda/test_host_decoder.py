@@ -86,6 +86,7 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
     """Every (session, KV head) of a step against ``decode_step`` on the first ``n`` tokens."""
     method, shape = decoder.settings.method, decoder.cache.shape
     got_masks = decoder.selected(n)
+    want_scan_bytes = 0.0
     for s in range(shape.sessions):
         for h in range(shape.kv_heads):
             g, heads = s * shape.kv_heads + h, slice(h * GROUP, (h + 1) * GROUP)
@@ -93,6 +94,7 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
             stats = {b: methods.HeadStats(sigma2[LAYER, h], ds_rank[LAYER, h], layer=LAYER) for b in ("raw", "rotated")}
             index = HeadIndex.build(keys, stats, basis=basis[LAYER, h])
             want = decode_step(qg, keys, values, index, method, SEL)
+            want_scan_bytes += want.scan_bytes
             if want.depths is not None:
                 np.testing.assert_array_equal(decoder.depths.cpu().numpy()[g], want.depths)
             scores, _ = method_scores(method, qg[None], index, np.array([n // 64]))
@@ -100,6 +102,7 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
             np.testing.assert_allclose(out[s, heads], attention(qg, keys, values, got_masks[g]), rtol=1e-4, atol=1e-5)
             if (got_masks[g] == want.mask).all():
                 np.testing.assert_allclose(out[s, heads], want.output, rtol=1e-4, atol=1e-5)
+    assert decoder.scan_nbytes(LAYER) == want_scan_bytes  # the same bit accounting as the reference
 
 
 def _assert_same_selection(got: np.ndarray, want: np.ndarray, scores: np.ndarray | None):
