@@ -32,7 +32,7 @@ import numpy as np
 from fathom import _checks
 from fathom.quantize import BLOCK, PLANES, pack_planes, quantize
 
-DEFAULT_SEGMENT_BLOCKS = 1024  # 64k tokens, 4 MiB of planes at d = 128
+DEFAULT_SEGMENT_BLOCKS = 128  # 8k tokens: a depth-t run of one channel is (2 + 8 t) · 128 bytes, long enough for PCIe
 
 
 @dataclass(frozen=True)

@@ -1,31 +1,213 @@
-"""Exact softmax attention of each query head over its own selected rows (SPEC §6, §8 step 6), in torch.
+"""The winners' K/V rows from host memory, and exact attention of each query head over its own selection
+(SPEC §6, §8 steps 5-6); the twin of ``fathom.attention.attention`` (float32 tolerance).
 
-The rows of a KV head are the union of its heads' selections (``fathom.cuda.topk``);
-``head_mask`` bit h says which of them head h selected.
+``gather_rows`` copies the rows of each KV head's row list (``fathom.cuda.topk.union_rows``: ascending, so
+neighbouring CTAs read neighbouring host pages) — or, for dense attention, rows ``0 .. n`` — from the K/V store
+``[groups, T, 2, d / 4]`` (K then V of a token side by side: one ``4·d``-byte read per row) into an HBM staging
+buffer, consecutive threads on consecutive 8-byte words, several rows in flight per thread. ``attend`` then runs
+a split softmax over chunks of rows (one CTA per chunk: logits of every head, chunk max and sum, weighted values)
+and combines the chunks per (group, head). Every per-step size (rows, context) is read on the GPU.
 """
 
 from __future__ import annotations
 
-import torch
+import math
+
+import numpy as np
+from numba import cuda
+
+from fathom.cuda.half import bf16_bits_to_f32
+
+ROWS_IN_FLIGHT = 4  # rows each thread of the gather loads before it stores
+CHUNK_ROWS = 256  # rows per CTA of the softmax (= its threads)
+_KERNELS: dict[tuple, object] = {}
 
 
-def selected_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, head_mask: torch.Tensor,
-                       n_rows: torch.Tensor, scale: float) -> torch.Tensor:
-    """``softmax(q kᵀ · scale) v`` per head over its selected rows.
+@cuda.jit(device=True, inline=True)
+def _row_count(n_rows, lengths, heads_per_session, dense, g):
+    return lengths[g // heads_per_session] if dense else n_rows[g]
+
+
+@cuda.jit
+def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, staged):
+    """Grid (CTAs per group, groups): thread x moves word x % (row words) of ROWS_IN_FLIGHT consecutive rows at a
+    time, so the CTAs in flight read a narrow window of the (ascending) rows: neighbouring host pages."""
+    g = cuda.blockIdx.y
+    row_words = kv.shape[2] * kv.shape[3]  # K and V
+    rows = _row_count(n_rows, lengths, heads_per_session, dense, g)
+    x = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    slots = cuda.gridDim.x * cuda.blockDim.x // row_words  # row slots of the whole grid
+    slot = x // row_words
+    w = x % row_words
+    if slot >= slots:
+        return
+    half = w // kv.shape[3]
+    word = w % kv.shape[3]
+    for base in range(slot * ROWS_IN_FLIGHT, rows, slots * ROWS_IN_FLIGHT):
+        held = cuda.local.array(ROWS_IN_FLIGHT, np.uint64)
+        for u in range(ROWS_IN_FLIGHT):
+            if base + u < rows:
+                token = base + u if dense else row_index[g, base + u]
+                held[u] = kv[g, token, half, word]
+        for u in range(ROWS_IN_FLIGHT):
+            if base + u < rows:
+                staged[g, base + u, half, word] = held[u]
+
+
+def _softmax_kernel(heads: int, words: int):
+    """CTA per (chunk of CHUNK_ROWS rows, group): partial softmax of every head over the chunk's rows."""
+    key = (heads, words)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    d = 4 * words
+
+    @cuda.jit
+    def kernel(q, staged, head_mask, n_rows, lengths, heads_per_session, dense, scale, status, part_m, part_l,
+               part_o):
+        chunk = cuda.blockIdx.x
+        g = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        n_threads = cuda.blockDim.x
+        rows = _row_count(n_rows, lengths, heads_per_session, dense, g)
+        if chunk * CHUNK_ROWS >= rows:
+            return
+        q_s = cuda.shared.array((heads, d), np.float32)
+        p = cuda.shared.array((heads, CHUNK_ROWS), np.float32)
+        red = cuda.shared.array((heads, CHUNK_ROWS), np.float32)
+        stats = cuda.shared.array((2, heads), np.float32)  # chunk max, chunk sum
+        for x in range(t, heads * d, n_threads):
+            value = q[g, x // d, x % d]
+            q_s[x // d, x % d] = value
+            if chunk == 0 and not abs(value) < np.float32(np.inf):
+                status[2] = 1  # a NaN/inf query: flagged, the host raises at its next call
+        cuda.syncthreads()
+        r = chunk * CHUNK_ROWS + t
+        mask = np.uint32(0)
+        if t < CHUNK_ROWS and r < rows:
+            mask = np.uint32(0xFFFFFFFF) if dense else np.uint32(head_mask[g, r])
+        acc = cuda.local.array(heads, np.float32)
+        for h in range(heads):
+            acc[h] = np.float32(0)
+        if mask:
+            for w in range(words):
+                word = staged[g, r, 0, w]
+                for e in range(4):
+                    k = bf16_bits_to_f32(np.uint16((word >> np.uint64(16 * e)) & np.uint64(0xFFFF)))
+                    for h in range(heads):
+                        acc[h] += q_s[h, 4 * w + e] * k
+        if t < CHUNK_ROWS:
+            for h in range(heads):
+                selected = (mask >> np.uint32(h)) & np.uint32(1)
+                p[h, t] = acc[h] * np.float32(scale) if selected else -np.inf
+                red[h, t] = p[h, t]
+        cuda.syncthreads()
+        step = CHUNK_ROWS // 2
+        while step > 0:  # chunk max per head
+            if t < step:
+                for h in range(heads):
+                    red[h, t] = max(red[h, t], red[h, t + step])
+            cuda.syncthreads()
+            step //= 2
+        if t < CHUNK_ROWS:
+            for h in range(heads):
+                top = red[h, 0]
+                p[h, t] = math.exp(p[h, t] - top) if top > -np.inf else np.float32(0)
+        cuda.syncthreads()
+        if t == 0:
+            for h in range(heads):
+                stats[0, h] = red[h, 0]
+        cuda.syncthreads()
+        if t < CHUNK_ROWS:
+            for h in range(heads):
+                red[h, t] = p[h, t]
+        cuda.syncthreads()
+        step = CHUNK_ROWS // 2
+        while step > 0:  # chunk sum per head
+            if t < step:
+                for h in range(heads):
+                    red[h, t] += red[h, t + step]
+            cuda.syncthreads()
+            step //= 2
+        valid = min(CHUNK_ROWS, rows - chunk * CHUNK_ROWS)
+        for x in range(t, heads * d, n_threads):
+            h = x // d
+            c = x % d
+            o = np.float32(0)
+            for i in range(valid):
+                if p[h, i] != 0:
+                    word = staged[g, chunk * CHUNK_ROWS + i, 1, c // 4]
+                    v = bf16_bits_to_f32(np.uint16((word >> np.uint64(16 * (c % 4))) & np.uint64(0xFFFF)))
+                    o += p[h, i] * v
+            part_o[g, chunk, h, c] = o
+        if t < heads:
+            part_m[g, chunk, t] = stats[0, t]
+            part_l[g, chunk, t] = red[t, 0]
+
+    _KERNELS[key] = kernel
+    return kernel
+
+
+@cuda.jit
+def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, part_o, out):
+    """CTA per group, thread per (head, channel): the chunks' partial softmaxes combined."""
+    g = cuda.blockIdx.x
+    heads, d = out.shape[1], out.shape[2]
+    rows = _row_count(n_rows, lengths, heads_per_session, dense, g)
+    chunks = min((rows + CHUNK_ROWS - 1) // CHUNK_ROWS, part_m.shape[1])
+    for x in range(cuda.threadIdx.x, heads * d, cuda.blockDim.x):
+        h = x // d
+        c = x % d
+        top = -np.inf
+        for i in range(chunks):
+            top = max(top, part_m[g, i, h])
+        total = np.float32(0)
+        o = np.float32(0)
+        for i in range(chunks):
+            if part_m[g, i, h] > -np.inf:
+                w = math.exp(part_m[g, i, h] - top)
+                total += w * part_l[g, i, h]
+                o += w * part_o[g, i, h, c]
+        out[g, h, c] = o / total
+
+
+def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool, kv, staged, threads: int = 256,
+                ctas: int | None = None, stream=0) -> None:
+    """Copy the listed K/V rows (``dense``: rows ``0 .. n``) of every group into ``staged``.
 
     Args:
-        q: ``[groups, G, d]``; k_rows, v_rows: bf16 ``[groups, max_rows, d]`` (rows past ``n_rows`` are stale);
-        head_mask: int32/uint32-valued ``[groups, max_rows]``; n_rows: ``[groups]``.
-    Returns:
-        float32 ``[groups, G, dv]``.
+        row_index: int32 ``[groups, max_rows]``, first ``n_rows[g]`` valid; lengths: int32 ``[S]``.
+        kv: uint64 ``[groups, T, 2, d / 4]`` (host-mapped): bf16 K and V of each token, 4 per word.
+        staged: uint64 ``[groups, max_rows, 2, d / 4]`` (HBM).
+        ctas: CTAs per group (default: enough for every row of ``staged`` in one pass of ROWS_IN_FLIGHT rows).
     """
-    heads = q.shape[1]
-    max_rows = k_rows.shape[1]
-    logits = torch.einsum("ghd,grd->ghr", q.float(), k_rows.float()) * scale
-    valid = torch.arange(max_rows, device=q.device)[None, :] < n_rows.long()[:, None]  # [groups, rows]
-    bits = (head_mask.long()[:, None, :] >> torch.arange(heads, device=q.device)[None, :, None]) & 1
-    selected = (bits == 1) & valid[:, None, :]
-    logits = logits.masked_fill(~selected, float("-inf"))
-    weights = torch.softmax(logits, dim=-1)
-    v = torch.where(valid[:, :, None], v_rows.float(), 0.0)  # stale rows may hold NaN bit patterns
-    return torch.einsum("ghr,grd->ghd", weights, v)
+    groups, max_rows = staged.shape[:2]
+    row_words = kv.shape[2] * kv.shape[3]
+    threads = max(row_words, threads // row_words * row_words)  # whole rows per CTA
+    if ctas is None:
+        ctas = max(1, math.ceil(max_rows / ROWS_IN_FLIGHT / (threads // row_words)))
+    if groups and max_rows:
+        _gather_kernel[(ctas, groups), threads, stream](row_index, n_rows, lengths, heads_per_session, dense, kv,
+                                                        staged)
+
+
+def attend(q, staged, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, scale: float, status, part_m,
+           part_l, part_o, out, stream=0) -> None:
+    """``out float32 [groups, G, d] = softmax(q kᵀ · scale) v`` of each head over its selected staged rows.
+
+    Args:
+        q: float32 ``[groups, G, d]``; staged: uint64 ``[groups, max_rows, 2, d / 4]`` from :func:`gather_rows`;
+        head_mask: int32 ``[groups, max_rows]`` (bit h: head h selected the row; ignored when ``dense``);
+        status: int32 flags, ``[2]`` raised for a non-finite query;
+        part_m, part_l: float32 ``[groups, ceil(max_rows / 256), G]``; part_o: float32 ``[.., G, d]`` scratch.
+    """
+    groups, heads, d = q.shape
+    chunks = part_m.shape[1]
+    if part_m.shape != (groups, chunks, heads) or part_o.shape != (groups, chunks, heads, d) \
+            or chunks * CHUNK_ROWS < staged.shape[1] or d % 4 or staged.shape[3] != d // 4:
+        raise ValueError(f"partials {part_m.shape} / {part_o.shape} do not cover {staged.shape[1]} rows of "
+                         f"{heads} heads × {d} channels (d % 4 == 0)")
+    if groups:
+        _softmax_kernel(heads, d // 4)[(chunks, groups), CHUNK_ROWS, stream](
+            q, staged, head_mask, n_rows, lengths, heads_per_session, dense, scale, status, part_m, part_l, part_o)
+        _combine_kernel[groups, min(1024, heads * d), stream](n_rows, lengths, heads_per_session, dense, part_m,
+                                                              part_l, part_o, out)

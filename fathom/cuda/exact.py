@@ -1,27 +1,112 @@
-"""Scores from staged 16-bit rows (SPEC §7, §8 step 3), in torch: the oracle's exact ``q · k`` over the bf16
-K rows, and landmark's ``q · mark`` over the fp16 mean keys, where every token of an 8-token block takes
-its block's score (the twins of ``fathom.scoring.exact_scores`` / ``landmark_scores``, float32 tolerance).
+"""Scores from 16-bit rows read straight from host memory (SPEC §7, §8 step 3): the oracle's exact ``q · k`` over
+the bf16 K rows, and landmark's ``q · mark`` over the fp16 mean keys, every token of an 8-token block taking its
+block's score. The twins of ``fathom.scoring.exact_scores`` / ``landmark_scores`` (float32 tolerance), and like
+``fathom.cuda.scan`` they count the top byte of every candidate's score for the selection.
+
+One CTA per (tile of up to 128 rows, query group): the tile's rows are read coalesced (consecutive threads on
+consecutive 8-byte words of a row) into shared memory, then each thread scores one row. Rows past a session's
+sealed tokens (read from the device lengths) are not read.
 """
 
 from __future__ import annotations
 
-import torch
+import math
+
+import numpy as np
+from numba import cuda
+
+from fathom.cuda.block import RADIX, order_key
+from fathom.cuda.half import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bits
+from fathom.quantize import BLOCK
+
+THREADS = 128
+MAX_WORDS = 64  # 8-byte words per row: d <= 256
+TILE_WORDS = 4224  # shared words of a tile (33 KiB): 128 rows at d = 128
+_KERNELS: dict[tuple, object] = {}
 
 
-def row_scores(q: torch.Tensor, rows: torch.Tensor, n_rows: int, dtype: torch.dtype, repeat: int,
-               scores: torch.Tensor) -> None:
-    """Write ``scores[:, :, :n_rows · repeat]`` of ``q float32 [S, G, d]`` against 16-bit ``rows [S, ≥ n_rows, d]``.
+def rows_per_cta(words: int) -> int:
+    return min(128, TILE_WORDS // (words + 1))
+
+
+def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
+    key = (heads, bf16, tokens_per_row, words)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    ROWS = rows_per_cta(words)
+
+    @cuda.jit
+    def kernel(q, rows, lengths, heads_per_session, sink, local, scores, top_hist):
+        g = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        n_threads = cuda.blockDim.x
+        n = lengths[g // heads_per_session]
+        n_sealed = n // BLOCK * BLOCK
+        first = cuda.blockIdx.x * ROWS
+        valid = min(ROWS, n_sealed // tokens_per_row - first)
+        if valid <= 0:
+            return
+        d = q.shape[2]
+        tile = cuda.shared.array((ROWS, words + 1), np.uint64)  # +1: rows fall in different banks
+        q_all = cuda.shared.array((heads, 4 * words), np.float32)
+        hist = cuda.shared.array((heads, RADIX), np.int32)
+        for x in range(t, heads * RADIX, n_threads):
+            hist[x // RADIX, x % RADIX] = 0
+        for x in range(t, heads * d, n_threads):
+            q_all[x // d, x % d] = q[g, x // d, x % d]
+        for x in range(t, valid * words, n_threads):
+            tile[x // words, x % words] = rows[g, first + x // words, 0, x % words]
+        cuda.syncthreads()
+        lo_cand = sink
+        hi_cand = min(n_sealed, n - local)
+        for r in range(t, valid, n_threads):
+            acc = cuda.local.array(heads, np.float32)
+            for h in range(heads):
+                acc[h] = np.float32(0)
+            for w in range(words):
+                word = tile[r, w]
+                for e in range(4):
+                    bits = np.uint16((word >> np.uint64(16 * e)) & np.uint64(0xFFFF))
+                    if bf16:
+                        value = bf16_bits_to_f32(bits)
+                    else:  # fp16 landmark (signed)
+                        value = f16_bits_to_f32(bits & np.uint16(0x7FFF))
+                        if bits >> 15:
+                            value = -value
+                    for h in range(heads):
+                        acc[h] += q_all[h, 4 * w + e] * value
+            for h in range(heads):
+                key = np.int32(order_key(f32_to_bits(acc[h])) >> np.uint32(24))
+                for e in range(tokens_per_row):
+                    j = (first + r) * tokens_per_row + e
+                    scores[g, h, j] = acc[h]
+                    if lo_cand <= j < hi_cand:
+                        cuda.atomic.add(hist, (h, key), 1)
+        cuda.syncthreads()
+        for x in range(t, heads * RADIX, n_threads):
+            if hist[x // RADIX, x % RADIX]:
+                cuda.atomic.add(top_hist, (g, x // RADIX, x % RADIX), hist[x // RADIX, x % RADIX])
+
+    _KERNELS[key] = kernel
+    return kernel
+
+
+def scan_rows(q, rows, bf16: bool, tokens_per_row: int, lengths, heads_per_session: int, sink: int, local: int,
+              scores, top_hist, threads: int = THREADS, stream=0) -> None:
+    """Scores of every sealed token from 16-bit rows, and the candidates' top-byte histogram.
 
     Args:
-        dtype: what the 16-bit words hold (``torch.bfloat16`` K rows or ``torch.float16`` landmarks).
-        repeat: tokens per row (1 for K rows, 8 for landmarks: each token scores as its block).
-        scores: float32 ``[S, G, ≥ n_rows · repeat]``.
+        q: float32 ``[groups, G, d]`` (raw basis).
+        rows: uint64 ``[groups, R, halves, d / 4]``: row ``r`` is half 0 of ``rows[g, r]`` (bf16 K rows of the
+            K/V store, or fp16 landmarks with one half), 4 values per word.
+        bf16: the rows hold bf16 (K rows) or fp16 (landmarks); tokens_per_row: 1 (K rows) or 8 (landmarks).
+        lengths, heads_per_session, sink, local, scores, top_hist: as in ``fathom.cuda.scan.scan_planes``.
     """
-    if rows.shape[1] < n_rows or scores.shape[2] < n_rows * repeat or rows.shape[0] != q.shape[0]:
-        raise ValueError(f"rows {tuple(rows.shape)} / scores {tuple(scores.shape)} do not hold {n_rows} rows "
-                         f"of {repeat} tokens")
-    if n_rows == 0:
-        return
-    block = torch.bmm(q, rows[:, :n_rows].view(dtype).float().transpose(1, 2))  # [S, G, n_rows]
-    scores[:, :, :n_rows * repeat].unflatten(2, (n_rows, repeat)).copy_(block.unsqueeze(-1).expand(-1, -1, -1,
-                                                                                                     repeat))
+    groups, heads, d = q.shape
+    if d % 4 or d // 4 > MAX_WORDS or rows.shape[3] != d // 4:
+        raise ValueError(f"rows must hold d / 4 words with d % 4 == 0 and d <= {4 * MAX_WORDS}; got d = {d}, "
+                         f"rows {rows.shape}")
+    if groups:
+        grid = (math.ceil(rows.shape[1] / rows_per_cta(d // 4)), groups)
+        _row_kernel(heads, bf16, tokens_per_row, d // 4)[grid, threads, stream](q, rows, lengths, heads_per_session, sink,
+                                                                         local, scores, top_hist)

@@ -1,15 +1,17 @@
-"""float32 <-> float16 conversion done with integer operations (device functions).
+"""float32 <-> float16 conversion done with integer operations, and bf16 -> float32 (device functions).
 
 The store's block scale is ``float16(max |k|)`` with NumPy's round-to-nearest-even.
 Rounding in integers makes the kernels bit-identical to ``astype(np.float16)``
 without depending on how the compiler lowers fp16 conversions, and works the
 same under the CUDA simulator. Scales travel as their ``uint16`` bit patterns.
+K/V rows are bf16 bit patterns; ``bf16_bits_to_f32`` widens them exactly.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
+from numba.cuda import libdevice
 
 F16_INF = 0x7C00
 
@@ -50,3 +52,35 @@ def f16_bits_to_f32(h):
         return np.float32(m) * np.float32(2.0**-24)
     # (1024 + m) · 2^e · 2^-25: every factor and product is exact in float32
     return np.float32(1024 + m) * np.float32(np.int64(1) << e) * np.float32(2.0**-25)
+
+
+if config.ENABLE_CUDASIM:
+    def bf16_bits_to_f32(h):
+        """The float32 value of bf16 bits ``h`` (simulator: through a NumPy view)."""
+        return np.array([np.uint32(h) << np.uint32(16)], np.uint32).view(np.float32)[0]
+else:
+    @cuda.jit(device=True, inline=True)
+    def bf16_bits_to_f32(h):
+        """The float32 value of bf16 bits ``h``: the bits are the high half of the float32's (exact)."""
+        return libdevice.int_as_float(np.int32(np.uint32(h) << np.uint32(16)))
+
+
+if config.ENABLE_CUDASIM:
+    def f32_to_bits(x):
+        """The bits of float32 ``x`` as uint32 (simulator: through a NumPy view)."""
+        return np.array([x], np.float32).view(np.uint32)[0]
+else:
+    @cuda.jit(device=True, inline=True)
+    def f32_to_bits(x):
+        """The bits of float32 ``x`` as uint32."""
+        return np.uint32(libdevice.float_as_int(x))
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_f16_bits(x):
+    """fp16 bits of finite float32 ``x`` (signed), round to nearest even: NumPy's ``astype(np.float16)``."""
+    bits = f32_to_bits(x)
+    h = f32_abs_bits_to_f16_bits(bits & np.uint32(0x7FFFFFFF))
+    if bits >> np.uint32(31):
+        h = np.uint16(h | np.uint16(0x8000))
+    return h

@@ -23,3 +23,9 @@ def as_array(tensor: torch.Tensor):
         return FakeCUDAArray(tensor.detach().numpy())  # wraps, unlike passing NumPy arrays (copied per launch)
     return cuda.as_cuda_array(tensor.detach(), sync=False)  # one stream: no host sync on the tensor's stream
 
+
+
+def launch_bounds(threads: int) -> dict:
+    """``cuda.jit`` options capping a kernel at ``threads`` per block, so it compiles within that many registers
+    (the simulator takes no such option)."""
+    return {} if SIMULATED else {"launch_bounds": threads}

@@ -1,15 +1,15 @@
-"""Quantize keys and pack them into channel-major bit planes on the GPU (SPEC §2, §3).
+"""Seal the 64-token blocks an append completes: quantize, pack into the store's records, landmarks (SPEC §2, §3, §7).
 
-The twin of ``fathom.quantize.quantize`` followed by ``pack_planes``, bit-identical:
-the block max is taken on the float32 bit patterns (for non-negative floats the
-bit order is the value order), rounded to fp16 with integer operations, and the
-code is ``floor(k / Δ) + 8`` with one IEEE float32 division (the kernel is
-compiled without fast-math and has no multiply-add to contract).
+The twin of ``fathom.quantize.quantize`` + ``pack_planes`` (bit-identical: the block max is taken on the
+float32 bit patterns — for non-negative floats the bit order is the value order —, rounded to fp16 with integer
+operations, and the code is ``floor(k / Δ) + 8`` with one IEEE float32 division; no fast-math, no multiply-add to
+contract) and of ``fathom.scoring.landmarks`` (the fp16 mean key of each 8-token block, summed in token order).
 
-One thread per (stream, 64-token block, channel); consecutive threads take
-consecutive channels, so the 64 key reads of a warp are 128-byte rows.
-Plane writes are scattered (channel-major output), which is acceptable here:
-packing runs once per 64 tokens, off the decode step's critical path.
+Every size that changes from step to step is read on the GPU: the block ``B`` that an append of ``m`` tokens to a
+session completes comes from the session's length ``n0`` (``lengths[s]``, not yet advanced): blocks
+``n0 // 64 .. (n0 + m) // 64 - 1``, whose tokens before ``n0`` are in the open block's ``tail`` and the rest in the
+appended keys. So one launch, with a grid fixed by ``m``, serves every step (and a CUDA graph's replay).
+One thread per (channel, block, appended group); consecutive threads take consecutive channels.
 """
 
 from __future__ import annotations
@@ -19,25 +19,41 @@ import math
 import numpy as np
 from numba import cuda
 
-from fathom.cuda.half import f16_bits_to_f32, f32_abs_bits_to_f16_bits
-from fathom.quantize import BLOCK, PLANES
+from fathom.cuda.append import append_allowed
+from fathom.cuda.half import f16_bits_to_f32, f32_abs_bits_to_f16_bits, f32_to_bits, f32_to_f16_bits
+from fathom.cuda.layout import plane_word, record_offset, scale_index
+from fathom.quantize import BLOCK
+from fathom.scoring import LANDMARK_TOKENS
 
 THREADS = 128
 
 
+@cuda.jit(device=True, inline=True)
+def _key(tail, new, g, gi, p, n0, c):
+    """Token ``p``'s key in channel ``c``: from the open block's tail (``p < n0``) or the appended keys."""
+    if p < n0:
+        return tail[g, p % BLOCK, c]
+    return new[gi, p - n0, c]
+
+
 @cuda.jit
-def _pack_kernel(keys, key_bits, planes, scales, block0, scale_sq_sum):
-    """keys float32 [S, nb*64, d] (key_bits: the same memory as uint32) ->
-    planes uint64 [S, d, 4, cap] and scales uint16 [S, d, cap] at blocks block0..block0+nb."""
+def _seal_kernel(new, tail, lengths, sessions, heads, m, status, records, scales16, n_seg, cap, scale_words,
+                 record_words, scale_sq_sum, marks16, write_marks):
     c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    b = cuda.blockIdx.y
-    s = cuda.blockIdx.z
-    if c >= keys.shape[2]:
+    gi = cuda.blockIdx.z
+    d = new.shape[2]
+    if c >= d or not append_allowed(status):  # a rejected append changes nothing
         return
-    row0 = b * BLOCK
+    s = sessions[gi // heads]
+    g = s * heads + gi % heads
+    n0 = lengths[s]
+    block = n0 // BLOCK + cuda.blockIdx.y
+    if block >= (n0 + m) // BLOCK:
+        return
+    first = block * BLOCK
     top = np.uint32(0)
     for j in range(BLOCK):
-        top = max(top, key_bits[s, row0 + j, c] & np.uint32(0x7FFFFFFF))
+        top = max(top, f32_to_bits(_key(tail, new, g, gi, first + j, n0, c)) & np.uint32(0x7FFFFFFF))
     h = f32_abs_bits_to_f16_bits(top)
     scale = f16_bits_to_f32(h)
     delta = scale / np.float32(8)
@@ -48,48 +64,49 @@ def _pack_kernel(keys, key_bits, planes, scales, block0, scale_sq_sum):
     for j in range(BLOCK):
         u = 8
         if delta != np.float32(0):
-            u = min(max(np.int64(math.floor(keys[s, row0 + j, c] / delta)) + 8, 0), 15)
+            u = min(max(np.int64(math.floor(_key(tail, new, g, gi, first + j, n0, c) / delta)) + 8, 0), 15)
         bit = np.uint64(j)
         w0 |= np.uint64((u >> 3) & 1) << bit
         w1 |= np.uint64((u >> 2) & 1) << bit
         w2 |= np.uint64((u >> 1) & 1) << bit
         w3 |= np.uint64(u & 1) << bit
-    out = block0 + b
-    planes[s, c, 0, out] = w0
-    planes[s, c, 1, out] = w1
-    planes[s, c, 2, out] = w2
-    planes[s, c, 3, out] = w3
-    scales[s, c, out] = h
-    if scale_sq_sum.shape[0] > 0:  # the store's running σ² statistic (SPEC §5), order-free sum
-        cuda.atomic.add(scale_sq_sum, (s, c), np.float64(scale) * np.float64(scale))
+    seg = block // cap
+    b = block - seg * cap
+    record = record_offset(g, seg, c, n_seg, d, record_words)
+    records[plane_word(record, 0, b, scale_words, cap)] = w0
+    records[plane_word(record, 1, b, scale_words, cap)] = w1
+    records[plane_word(record, 2, b, scale_words, cap)] = w2
+    records[plane_word(record, 3, b, scale_words, cap)] = w3
+    scales16[scale_index(record, b)] = h
+    cuda.atomic.add(scale_sq_sum, (g, c), np.float64(scale) * np.float64(scale))  # the store's σ² (SPEC §5)
+    if write_marks:  # landmarks: the fp16 mean key of each 8-token block, summed in token order
+        for mark in range(BLOCK // LANDMARK_TOKENS):
+            p0 = first + mark * LANDMARK_TOKENS
+            acc = _key(tail, new, g, gi, p0, n0, c)
+            for j in range(1, LANDMARK_TOKENS):
+                acc += _key(tail, new, g, gi, p0 + j, n0, c)
+            marks16[g, block * (BLOCK // LANDMARK_TOKENS) + mark, c] = f32_to_f16_bits(acc / np.float32(LANDMARK_TOKENS))
 
 
-def pack(keys, planes, scales, block0: int = 0, scale_sq_sum=None, stream=0, threads: int = THREADS) -> None:
-    """Quantize ``keys`` and write their planes and fp16 scale bits into a store, on the GPU.
+def seal_blocks(new, tail, lengths, sessions, heads: int, status, records, scales, layout, scale_sq_sum, marks,
+                write_marks: bool, stream=0, threads: int = THREADS):
+    """Quantize and pack the blocks that appending ``new`` completes; nothing if ``status`` flags the append.
 
     Args:
-        keys: float32 device array ``[S, n, d]`` (S streams, n % 64 == 0), finite and
-            within the fp16 range (not checked here: that needs a host sync).
-        planes: uint64 ``[S, d, 4, cap]``; blocks ``block0 .. block0 + n/64`` are written.
-        scales: uint16 ``[S, d, cap]``: fp16 bit patterns (``.view(np.float16)`` on the host).
-        block0: first block (column) written.
-        scale_sq_sum: optional float64 ``[S, d]`` to which each new block's ``s²`` is added.
-        stream: the CUDA stream of the launch (0: the default stream).
+        new: float32 ``[S'·H, m, d]``: the appended keys of sessions ``sessions`` (in the store's basis).
+        tail: float32 ``[S·H, 64, d]``: each group's open block (the same basis), rows ``0 .. lengths % 64``.
+        lengths: int32 ``[S]`` session lengths before this append (on the GPU).
+        sessions: int32 ``[S']`` the appended sessions; heads: KV heads per session (H).
+        status: int32 error flags of the layer (``[0]``: bad key, ``[1]``: bad value, set by ``append_rows``).
+        records: uint64 ``[layout.words]`` the store (host-mapped or HBM); scales: the same memory as uint16
+            ``[4 · layout.words]`` (fp16 scale bits); layout: :class:`fathom.layout.StoreLayout`.
+        scale_sq_sum: float64 ``[S·H, d]``: each sealed block's ``s²`` is added (the store's σ² statistic).
+        marks: uint16 ``[S·H, T / 8, d]`` fp16 landmark bits, written when ``write_marks`` (the raw store's call).
     """
-    n_streams, n, d = keys.shape
-    if keys.dtype != np.float32 or n % BLOCK:
-        raise ValueError(f"keys must be float32 [S, n, d] with n % {BLOCK} == 0, got {keys.dtype} {keys.shape}")
-    cap = planes.shape[3]
-    if planes.shape != (n_streams, d, PLANES, cap) or planes.dtype != np.uint64:
-        raise ValueError(f"planes must be uint64 {(n_streams, d, PLANES, cap)}, got {planes.dtype} {planes.shape}")
-    if scales.shape != (n_streams, d, cap) or scales.dtype != np.uint16:
-        raise ValueError(f"scales must be uint16 {(n_streams, d, cap)}, got {scales.dtype} {scales.shape}")
-    nb = n // BLOCK
-    if not 0 <= block0 <= cap - nb:
-        raise ValueError(f"block0 = {block0} leaves no room for {nb} blocks in a capacity of {cap}")
-    if scale_sq_sum is None:
-        scale_sq_sum = cuda.device_array((0, d), np.float64)
-    if nb == 0:
-        return
-    grid = (math.ceil(d / threads), nb, n_streams)
-    _pack_kernel[grid, min(threads, d), stream](keys, keys.view(np.uint32), planes, scales, block0, scale_sq_sum)
+    groups, m, d = new.shape
+    if groups and m:
+        blocks = (m + BLOCK - 1) // BLOCK + 1  # at most this many blocks complete
+        grid = (math.ceil(d / threads), blocks, groups)
+        _seal_kernel[grid, min(threads, d), stream](
+            new, tail, lengths, sessions, heads, m, status, records, scales, layout.segments,
+            layout.cap, layout.scale_words, layout.record_words, scale_sq_sum, marks, write_marks)

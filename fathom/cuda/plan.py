@@ -27,7 +27,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from fathom.quantize import MAX_DEPTH
+from fathom.quantize import BLOCK, MAX_DEPTH
 from fathom.waterfill import BISECTION_STEPS
 
 THREADS = 32
@@ -35,9 +35,13 @@ MAX_D = 512  # shared-memory size of one group's importances
 
 
 @cuda.jit
-def _waterfill_kernel(q, sigma2, budget_quarters, depths):
-    """q float32 [groups, G, d], sigma2 float64 [groups, d] -> depths int8 [groups, d]."""
+def _waterfill_kernel(q, sigma2, lengths, heads_per_session, from_store, budget_quarters, depths):
+    """q float32 [groups, G, d], sigma2 float64 [groups, d] -> depths int8 [groups, d].
+
+    ``from_store``: sigma2 holds the sums of squared block scales; σ² is their mean over the group's sealed blocks
+    (``lengths`` on the GPU), as ``fathom.decode.HeadIndex.store_variance`` divides."""
     g = cuda.blockIdx.x
+    blocks = max(lengths[g // heads_per_session] // BLOCK, 1)
     t = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
     n_heads = q.shape[1]
@@ -56,7 +60,8 @@ def _waterfill_kernel(q, sigma2, budget_quarters, depths):
         for h in range(n_heads):
             x = np.float64(q[g, h, c])
             acc = acc + np.float32(x * x)
-        wc = sigma2[g, c] * np.float64(acc)
+        s2 = sigma2[g, c] / np.float64(blocks) if from_store else sigma2[g, c]
+        wc = s2 * np.float64(acc)
         w[c] = wc
         my_max = max(my_max, wc)
         if wc > 0:
@@ -119,12 +124,15 @@ def _depth_at(wc, theta):
         (1 if g1 * 0.0625 > theta else 0) + (1 if g1 * 0.015625 > theta else 0)
 
 
-def waterfill(q, sigma2, budget: float, depths, threads: int = THREADS) -> None:
+def waterfill(q, sigma2, budget: float, depths, lengths, heads_per_session: int = 1, from_store: bool = False,
+              threads: int = THREADS, stream=0) -> None:
     """Depths of every query group under ``budget`` bits per token, one block per group.
 
     Args:
         q: float32 device array ``[groups, G, d]`` (the G query heads of each KV head, in the store's basis).
-        sigma2: float64 ``[groups, d]`` channel variances.
+        sigma2: float64 ``[groups, d]`` channel variances; ``from_store``: the store's sums of squared block
+            scales, divided on the GPU by each group's sealed blocks (``lengths`` int32 ``[S]``, group ``g`` is
+            session ``g // heads_per_session``).
         budget: bits per token (finite, >= 0).
         depths: int8 ``[groups, d]``, written.
     """
@@ -140,4 +148,34 @@ def waterfill(q, sigma2, budget: float, depths, threads: int = THREADS) -> None:
         raise ValueError(f"budget must be finite and >= 0 bits per token, got {budget}")
     if groups:
         # cost <= budget  <=>  4 * cost <= 4 * budget: quarter bits are integers, 4 * budget is exact
-        _waterfill_kernel[groups, threads](q, sigma2, 4.0 * float(budget), depths)
+        _waterfill_kernel[groups, threads, stream](q, sigma2, lengths, heads_per_session, from_store,
+                                                   4.0 * float(budget), depths)
+
+
+@cuda.jit
+def _top_channels_kernel(q, r, depths):
+    """One block per group: depth 4 on the r channels with the largest Σ_h |q[h, c]| (ties to the lower channel)."""
+    g = cuda.blockIdx.x
+    n_heads, d = q.shape[1], q.shape[2]
+    score = cuda.shared.array(MAX_D, np.float32)
+    for c in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        acc = np.float32(0)
+        for h in range(n_heads):  # in head order, like NumPy's reduction over axis -2
+            acc += abs(q[g, h, c])
+        score[c] = acc
+    cuda.syncthreads()
+    for c in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        rank = 0
+        for other in range(d):
+            if score[other] > score[c] or (score[other] == score[c] and other < c):
+                rank += 1
+        depths[g, c] = MAX_DEPTH if rank < r else 0
+
+
+def top_channels(q, r: int, depths, threads: int = THREADS, stream=0) -> None:
+    """SparQ's depths: the twin of ``fathom.methods.QueryTopChannels.depths`` (``argsort(-Σ|q|, stable)[:r]``)."""
+    groups, _, d = q.shape
+    if d > MAX_D or depths.shape != (groups, d):
+        raise ValueError(f"d must be <= {MAX_D} and depths [{groups}, {d}], got {d}, {depths.shape}")
+    if groups:
+        _top_channels_kernel[groups, min(threads, d), stream](q, r, depths)

@@ -1,12 +1,21 @@
-"""Approximate scores from the staged planes at per-channel depths (SPEC §5, §8 step 3).
+"""The plane scan: approximate scores read straight from the store, wherever it lives (SPEC §5, §8 steps 2-3).
 
-The twin of ``fathom.scoring.approx_scores`` (within float32 tolerance: the sum
-over channels runs in the staging order, with FMAs). One thread per (stream,
-token); a warp's 32 tokens share each plane word, so every word read is one
-broadcast. The read channels' metadata, query values and decoded cell widths
-(one per channel and 64-token block, not per token) sit in shared memory; the
-kernel is compiled per head count G so each thread's G accumulators are
-registers (indexing by a runtime G would put them in local memory). The staging layout is the one ``fathom.cuda.gather`` writes.
+The twin of ``fathom.scoring.approx_scores`` (within float32 tolerance: the sum over channels runs in another
+order, with FMAs) that also counts the top byte of every candidate's score for the selection
+(``fathom.cuda.topk``), so the selection reads the scores once.
+
+One CUDA block (CTA) per (query group, part of a segment): it reads, for every channel the depths read, the one
+contiguous run ``[scales | planes 0 .. t-1]`` of the channel's record (``fathom.layout``) — from mapped pinned host
+memory over PCIe, or from HBM — in chunks of whole runs through shared memory, the next chunk's loads in flight
+(held in registers) while the current one is scored. With ``cap = 128``-block segments and one CTA per segment a
+read is 1.3–4.3 KB contiguous, long enough to run at the link's rate (measured: 256-byte pieces of scattered runs
+reach a third of it). Each warp scores ``blocks_per_warp`` 64-token blocks, two tokens per lane (token ``j`` of a
+block is bit ``j`` of its plane words), each query head accumulated in registers, so the kernel is compiled per
+(G, warps, blocks per warp). Sizes that change per step — each session's sealed blocks — are read from the
+device lengths, so one launch with a fixed grid serves every step.
+
+Score of token ``j`` in channel ``c`` read to depth ``t`` (SPEC §2): with ``P`` the ``t``-bit prefix of its code,
+``k̂ = ((P + 0.5) · 2^(4-t) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``.
 """
 
 from __future__ import annotations
@@ -16,82 +25,221 @@ import math
 import numpy as np
 from numba import cuda
 
-from fathom.cuda.half import f16_bits_to_f32
-from fathom.quantize import BLOCK
+from fathom.cuda.block import RADIX, exclusive_scan, order_key
+from fathom.cuda.half import f16_bits_to_f32, f32_to_bits
+from fathom.cuda.interop import launch_bounds
+from fathom.cuda.layout import plane_word, record_offset
+from fathom.layout import SCALES_PER_WORD
+from fathom.quantize import BLOCK, PLANES
 
-THREADS = 256  # the most a block may have (its token blocks' scales are staged in shared memory)
-MAX_HEADS = 16  # query heads per KV head
-MAX_D = 256  # read channels per KV head
-SPAN = THREADS // BLOCK + 1  # 64-token blocks one CUDA block touches
-_KERNELS: dict[int, object] = {}
+MAX_D = 256
+MAX_HEADS = 8
+CHUNK_WORDS = 1536  # run words staged per chunk (12 KiB; a chunk may overrun by one run)
+_KERNELS: dict[tuple, object] = {}
 
 
-def _scan_kernel(heads: int):
-    """The scan kernel for ``heads`` query heads: a compile-time count keeps the accumulators in registers."""
-    if heads in _KERNELS:
-        return _KERNELS[heads]
+def blocks_per_warp(heads: int) -> int:
+    """64-token blocks per warp: ``2 · blocks · heads`` fp32 accumulators per thread, at most 32."""
+    return 1 << int(math.log2(max(16 // heads, 1)))
 
-    @cuda.jit
-    def kernel(q, depths, active, n_active, plane_row, scale_row, staged_planes, staged_scales,
-               max_planes, max_channels, n_blocks, scores):
+
+def _scan_kernel(heads: int, warps: int, per_warp: int):
+    key = (heads, warps, per_warp)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    threads = 32 * warps
+    per_cta = warps * per_warp  # blocks per CTA
+    max_run = per_cta // SCALES_PER_WORD + 2 + PLANES * per_cta  # words of the longest run (scale words + planes)
+    buffer_words = CHUNK_WORDS + max_run
+    held_words = -(-buffer_words // threads)  # registers per thread holding the next chunk
+
+    @cuda.jit(device=True, inline=True)
+    def find_slot(start, lo, hi, f):
+        """The active channel ``i`` in ``lo .. hi`` whose slot holds chunk word ``f`` (``start`` ascending)."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if start[mid] <= f:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    @cuda.jit(device=True, inline=True)
+    def load_chunk(held, records, start, chan, chunk_first, x, g, seg, local0, valid, n_seg, d, cap,
+                   scale_words, record_words, part_scale_words, t):
+        """Issue this thread's loads of chunk ``x`` into ``held`` (no use of the values: they stay in flight)."""
+        lo = chunk_first[x]
+        hi = chunk_first[x + 1]
+        base = start[lo]
+        extent = start[hi] - base
+        for r in range(held_words):
+            f = t + r * threads
+            held[r] = np.uint64(0)
+            if f < extent:
+                i = find_slot(start, lo, hi, base + f)
+                off = base + f - start[i]
+                record = record_offset(g, seg, chan[i], n_seg, d, record_words)
+                if off < part_scale_words:
+                    held[r] = records[record + local0 // SCALES_PER_WORD + off]
+                else:
+                    plane = (off - part_scale_words) // per_cta
+                    b = off - part_scale_words - plane * per_cta
+                    if b < valid:
+                        held[r] = records[plane_word(record, plane, local0 + b, scale_words, cap)]
+
+    @cuda.jit(**launch_bounds(threads))
+    def kernel(q, depths, lengths, heads_per_session, records, n_seg, cap, scale_words, record_words, sink, local,
+               scores, top_hist):
         g = cuda.blockIdx.y
+        parts = cap // per_cta
+        seg = cuda.blockIdx.x // parts
+        local0 = (cuda.blockIdx.x - seg * parts) * per_cta  # first block of this CTA within its segment
+        n = lengths[g // heads_per_session]
+        n_blocks = n // BLOCK
+        first_block = seg * cap + local0
+        if first_block >= n_blocks:
+            return
+        valid = min(per_cta, n_blocks - first_block)
         t = cuda.threadIdx.x
-        first = cuda.blockIdx.x * cuda.blockDim.x
-        j = first + t
-        first_block = first // BLOCK
-        # once per CUDA block: the read channels' query values, plane rows and decoded cell widths Δ
-        q_read = cuda.shared.array((MAX_D, heads), np.float32)
-        depth = cuda.shared.array(MAX_D, np.int32)
-        plane_at = cuda.shared.array(MAX_D, np.int64)
-        delta = cuda.shared.array((MAX_D, SPAN), np.float32)
-        n_read = n_active[g]
-        for i in range(t, n_read, cuda.blockDim.x):
-            c = active[g, i]
-            depth[i] = depths[g, c]
-            plane_at[i] = np.int64(g * max_planes + plane_row[g, c]) * n_blocks
-            for h in range(heads):
-                q_read[i, h] = q[g, h, c]
-        for x in range(t, n_read * SPAN, cuda.blockDim.x):
-            i = x // SPAN
-            b = first_block + x - i * SPAN
-            if b < n_blocks:
-                row = np.int64(g * max_channels + scale_row[g, active[g, i]])
-                delta[i, x - i * SPAN] = f16_bits_to_f32(staged_scales[row * n_blocks + b]) * np.float32(0.125)
-        cuda.syncthreads()
-        if j < n_blocks * BLOCK:
-            b = j // BLOCK
-            local_block = b - first_block
-            bit = np.uint64(j - b * BLOCK)
-            acc = cuda.local.array(heads, np.float32)
-            for h in range(heads):
-                acc[h] = np.float32(0)
-            for i in range(n_read):
-                t_read = depth[i]
-                p = 0
-                for k in range(t_read):
-                    p = 2 * p + np.int32((staged_planes[plane_at[i] + k * n_blocks + b] >> bit) & np.uint64(1))
-                cell = np.float32(1 << (4 - t_read))
-                khat = ((np.float32(p) + np.float32(0.5)) * cell - np.float32(8)) * delta[i, local_block]
-                for h in range(heads):
-                    acc[h] += q_read[i, h] * khat
-            for h in range(heads):
-                scores[g, h, j] = acc[h]
+        lane = t % 32
+        warp = t // 32
+        d = q.shape[2]
 
-    _KERNELS[heads] = kernel
+        chan = cuda.shared.array(MAX_D, np.int32)  # active channels, in channel order
+        depth = cuda.shared.array(MAX_D, np.int32)
+        start = cuda.shared.array(MAX_D + 1, np.int32)  # slot start of active i (run words, all chunks)
+        chunk_first = cuda.shared.array(MAX_D + 2, np.int32)  # first active of each chunk (+ sentinel)
+        q_read = cuda.shared.array((MAX_D, heads), np.float32)
+        counts = cuda.shared.array(threads, np.int32)
+        state = cuda.shared.array(2, np.int32)  # actives, chunks
+        hist = cuda.shared.array((heads, RADIX), np.int32)
+        buffer = cuda.shared.array(buffer_words, np.uint64)
+        for x in range(t, heads * RADIX, threads):
+            hist[x // RADIX, x % RADIX] = 0
+        part_scale_words = (local0 + per_cta - 1) // SCALES_PER_WORD - local0 // SCALES_PER_WORD + 1
+
+        # the active channels and their run slots: block scans over the channels, threads-wide at a time
+        actives = 0
+        words = 0
+        for c0 in range(0, d, threads):
+            c = c0 + t
+            read = np.int32(depths[g, c]) if c < d else np.int32(0)
+            counts[t] = 1 if read > 0 else 0
+            before, total = exclusive_scan(counts, t, threads)
+            if read > 0:
+                i = actives + before
+                chan[i] = c
+                depth[i] = read
+                for h in range(heads):
+                    q_read[i, h] = q[g, h, c]
+            counts[t] = part_scale_words + read * per_cta if read > 0 else 0
+            slot_before, slot_total = exclusive_scan(counts, t, threads)
+            if read > 0:
+                start[actives + before] = words + slot_before
+            actives += total
+            words += slot_total
+        if t == 0:
+            start[actives] = words
+            n_chunks = 0
+            for i in range(actives):  # a chunk starts where a slot starts past the next CHUNK_WORDS boundary
+                if i == 0 or start[i] // CHUNK_WORDS != start[i - 1] // CHUNK_WORDS:
+                    chunk_first[n_chunks] = i
+                    n_chunks += 1
+            chunk_first[n_chunks] = actives
+            state[1] = n_chunks
+        cuda.syncthreads()
+        n_chunks = state[1]
+
+        acc = cuda.local.array((2 * per_warp, heads), np.float32)
+        for x in range(2 * per_warp):
+            for h in range(heads):
+                acc[x, h] = np.float32(0)
+        held = cuda.local.array(held_words, np.uint64)
+        if n_chunks > 0:
+            load_chunk(held, records, start, chan, chunk_first, 0, g, seg, local0, valid, n_seg, d, cap,
+                       scale_words, record_words, part_scale_words, t)
+        for x in range(n_chunks):
+            cuda.syncthreads()  # the previous chunk is scored: its buffer may be overwritten
+            for r in range(held_words):
+                f = t + r * threads
+                if f < buffer_words:
+                    buffer[f] = held[r]
+            cuda.syncthreads()
+            if x + 1 < n_chunks:  # the next chunk's loads fly while this one is scored
+                load_chunk(held, records, start, chan, chunk_first, x + 1, g, seg, local0, valid, n_seg, d,
+                           cap, scale_words, record_words, part_scale_words, t)
+            lo = chunk_first[x]
+            hi = chunk_first[x + 1]
+            for jb in range(per_warp):
+                b = warp * per_warp + jb
+                if b < valid:
+                    for i in range(lo, hi):
+                        slot = start[i] - start[lo]
+                        s_idx = local0 % SCALES_PER_WORD + b  # uint16 index within the slot's scale words
+                        word = buffer[slot + s_idx // SCALES_PER_WORD]
+                        h16 = np.uint16((word >> np.uint64(16 * (s_idx % SCALES_PER_WORD))) & np.uint64(0xFFFF))
+                        delta = f16_bits_to_f32(h16) * np.float32(0.125)
+                        t_read = depth[i]
+                        p_lo = np.int32(0)
+                        p_hi = np.int32(0)
+                        for k in range(t_read):
+                            plane = buffer[slot + part_scale_words + k * per_cta + b]
+                            p_lo = 2 * p_lo + np.int32((np.uint32(plane & np.uint64(0xFFFFFFFF)) >> np.uint32(lane))
+                                                       & np.uint32(1))
+                            p_hi = 2 * p_hi + np.int32((np.uint32(plane >> np.uint64(32)) >> np.uint32(lane))
+                                                       & np.uint32(1))
+                        cell = np.float32(1 << (4 - t_read))
+                        k_lo = ((np.float32(p_lo) + np.float32(0.5)) * cell - np.float32(8)) * delta
+                        k_hi = ((np.float32(p_hi) + np.float32(0.5)) * cell - np.float32(8)) * delta
+                        for h in range(heads):
+                            acc[2 * jb, h] += q_read[i, h] * k_lo
+                            acc[2 * jb + 1, h] += q_read[i, h] * k_hi
+
+        # scores, and the top-byte histogram of the candidates (not sink / local; tail tokens are never scored)
+        lo_cand = sink
+        hi_cand = min(n_blocks * BLOCK, n - local)
+        for jb in range(per_warp):
+            b = warp * per_warp + jb
+            if b < valid:
+                for half in range(2):
+                    j = (first_block + b) * BLOCK + lane + 32 * half
+                    for h in range(heads):
+                        value = acc[2 * jb + half, h]
+                        scores[g, h, j] = value
+                        if lo_cand <= j < hi_cand:
+                            cuda.atomic.add(hist, (h, np.int32(order_key(f32_to_bits(value)) >> np.uint32(24))), 1)
+        cuda.syncthreads()
+        for x in range(t, heads * RADIX, threads):
+            if hist[x // RADIX, x % RADIX]:
+                cuda.atomic.add(top_hist, (g, x // RADIX, x % RADIX), hist[x // RADIX, x % RADIX])
+
+    _KERNELS[key] = kernel
     return kernel
 
 
-def approx_scores(q, depths, active, n_active, plane_row, scale_row, staged_planes, staged_scales,
-                  max_planes: int, max_channels: int, n_blocks: int, scores, threads: int = THREADS) -> None:
-    """Scores ``float32 [S, G, ≥ n_blocks·64]`` (first ``n_blocks·64`` columns written) of
-    ``q float32 [S, G, d]`` against the staged planes read to ``depths int8 [S, d]``."""
-    groups, heads, _ = q.shape
-    if heads > MAX_HEADS or q.shape[2] > MAX_D or not 1 <= threads <= THREADS:
-        raise ValueError(f"at most {MAX_HEADS} query heads, {MAX_D} channels and {THREADS} threads, "
-                         f"got {heads}, {q.shape[2]}, {threads}")
-    if scores.shape[:2] != (groups, heads) or scores.shape[2] < n_blocks * BLOCK:
-        raise ValueError(f"scores must have shape ({groups}, {heads}, >= {n_blocks * BLOCK}), got {scores.shape}")
-    if groups and n_blocks:
-        grid = (math.ceil(n_blocks * BLOCK / threads), groups)
-        _scan_kernel(heads)[grid, threads](q, depths, active, n_active, plane_row, scale_row, staged_planes,
-                                           staged_scales, max_planes, max_channels, n_blocks, scores)
+def scan_planes(q, depths, lengths, heads_per_session: int, records, layout, sink: int, local: int, scores, top_hist,
+                warps: int = 32, stream=0) -> None:
+    """Scores of every sealed token and the top-byte histogram of the candidates, straight from the store.
+
+    Args:
+        q: float32 ``[groups, G, d]`` query groups in the store's basis; depths: int8 ``[groups, d]`` in 0..4.
+        lengths: int32 ``[S]`` session lengths (on the GPU); group ``g`` is session ``g // heads_per_session``.
+        records: uint64 ``[layout.words]`` the store (host-mapped or HBM); layout: :class:`fathom.layout.StoreLayout`.
+        sink, local: SPEC §6 (candidates are sealed tokens ``sink .. min(n_sealed, n − local)``).
+        scores: float32 ``[groups, G, ≥ n]``: columns ``0 .. n_sealed`` written; top_hist: int32
+            ``[groups, G, 256]``, counts added (``fathom.cuda.topk.select`` consumes and clears them).
+        warps: warps per CTA (at most 32); a CTA scores ``warps · blocks_per_warp(G)`` blocks, at most a segment.
+    """
+    groups, heads, d = q.shape
+    if heads > MAX_HEADS or d > MAX_D or not 1 <= warps <= 32:
+        raise ValueError(f"at most {MAX_HEADS} query heads per KV head, {MAX_D} channels and 32 warps, "
+                         f"got {heads}, {d}, {warps}")
+    per_warp = min(blocks_per_warp(heads), layout.cap)
+    warps = min(warps, layout.cap // per_warp)
+    if layout.cap % (warps * per_warp):
+        raise ValueError(f"segment capacity {layout.cap} must be a multiple of {warps * per_warp} blocks per CTA")
+    if groups:
+        grid = (layout.segments * (layout.cap // (warps * per_warp)), groups)
+        _scan_kernel(heads, warps, per_warp)[grid, 32 * warps, stream](
+            q, depths, lengths, heads_per_session, records, layout.segments, layout.cap, layout.scale_words,
+            layout.record_words, sink, local, scores, top_hist)

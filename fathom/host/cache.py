@@ -1,53 +1,59 @@
-"""The offloaded KV cache: bit-plane store, landmarks and K/V rows of S sessions × L layers × H KV heads
-in pinned, device-mapped host memory (SPEC §3, §7, §8).
+"""The offloaded KV cache: K/V rows, landmarks and the bit-plane store of S sessions × L layers × H KV heads in
+pinned, device-mapped host memory (SPEC §3, §7, §8).
 
-Per layer, streams ``s = session · H + head``::
+A **query group** ``g = session · H + head`` is one (session, KV head) pair: the unit every kernel works on.
+Per layer::
 
-    planes  uint64 [S·H, n_seg, d, 4, cap]     scales uint16 [S·H, n_seg, d, cap]   (fp16 bits)
-    marks   uint16 [S·H, max_tokens / 8, d]    (fp16 bits: the mean key of each sealed 8-token block)
-    keys, values    bf16 [S·H, max_tokens, d]  (stored as 16-bit words)
+    kv       uint64 [groups, T, 2, d / 4]   bf16 K and V of each token side by side (4 values per word)
+    marks    uint64 [groups, T / 8, 1, d / 4]   fp16 mean key of each sealed 8-token block (landmark's scan)
+    records  uint64 [groups · segments · d · record_words]   the store, one record per (group, segment, channel)
+             (``fathom.layout``); a second one for the rotated store when the cache has a basis
+    lengths  int32 [S] on the GPU: tokens held per session — sessions grow independently (ragged)
 
-Segments are the store's (``fathom.store``): ``cap`` blocks of 64 tokens each,
-sealed blocks written once by the GPU packer and never rewritten; the
-not-yet-full tail block stays exact (float32, raw basis, on the GPU) and is
-always selected. With a ``basis`` (the rotated store of fathom-rotated and loki)
-each sealed block is rotated, ``k @ R`` in float32, just before it is packed;
-rows and landmarks stay in the raw basis. ``store="device"`` keeps planes and
-scales in HBM instead (the regime where the method is not expected to be faster);
-rows and landmarks stay in host memory. The pinned memory for ``max_tokens`` is
-reserved when the cache is made and released by :meth:`OffloadedCache.close`.
-Sessions advance in lockstep (every ``append`` adds the same number of tokens to
-each session of a layer).
+Segments hold ``cap`` blocks of 64 tokens; a sealed block is packed once by the GPU and never rewritten; the
+not-yet-full tail block stays exact (float32, on the GPU) and is always selected. With a ``basis`` the cache also
+holds the rotated store (planes of ``k @ R``, for fathom-rotated and loki); rows and landmarks stay raw.
+``store="device"`` keeps the stores in HBM instead (the regime where the method is not expected to be faster).
+The pinned memory for ``max_tokens`` per session is reserved when the cache is made and released by
+:meth:`OffloadedCache.close`; :meth:`OffloadedCache.reset` empties a session for reuse without reallocating.
 
-Appends run on a side CUDA stream: it first waits for the work already queued on
-the step's streams (the default stream, where Numba launches, and torch's current
-stream), so a step issued before the append, which reads the σ² statistic, is
-not raced; it then records an event that :meth:`OffloadedCache.wait` (called by
-``Decoder.check``) makes those streams wait for before the layer's next step.
-No host sync. An append otherwise writes only past what an earlier step reads
-(new rows, blocks and landmarks), and the tail block is touched by appends alone.
+Every append and every decode step runs on the caller's current torch stream, and reads each session's length
+on the GPU: no host synchronisation, and the same launches serve every step (``fathom.host.graph`` captures
+them). The host keeps a mirror of the lengths (it knows what it appended) to refuse what would overflow.
+Bad keys or values (what ``fathom.quantize.quantize`` refuses: NaN, inf, beyond the fp16 range) are caught on the
+GPU: the append changes nothing and raises a flag in pinned memory, which the next call reads (no sync) and
+reports as a ``ValueError``; appends queued after the rejected one are dropped with it.
+
+Example::
+
+    shape = CacheShape(sessions=2, layers=36, kv_heads=8, head_dim=128, max_tokens=131072)
+    with OffloadedCache(shape) as cache:
+        cache.append(layer, k, v)                 # k, v [S, H, m, d] on the GPU: every session gets m tokens
+        cache.append(layer, k1, v1, sessions=[1])  # or some sessions only: they grow independently
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from numba import cuda
 
+from fathom.cuda.append import append_rows, finish_append
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
-from fathom.cuda.landmark import landmarks
-from fathom.cuda.pack import pack
-from fathom.cuda.rows import store_rows
+from fathom.cuda.pack import seal_blocks
 from fathom.host.pinned import MappedBuffer
-from fathom.quantize import BLOCK, PLANES
+from fathom.layout import StoreLayout
+from fathom.quantize import BLOCK
 from fathom.scoring import LANDMARK_TOKENS
 from fathom.store import DEFAULT_SEGMENT_BLOCKS
 
 STORES = ("host", "device")
+BAD_KEY, BAD_VALUE, BAD_QUERY, DRY_RUN = 0, 1, 2, 3  # status flags of a layer (DRY_RUN is no error)
+_FLAG_NAMES = {BAD_KEY: "a key that is NaN, inf or beyond the float16 range (|k| >= 65520, in the store's basis)",
+               BAD_VALUE: "a value that is NaN or inf", BAD_QUERY: "a query that is NaN or inf"}
 
 
 @dataclass(frozen=True)
@@ -65,58 +71,71 @@ class CacheShape:
 
     def __post_init__(self):
         for name in ("sessions", "layers", "kv_heads", "head_dim", "max_tokens", "segment_blocks"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.head_dim % 4:
-            raise ValueError(f"head_dim must be a multiple of 4 (rows move as 8-byte words), got {self.head_dim}")
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.head_dim % 4 or self.head_dim > 256:
+            raise ValueError(f"head_dim must be a multiple of 4 and at most 256 (rows move as 8-byte words), "
+                             f"got {self.head_dim}")
+        if self.segment_blocks & (self.segment_blocks - 1):
+            raise ValueError(f"segment_blocks must be a power of two, got {self.segment_blocks}")
         if self.store not in STORES:
             raise ValueError(f"store must be one of {STORES}, got {self.store!r}")
 
     @property
-    def streams(self) -> int:
+    def groups(self) -> int:
+        """Query groups per layer: (session, KV head) pairs."""
         return self.sessions * self.kv_heads
 
     @property
     def segments(self) -> int:
         return math.ceil(self.max_tokens / BLOCK / self.segment_blocks)
 
+    @property
+    def layout(self) -> StoreLayout:
+        return StoreLayout(self.groups, self.segments, self.head_dim, self.segment_blocks)
+
+
+@dataclass
+class Store:
+    """One basis' bit-plane store of a layer: records (as words and as fp16 scale bits), σ² sums, open block."""
+
+    records: torch.Tensor  # uint64 [layout.words]
+    scale_sq_sum: torch.Tensor  # float64 [groups, d]
+    tail: torch.Tensor  # float32 [groups, 64, d]
+    arrays: dict = field(default_factory=dict)  # Numba views, made once
+
 
 class LayerStore:
-    """One layer's store, landmarks and rows, its GPU tail block, running σ² statistic and basis."""
+    """One layer of the cache: rows, landmarks, the raw (and rotated) store, lengths and error flags."""
 
     def __init__(self, shape: CacheShape, basis: torch.Tensor | None):
-        streams, d, cap = shape.streams, shape.head_dim, shape.segment_blocks
-        self.keys = MappedBuffer((streams, shape.max_tokens, d), np.uint16)
-        self.values = MappedBuffer((streams, shape.max_tokens, d), np.uint16)
-        self.marks = MappedBuffer((streams, shape.max_tokens // LANDMARK_TOKENS, d), np.uint16)
-        planes_shape, scales_shape = (streams, shape.segments, d, PLANES, cap), (streams, shape.segments, d, cap)
-        if shape.store == "host":
-            self.planes, self.scales = MappedBuffer(planes_shape, np.uint64), MappedBuffer(scales_shape, np.uint16)
-            self.planes_dev, self.scales_dev = self.planes.device(), self.scales.device()
-        else:  # HBM: no pinned buffers (planes / scales None), torch owns the memory
-            self.planes = self.scales = None
-            self._hbm = (torch.zeros(planes_shape, dtype=torch.int64, device=DEVICE),
-                         torch.zeros(scales_shape, dtype=torch.int16, device=DEVICE))
-            self.planes_dev = as_array(self._hbm[0]).view(np.uint64)
-            self.scales_dev = as_array(self._hbm[1]).view(np.uint16)
-        self.basis = basis  # float32 [S·H, d, d] or None
-        self.tail = torch.zeros((streams, BLOCK, d), dtype=torch.float32, device=DEVICE)
-        self.means = torch.zeros((streams, cap * BLOCK // LANDMARK_TOKENS, d), dtype=torch.float32, device=DEVICE)
-        self.scale_sq_sum = torch.zeros((streams, d), dtype=torch.float64, device=DEVICE)
-        self.appended = None if SIMULATED else torch.cuda.Event()
-        self.n_tokens = 0
-        self.keys_dev = self.keys.device()
-        self.values_dev = self.values.device()
-        self.marks_dev = self.marks.device()
-
-    @property
-    def n_blocks(self) -> int:
-        return self.n_tokens // BLOCK
+        groups, d, words = shape.groups, shape.head_dim, shape.head_dim // 4
+        self.kv = MappedBuffer((groups, shape.max_tokens, 2, words), np.uint64)
+        self.marks = MappedBuffer((groups, shape.max_tokens // LANDMARK_TOKENS, 1, words), np.uint64)
+        self.basis = basis  # float32 [groups, d, d] or None
+        self._pinned = [self.kv, self.marks]
+        self.stores: dict[str, Store] = {}
+        for name in ("raw",) if basis is None else ("raw", "rotated"):
+            if shape.store == "host":
+                buffer = MappedBuffer((shape.layout.words,), np.uint64)
+                self._pinned.append(buffer)
+                records = buffer.tensor()
+            else:
+                records = torch.zeros(shape.layout.words, dtype=torch.uint64, device=DEVICE)
+            store = Store(records, torch.zeros((groups, d), dtype=torch.float64, device=DEVICE),
+                          torch.zeros((groups, BLOCK, d), dtype=torch.float32, device=DEVICE))
+            store.arrays = {"records": as_array(records), "scales": as_array(records.view(torch.int16)).view(np.uint16),
+                            "scale_sq_sum": as_array(store.scale_sq_sum), "tail": as_array(store.tail)}
+            self.stores[name] = store
+        self.lengths = torch.zeros(shape.sessions, dtype=torch.int32, device=DEVICE)
+        marks16 = self.marks.tensor().view(torch.int16).reshape(groups, shape.max_tokens // LANDMARK_TOKENS, d)
+        self.arrays = {"kv": as_array(self.kv.tensor()), "marks": as_array(self.marks.tensor()),
+                       "marks16": as_array(marks16).view(np.uint16), "lengths": as_array(self.lengths)}
 
     def close(self) -> None:
-        for buffer in (self.keys, self.values, self.marks, self.planes, self.scales):
-            if buffer is not None:
-                buffer.close()
+        for buffer in self._pinned:
+            buffer.close()
 
 
 class OffloadedCache:
@@ -124,12 +143,14 @@ class OffloadedCache:
 
     Args:
         shape: :class:`CacheShape`.
-        basis: optional orthonormal ``[L, H, d, d]`` per (layer, KV head): the store holds planes of ``k @ R``.
+        basis: optional orthonormal ``[L, H, d, d]`` per (layer, KV head): the cache then also holds the rotated
+            store, planes of ``k @ R``.
     """
 
     def __init__(self, shape: CacheShape, basis: np.ndarray | None = None):
-        self.shape = shape
-        s = shape
+        if not isinstance(shape, CacheShape):
+            raise ValueError(f"shape must be a CacheShape, got {type(shape).__name__}")
+        self.shape = s = shape
         if basis is not None:
             basis = np.asarray(basis)
             if basis.shape != (s.layers, s.kv_heads, s.head_dim, s.head_dim) or basis.dtype.kind != "f" \
@@ -140,107 +161,157 @@ class OffloadedCache:
             if not np.allclose(gram, np.eye(s.head_dim), atol=1e-4):
                 raise ValueError("basis must be orthonormal per (layer, KV head): Rᵀ R = I")
             basis = np.repeat(basis.astype(np.float32)[:, None], s.sessions, 1).reshape(
-                s.layers, s.streams, s.head_dim, s.head_dim)
+                s.layers, s.groups, s.head_dim, s.head_dim)
         self.rotated = basis is not None
-        self.layers = [LayerStore(shape, None if basis is None else torch.as_tensor(basis[i], device=DEVICE))
-                       for i in range(shape.layers)]
-        self._side = None if SIMULATED else torch.cuda.Stream()
+        self.closed = False
+        self.status = MappedBuffer((s.layers, 4), np.int32)  # error flags, read by the host without a sync
+        self._status = as_array(self.status.tensor())
+        self.layers = [LayerStore(s, None if basis is None else torch.as_tensor(basis[i], device=DEVICE))
+                       for i in range(s.layers)]
+        self._lengths = np.zeros((s.layers, s.sessions), np.int64)  # host mirror of every layer's lengths
+        self._all_sessions = torch.arange(s.sessions, dtype=torch.int32, device=DEVICE)
 
-    def n_tokens(self, layer: int) -> int:
-        return self.layer(layer).n_tokens
+    # -- what the host knows --------------------------------------------------------------------------------
+
+    def lengths(self, layer: int) -> np.ndarray:
+        """Tokens held per session of ``layer``, int64 ``[S]`` (the host's mirror: no sync)."""
+        self.check(layer)
+        return self._lengths[layer].copy()
 
     def layer(self, layer: int) -> LayerStore:
-        if not 0 <= layer < self.shape.layers:
-            raise ValueError(f"layer must lie in 0..{self.shape.layers - 1}, got {layer}")
+        self.check(layer)
         return self.layers[layer]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``m`` tokens to every session of ``layer``: ``k, v [S, H, m, d]`` (float32/bf16/fp16) on the GPU.
+    def check(self, layer: int | None = None) -> None:
+        """Refuse a closed cache or a bad layer index, and report an error a kernel flagged since the last call."""
+        if self.closed:
+            raise ValueError("this OffloadedCache has been closed")
+        if layer is not None and not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.shape.layers):
+            raise ValueError(f"layer must be an integer in 0..{self.shape.layers - 1}, got {layer!r}")
+        flags = self.status.host[:, :DRY_RUN]
+        if flags.any():
+            layer_hit, kind = (int(x) for x in np.argwhere(flags)[0])
+            cuda.synchronize()
+            for i, store in enumerate(self.layers):  # the GPU's lengths are the truth: appends were dropped
+                self._lengths[i] = store.lengths.cpu().numpy()
+            flags[...] = 0
+            what = "an append" if kind != BAD_QUERY else "a decode step"
+            raise ValueError(f"{what} of layer {layer_hit} was refused on the GPU: it had {_FLAG_NAMES[kind]}"
+                             + ("; the cache is as before that append (later appends to the layer were dropped)"
+                                if kind != BAD_QUERY else "; that step's output is invalid"))
 
-        K and V rows are stored as bf16; full 64-token blocks of K are quantized and packed on the GPU into the
-        store (from float32 K, so bf16 keys are quantized exactly as the reference would quantize them), and
-        their landmarks written. Queued on the side stream; :meth:`wait` orders a later step after it.
-        """
-        store = self.layer(layer)
+    def stream(self):
+        """The caller's current torch stream, as Numba launches take it (0 under the simulator)."""
+        return 0 if SIMULATED else cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+    # -- appends --------------------------------------------------------------------------------------------
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, sessions=None) -> None:
+        """Append ``m`` tokens to each of ``sessions`` (default: all) of ``layer``: ``k, v [S', H, m, d]``
+        (float32 / bf16 / fp16) on the GPU. Rows are stored as bf16; full 64-token blocks of K are quantized from
+        float32 K (so bf16 keys are quantized exactly as the reference would) and packed, with their landmarks.
+        Runs on the caller's stream; no sync."""
+        self.check(layer)
         s = self.shape
+        sessions = self._sessions(sessions)
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.device.type != DEVICE.type:
                 raise ValueError(f"{name} must be a torch tensor on {DEVICE.type}")
             if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"{name} must be float32, bf16 or fp16, got {x.dtype}")
-            if x.ndim != 4 or x.shape[:2] != (s.sessions, s.kv_heads) or x.shape[3] != s.head_dim:
-                raise ValueError(f"{name} must have shape ({s.sessions}, {s.kv_heads}, m, {s.head_dim}), "
+            if x.ndim != 4 or x.shape[:2] != (len(sessions), s.kv_heads) or x.shape[3] != s.head_dim:
+                raise ValueError(f"{name} must have shape ({len(sessions)}, {s.kv_heads}, m, {s.head_dim}), "
                                  f"got {tuple(x.shape)}")
-        m = k.shape[2]
         if v.shape != k.shape:
             raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-        if store.n_tokens + m > s.max_tokens:
-            raise ValueError(f"appending {m} tokens exceeds max_tokens = {s.max_tokens} "
-                             f"({store.n_tokens} held)")
-        with self._on_side(k, v) as stream:
-            n0 = store.n_tokens
-            k = k.reshape(s.streams, m, s.head_dim)
-            store_rows(_bf16_words(k), store.keys_dev, n0, stream)
-            store_rows(_bf16_words(v.reshape(s.streams, m, s.head_dim)), store.values_dev, n0, stream)
-            k = k.float()
-            done = 0
-            while done < m:
-                n_tail = store.n_tokens % BLOCK
-                if n_tail == 0 and m - done >= BLOCK:  # whole blocks skip the tail, up to the segment's end
-                    room = s.segment_blocks - store.n_blocks % s.segment_blocks
-                    take = min((m - done) // BLOCK, room) * BLOCK
-                    self._seal(store, k[:, done:done + take].contiguous(), stream)
-                else:
-                    take = min(BLOCK - n_tail, m - done)
-                    store.tail[:, n_tail:n_tail + take] = k[:, done:done + take]
-                    if n_tail + take == BLOCK:
-                        self._seal(store, store.tail, stream)
-                store.n_tokens += take
-                done += take
-            if store.appended is not None:
-                store.appended.record()
-
-    @contextlib.contextmanager
-    def _on_side(self, *inputs: torch.Tensor):
-        """torch work inside, and Numba launches given the yielded stream, run on the side stream after the
-        caller's queued work; the inputs are kept alive for it. Under the simulator everything is synchronous."""
-        if self._side is None:
-            yield 0
+        m = k.shape[2]
+        held = self._lengths[layer, sessions]
+        if held.max() + m > s.max_tokens:
+            raise ValueError(f"appending {m} tokens to session {int(sessions[held.argmax()])} of layer {layer} "
+                             f"exceeds max_tokens = {s.max_tokens} ({int(held.max())} held)")
+        if m == 0:
             return
-        for stream in _step_streams():
-            self._side.wait_stream(stream)
-        for x in inputs:
-            x.record_stream(self._side)
-        with torch.cuda.stream(self._side):
-            yield cuda.external_stream(self._side.cuda_stream)
+        index = self._all_sessions if len(sessions) == s.sessions and (sessions == np.arange(s.sessions)).all() \
+            else torch.as_tensor(sessions.astype(np.int32), device=DEVICE)
+        groups = len(sessions) * s.kv_heads
+        self.enqueue_append(layer, k.reshape(groups, m, s.head_dim), v.reshape(groups, m, s.head_dim), index,
+                            self.stream())
+        self._lengths[layer, sessions] += m
 
-    def wait(self, layer: int) -> None:
-        """Make the caller's stream wait for the layer's appends (a GPU-side wait: the host does not block)."""
+    def enqueue_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor, stream) -> None:
+        """The GPU work of an append, with no check and no host-side state: ``k, v [S'·H, m, d]`` of sessions
+        ``sessions`` (int32 on the GPU). Every launch reads the lengths on the GPU (what a CUDA graph captures)."""
+        store, heads = self.layers[layer], self.shape.kv_heads
+        status = self._status[layer]
+        k32 = k.float().contiguous()
+        v32 = v.float().contiguous()
+        k_store = k32 if store.basis is None else torch.bmm(k32, store.basis[_group_index(sessions, heads)])
+        words = self.shape.head_dim // 4
+        k_words = as_array(k.to(torch.bfloat16).contiguous().view(torch.int64)).view(np.uint64)
+        v_words = as_array(v.to(torch.bfloat16).contiguous().view(torch.int64)).view(np.uint64)
+        groups, m = k32.shape[:2]
+        lengths = store.arrays["lengths"]
+        index = as_array(sessions)
+        k_arr, v_arr, ks_arr = as_array(k32), as_array(v32), as_array(k_store)
+        append_rows(k_arr, ks_arr, v_arr, k_words.reshape(groups, m, words), v_words.reshape(groups, m, words),
+                    lengths, index, heads, status, store.arrays["kv"], stream)
+        for name, st in store.stores.items():
+            source = k_arr if name == "raw" else ks_arr
+            seal_blocks(source, st.arrays["tail"], lengths, index, heads, status, st.arrays["records"],
+                        st.arrays["scales"], self.shape.layout, st.arrays["scale_sq_sum"], store.arrays["marks16"],
+                        name == "raw", stream)
+        raw, rotated = store.stores["raw"], store.stores.get("rotated", store.stores["raw"])
+        finish_append(k_arr, ks_arr, raw.arrays["tail"], rotated.arrays["tail"], lengths, index, heads, status,
+                      stream)
+
+    def compile_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor) -> None:
+        """Compile the append kernels for inputs like ``k, v [S'·H, m, d]`` without changing the cache: a dry run
+        (every launch reads the dry-run flag and changes nothing), then a sync. Before a CUDA graph capture."""
+        self.check(layer)
+        self.status.host[layer, DRY_RUN] = 1
+        try:
+            self.enqueue_append(layer, k, v, sessions, self.stream())
+            if not SIMULATED:
+                torch.cuda.synchronize()
+        finally:
+            self.status.host[layer, DRY_RUN] = 0
+
+    def reset(self, session: int) -> None:
+        """Empty ``session`` in every layer (its memory is kept and reused)."""
+        self.check()
+        if not (isinstance(session, (int, np.integer)) and 0 <= session < self.shape.sessions):
+            raise ValueError(f"session must be an integer in 0..{self.shape.sessions - 1}, got {session!r}")
+        heads = slice(session * self.shape.kv_heads, (session + 1) * self.shape.kv_heads)
+        for store in self.layers:
+            store.lengths[session] = 0
+            for st in store.stores.values():
+                st.scale_sq_sum[heads] = 0
+        self._lengths[:, session] = 0
+
+    def _sessions(self, sessions) -> np.ndarray:
+        n = self.shape.sessions
+        if sessions is None:
+            return np.arange(n)
+        index = np.asarray(sessions)
+        if index.ndim != 1 or index.dtype.kind not in "iu" or len(index) == 0 or len(np.unique(index)) != len(index) \
+                or index.min() < 0 or index.max() >= n:
+            raise ValueError(f"sessions must be distinct integers in 0..{n - 1}, got {sessions!r}")
+        return index.astype(np.int64)
+
+    def store_variance(self, layer: int, basis: str = "raw") -> torch.Tensor:
+        """σ² from the store (SPEC §5): mean squared fp16 block scale per group, float64 ``[groups, d]``."""
         store = self.layer(layer)
-        if store.appended is not None:
-            for stream in _step_streams():
-                stream.wait_event(store.appended)
-
-    def _seal(self, store: LayerStore, keys: torch.Tensor, stream) -> None:
-        """Pack ``keys float32 [S·H, 64·b, d]`` (raw basis, one segment's worth at most) after the sealed blocks,
-        rotated first if the store has a basis, and write their landmarks."""
-        cap = self.shape.segment_blocks
-        seg, block0 = divmod(store.n_blocks, cap)
-        landmarks(as_array(keys), store.marks_dev, as_array(store.means), store.n_blocks * BLOCK // LANDMARK_TOKENS,
-                  stream)
-        in_store = keys if store.basis is None else torch.bmm(keys, store.basis)
-        pack(as_array(in_store), store.planes_dev[:, seg], store.scales_dev[:, seg], block0,
-             as_array(store.scale_sq_sum), stream)
-
-    def store_variance(self, layer: int) -> torch.Tensor:
-        """σ² from the store (SPEC §5): mean squared fp16 block scale, float64 ``[S·H, d]``."""
-        store = self.layer(layer)
-        return store.scale_sq_sum / max(store.n_blocks, 1)
+        blocks = torch.repeat_interleave(store.lengths.long() // BLOCK, self.shape.kv_heads).clamp(min=1)
+        return store.stores[basis].scale_sq_sum / blocks[:, None]
 
     def close(self) -> None:
-        """Release every pinned buffer (after the GPU is done with them)."""
+        """Release every pinned buffer (after the GPU is done with them); any later call raises."""
+        if self.closed:
+            return
         for store in self.layers:
             store.close()
+        self.status.close()
+        self.closed = True
 
     def __enter__(self):
         return self
@@ -249,28 +320,25 @@ class OffloadedCache:
         self.close()
 
 
-def _step_streams() -> list[torch.cuda.Stream]:
-    """Where a step's work runs: the default stream (Numba's launches) and torch's current stream, if another."""
-    default, current = torch.cuda.default_stream(), torch.cuda.current_stream()
-    return [default] if current == default else [default, current]
+def _group_index(sessions: torch.Tensor, heads: int) -> torch.Tensor:
+    """Groups of ``sessions`` (KV head fastest), ``[S'·H]``."""
+    return (sessions.long()[:, None] * heads + torch.arange(heads, device=sessions.device)).reshape(-1)
 
 
-def _bf16_words(x: torch.Tensor):
-    """``x`` rounded to bf16, as a contiguous 16-bit device array (the rows' storage format)."""
-    return as_array(x.to(torch.bfloat16).contiguous().view(torch.int16))
-
-
-def sealed_planes(cache: OffloadedCache, layer: int, stream: int) -> tuple[np.ndarray, np.ndarray]:
-    """One stream's sealed planes ``uint64 [d, 4, n_blocks]`` and scales ``float16 [d, n_blocks]``, read on the host."""
+def sealed_planes(cache: OffloadedCache, layer: int, group: int, basis: str = "raw") -> tuple[np.ndarray, np.ndarray]:
+    """One group's sealed planes ``uint64 [d, 4, n_blocks]`` and scales ``float16 [d, n_blocks]``, read back on the
+    host through the store's layout (for tests; syncs)."""
     store = cache.layer(layer)
-    cuda.synchronize()
-    planes = np.concatenate(list(store.planes_dev[stream].copy_to_host()), axis=-1)[..., :store.n_blocks]
-    scales = np.concatenate(list(store.scales_dev[stream].copy_to_host()), axis=-1)[..., :store.n_blocks]
-    return planes, scales.view(np.float16)
+    if not SIMULATED:
+        torch.cuda.synchronize()
+    n_blocks = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK
+    return cache.shape.layout.read(store.stores[basis].records.cpu().numpy(), group, n_blocks)
 
 
-def sealed_landmarks(cache: OffloadedCache, layer: int, stream: int) -> np.ndarray:
-    """One stream's landmarks of the sealed blocks, ``float16 [n_sealed / 8, d]``, read on the host."""
+def sealed_landmarks(cache: OffloadedCache, layer: int, group: int) -> np.ndarray:
+    """One group's landmarks of the sealed blocks, ``float16 [n_sealed / 8, d]``, read on the host (syncs)."""
     store = cache.layer(layer)
-    cuda.synchronize()
-    return store.marks.host[stream, :store.n_blocks * BLOCK // LANDMARK_TOKENS].view(np.float16).copy()
+    if not SIMULATED:
+        torch.cuda.synchronize()
+    n_sealed = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK * BLOCK
+    return store.marks.host[group, :n_sealed // LANDMARK_TOKENS, 0].copy().view(np.float16)

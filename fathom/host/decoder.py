@@ -1,283 +1,250 @@
-"""The offloaded decode step of one layer, FlashInfer style: settings fixed at plan time,
-``run(layer, q) -> attention output`` per step (SPEC §8).
+"""The offloaded decode step of one layer, FlashInfer style: settings fixed at construction, ``run(layer, q)`` per
+step (SPEC §8).
 
-Steps, each a public method so they can be timed one by one (``run`` calls them in order):
+The method is resolved once (``fathom.host.strategy``) and every layer's step is built once, at construction, as a
+list of launches whose arguments never change: static buffers, and sizes that vary from step to step (each
+session's context, sealed blocks, rows kept) read from device memory by the kernels, which launch at grids fixed
+by the cache's capacity and exit early where there is nothing to do. So a step needs no host synchronisation and
+no allocation, every launch goes to the caller's current torch stream, and the same list is what a CUDA graph
+captures (``fathom.host.graph``). The stages, in order (each can be timed, :meth:`Decoder.stages`):
 
-0. :meth:`Decoder.check`   validate the input, wait (on the GPU) for the layer's appends, rotate the query
-   into the store's basis (``q @ R``, rotated store only);
-1. :meth:`Decoder.plan`    depths ``int8 [S·H, d]`` on the GPU (water-filling, or the method's fixed policy);
-2. :meth:`Decoder.stage`   run list from the depths + zero-copy gather of the runs into HBM (plane methods),
-   or of every sealed landmark (landmark) or K row (oracle);
-3. :meth:`Decoder.scan`    scores of every query head over the sealed tokens;
-4. :meth:`Decoder.select`  top-k per head (+ sink, local, tail), then :meth:`Decoder.union` of rows per KV head;
-5. :meth:`Decoder.fetch`   the union's K and V rows from pinned host memory;
-6. :meth:`Decoder.attend`  exact attention of each head over its own selection (torch).
+=============  ===================================================================================================
+``plan``       the query in the store's basis (rotated store) and the read depths: water-filling, SparQ's top
+               channels, or the method's fixed depths
+``scan``       scores of every sealed token straight from the store (planes, K rows or landmarks), with the
+               top-byte histogram of the candidates
+``select``     each head's top-k (+ sink, local, tail) — reads the scores once
+``union``      the ascending row list of each KV head, with each row's head mask
+``rows``       the listed K/V rows from pinned host memory into HBM (dense: every row)
+``attention``  exact attention of each head over its own selection
+=============  ===================================================================================================
 
-No step waits for the host: all sizes are fixed by the settings and the token count.
-Every method of ``fathom.methods`` runs: plane scorers (fathom with a flat budget or a per-layer plan,
-σ² from the store or calibration; fathom-rotated and loki on a cache made with a basis; sparq,
-double-sparsity, thumbnail), landmark, oracle (exact scores over the sealed K rows) and dense (plan,
-stage, scan and top-k skipped: the union keeps every row).
+Every method of ``fathom.methods`` runs: plane scorers (fathom with a flat budget or a per-layer plan, σ² from the
+store or from calibration; fathom-rotated and loki on a cache made with a basis; sparq, double-sparsity,
+thumbnail), landmark, oracle and dense.
+
+Example::
+
+    decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=512)), group=4)
+    out = decoder.run(layer, q)   # q [S, H·G, d] -> float32 [S, H·G, d], each session at its own length
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 from fathom import methods
 from fathom.bits import row_bytes
-from fathom.cuda.attention import selected_attention
-from fathom.cuda.exact import row_scores
-from fathom.cuda.gather import Staging, budget_capacity, staging_capacity
-from fathom.cuda.interop import DEVICE, as_array
-from fathom.cuda.plan import THREADS as PLAN_THREADS
-from fathom.cuda.plan import waterfill
-from fathom.cuda.rows import gather_rows, stage_rows
-from fathom.cuda.scan import approx_scores
-from fathom.cuda.topk import select, union_rows
+from fathom.cuda.attention import CHUNK_ROWS, attend, gather_rows
+from fathom.cuda.block import RADIX
+from fathom.cuda.interop import DEVICE, SIMULATED, as_array
+from fathom.cuda.topk import select, union_blocks, union_rows
 from fathom.decode import step_bits
 from fathom.host.cache import OffloadedCache
-from fathom.quantize import BLOCK, MAX_DEPTH
-from fathom.scoring import LANDMARK_TOKENS
+from fathom.host.strategy import StepBuffers, resolve
+from fathom.quantize import BLOCK
 from fathom.selection import Selection
 
-ROWS_PER_BLOCK = 4096  # tokens per block of the row compaction
-WATERFILL = (methods.Waterfill, methods.LayerWaterfill)
+STAGES = ("plan", "scan", "select", "union", "rows", "attention")
+# Launch sizes: the simulator runs every thread as a Python thread, so its defaults are the smallest that work.
+DEFAULT_SCAN_WARPS = 1 if SIMULATED else 32
+DEFAULT_THREADS = 32 if SIMULATED else 256
 
 
 @dataclass(frozen=True)
 class DecoderSettings:
-    """What a decoder does: the method (with its budget), the selection protocol, the softmax scale
-    (None: ``1/sqrt(d)``) and the CUDA block size of the selection/scan kernels."""
+    """What a decoder does: the method (with its budget), the selection protocol, the softmax scale (None:
+    ``1/sqrt(d)``), and launch sizes: ``scan_warps`` warps per CTA of the plane scan (at most 32), ``threads`` per
+    CTA of the selection and row compaction."""
 
     method: methods.Method = field(default_factory=lambda: methods.fathom(48.0))
     selection: Selection = field(default_factory=lambda: Selection(k=512))
     scale: float | None = None
-    threads: int = 256
+    scan_warps: int = DEFAULT_SCAN_WARPS
+    threads: int = DEFAULT_THREADS
 
     def __post_init__(self):
-        if not 1 <= self.threads <= 1024:
-            raise ValueError(f"threads must lie in 1..1024, got {self.threads}")
+        if not isinstance(self.method, methods.Method):
+            raise ValueError(f"method must be a fathom.methods.Method, got {type(self.method).__name__}")
+        if not isinstance(self.selection, Selection):
+            raise ValueError(f"selection must be a fathom.selection.Selection, got {type(self.selection).__name__}")
+        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"scale must be finite and > 0 (or None), got {self.scale}")
+        if not 1 <= self.scan_warps <= 32:
+            raise ValueError(f"scan_warps must lie in 1..32, got {self.scan_warps}")
+        if not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads must lie in 32..1024, got {self.threads}")
+
+
+Launch = Callable[[object], None]
 
 
 class Decoder:
     """Sparse decode over an :class:`OffloadedCache` for query groups of ``group`` heads per KV head.
 
     Args:
-        cache: the offloaded cache (its sessions, layers, KV heads, head dim and store basis).
+        cache: the offloaded cache (its sessions, layers, KV heads, head dim and stores).
         settings: :class:`DecoderSettings`.
-        group: query heads per KV head (G).
-        sigma2: calibration variances ``[L, H, d]`` in the store's basis (needed for fathom with
-            ``variance='calibration'``).
-        ds_rank: Double Sparsity's offline channel order ``[L, H, d]`` (needed for double-sparsity).
+        group: query heads per KV head (G), 1..8.
+        sigma2: calibration variances ``[L, H, d]`` in the store's basis (fathom with ``variance='calibration'``).
+        ds_rank: Double Sparsity's offline channel order ``[L, H, d]`` (double-sparsity).
     """
 
     def __init__(self, cache: OffloadedCache, settings: DecoderSettings, group: int,
                  sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None):
-        shape = cache.shape
-        if not 1 <= group <= 16:
-            raise ValueError(f"group must lie in 1..16 query heads per KV head, got {group}")
-        self.cache, self.settings, self.group = cache, settings, group
-        self.streams, d = shape.streams, shape.head_dim
-        method = settings.method
-        policy = method.policy
-        held = "rotated" if cache.rotated else "raw"
-        if method.scorer == "planes" and method.basis != held:
-            raise ValueError(f"method {method.name!r} scans the {method.basis} store but the cache holds the "
-                             f"{held} store (make the cache {'with' if method.basis == 'rotated' else 'without'} "
-                             f"a basis)")
-        if isinstance(policy, methods.LayerWaterfill) and len(policy.budgets) != shape.layers:
-            raise ValueError(f"method {method.name!r} has {len(policy.budgets)} per-layer budgets for a cache of "
-                             f"{shape.layers} layers")
-        self._sigma2 = None
-        self._fixed = None
-        self.staging = None
-        self.staged_rows = None
-        if isinstance(policy, WATERFILL):
-            budget = policy.budget if isinstance(policy, methods.Waterfill) else max(policy.budgets)
-            capacity = budget_capacity(budget, d)
-            if policy.variance == "calibration":
-                self._sigma2 = self._per_stream("sigma2", sigma2, np.float64)
-        elif isinstance(policy, methods.QueryTopChannels):
-            capacity = staging_capacity(MAX_DEPTH * policy.r, policy.r, d)
-        elif policy is not None:
-            fixed = self._fixed_depths(policy, ds_rank)  # [L, H, d]
-            capacity = staging_capacity(int(fixed.sum(-1).max()), int((fixed > 0).sum(-1).max()), d)
-            self._fixed = torch.as_tensor(np.repeat(fixed[:, None], shape.sessions, 1).reshape(
-                shape.layers, self.streams, d), device=DEVICE)
-        if policy is not None:
-            self.staging = Staging(self.streams, d, shape.segments, shape.segment_blocks, *capacity,
-                                   copy_threads=settings.threads)
-        elif method.scorer in ("landmark", "exact"):
-            per_row = LANDMARK_TOKENS if method.scorer == "landmark" else 1
-            self.staged_rows = torch.zeros((self.streams, shape.max_tokens // per_row, d), dtype=torch.int16,
-                                           device=DEVICE)
-        sel = settings.selection
-        sparse_rows = min(group * sel.k + sel.sink + sel.local + BLOCK - 1, shape.max_tokens)
-        self.max_rows = shape.max_tokens if method.scorer == "dense" else sparse_rows
-        self.depths = torch.zeros((self.streams, d), dtype=torch.int8, device=DEVICE)
-        self.scores = torch.zeros((self.streams, group, shape.max_tokens), dtype=torch.float32, device=DEVICE)
-        self.top_hist = torch.zeros((self.streams, group, 256), dtype=torch.int32, device=DEVICE)
-        self.cand_key = torch.zeros((self.streams, group, shape.max_tokens), dtype=torch.int32, device=DEVICE)
-        self.cand_idx = torch.zeros_like(self.cand_key)
-        self.cand_count = torch.zeros((self.streams, group), dtype=torch.int32, device=DEVICE)
-        self.winners = torch.zeros((self.streams, shape.max_tokens), dtype=torch.int32, device=DEVICE)  # uint32 bits
-        self.block_rows = torch.zeros((self.streams, math.ceil(shape.max_tokens / ROWS_PER_BLOCK)),
-                                      dtype=torch.int32, device=DEVICE)
-        self.row_index = torch.zeros((self.streams, self.max_rows), dtype=torch.int32, device=DEVICE)
-        self.head_mask = torch.zeros((self.streams, self.max_rows), dtype=torch.int32, device=DEVICE)
-        self.n_rows = torch.zeros(self.streams, dtype=torch.int32, device=DEVICE)
-        self.k_rows = torch.zeros((self.streams, self.max_rows, d), dtype=torch.int16, device=DEVICE)
-        self.v_rows = torch.zeros_like(self.k_rows)
-        self._arrays = {name: as_array(getattr(self, name)) for name in
-                        ("depths", "scores", "top_hist", "cand_idx", "cand_count", "block_rows", "row_index",
-                         "head_mask", "n_rows", "k_rows", "v_rows")}
-        self._arrays["winners"] = as_array(self.winners).view(np.uint32)
-        self._arrays["cand_key"] = as_array(self.cand_key).view(np.uint32)
-
-    def _per_stream(self, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
-        s = self.cache.shape
-        if x is None or np.shape(x) != (s.layers, s.kv_heads, s.head_dim):
-            raise ValueError(f"{name} must have shape {(s.layers, s.kv_heads, s.head_dim)} for this method")
-        per_stream = np.repeat(np.asarray(x, dtype)[:, None], s.sessions, 1).reshape(s.layers, self.streams, -1)
-        return torch.as_tensor(per_stream, device=DEVICE)
-
-    def _fixed_depths(self, policy, ds_rank: np.ndarray | None) -> np.ndarray:
-        """Depths ``int8 [L, H, d]`` of a query-independent policy (double-sparsity, loki, thumbnail)."""
-        s = self.cache.shape
-        shape = (s.layers, s.kv_heads, s.head_dim)
-        ranked = isinstance(policy, methods.FixedChannels) and policy.ranking == "double-sparsity"
-        if ranked and (ds_rank is None or np.shape(ds_rank) != shape):
-            raise ValueError(f"ds_rank must have shape {shape} for double-sparsity")
-        ranks = np.asarray(ds_rank) if ranked else np.broadcast_to(np.arange(s.head_dim), shape)
-        no_query = np.zeros((self.group, s.head_dim), np.float32)
-        return np.array([[policy.depths(no_query, methods.HeadStats(np.ones(s.head_dim), ranks[layer, h]))
-                          for h in range(s.kv_heads)] for layer in range(s.layers)], np.int8)
+        if not isinstance(cache, OffloadedCache):
+            raise ValueError(f"cache must be an OffloadedCache, got {type(cache).__name__}")
+        cache.check()
+        if not isinstance(group, (int, np.integer)) or not 1 <= group <= 8:
+            raise ValueError(f"group must be an integer in 1..8 query heads per KV head, got {group!r}")
+        if not isinstance(settings, DecoderSettings):
+            raise ValueError(f"settings must be DecoderSettings, got {type(settings).__name__}")
+        self.cache, self.settings, self.group = cache, settings, int(group)
+        s, method, sel = cache.shape, settings.method, settings.selection
+        self.strategy = resolve(method, cache, self.group, sigma2, ds_rank, settings.scan_warps)
+        self.dense = self.strategy is None
+        self.scale = settings.scale if settings.scale is not None else 1.0 / math.sqrt(s.head_dim)
+        groups, d, tokens = s.groups, s.head_dim, s.max_tokens
+        sparse_rows = min(self.group * sel.k + sel.sink + sel.local + BLOCK - 1, tokens)
+        self.max_rows = tokens if self.dense else sparse_rows
+        zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=DEVICE)  # noqa: E731
+        self.q_in = zeros((s.layers, s.sessions, s.kv_heads * self.group, d), torch.float32)
+        self.out = zeros((s.layers, s.sessions, s.kv_heads * self.group, d), torch.float32)
+        self.q_store = zeros((groups, self.group, d), torch.float32)
+        self.depths = zeros((groups, d), torch.int8)
+        scored = tokens if not self.dense else 1
+        self.scores = zeros((groups, self.group, scored), torch.float32)
+        self.top_hist = zeros((groups, self.group, RADIX), torch.int32)
+        self.cand_key = zeros((groups, self.group, scored), torch.int32)
+        self.cand_idx = zeros((groups, self.group, scored), torch.int32)
+        self.cand_count = zeros((groups, self.group), torch.int32)
+        self.winners = zeros((groups, tokens), torch.int32)
+        self.any_rows = zeros((groups, -(-tokens // 64)), torch.int64)
+        self.block_rows = zeros((groups, union_blocks(tokens, settings.threads)), torch.int32)
+        self.row_index = zeros((groups, self.max_rows), torch.int32)
+        self.head_mask = zeros((groups, self.max_rows), torch.int32)
+        self.n_rows = zeros(groups, torch.int32)
+        self.staged = zeros((groups, self.max_rows, 2, d // 4), torch.int64)
+        chunks = -(-self.max_rows // CHUNK_ROWS)
+        self.part_m = zeros((groups, chunks, self.group), torch.float32)
+        self.part_l = zeros((groups, chunks, self.group), torch.float32)
+        self.part_o = zeros((groups, chunks, self.group, d), torch.float32)
+        self._steps = [self._build(layer) for layer in range(s.layers)]
+        self._warm_up()
 
     # -- the step -------------------------------------------------------------------------------------------
 
-    def check(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Validate a step's input before any kernel runs, and order the step after the layer's appends (on the
-        GPU); ``q [S, H·G, d]`` -> float32 ``[S·H, G, d]`` (raw basis)."""
+    def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """One decode step of ``layer``: ``q [S, H·G, d]`` (float32 / bf16 / fp16, on the GPU) -> float32 attention
+        output ``[S, H·G, d]``. The output is the decoder's buffer for the layer, overwritten by its next step."""
+        self.check(layer, q)
+        self.q_in[layer].copy_(q)
+        stream = self.cache.stream()
+        for _, launches in self._steps[layer]:
+            for launch in launches:
+                launch(stream)
+        return self.out[layer]
+
+    def check(self, layer: int, q: torch.Tensor | None = None) -> None:
+        """Validate a step's input before any kernel runs (no sync): the cache open, no error flagged since the
+        last call, ``q`` on the device with shape ``[S, H·G, d]``, every session holding tokens."""
+        self.cache.check(layer)
         s = self.cache.shape
-        if not 0 <= layer < s.layers:
-            raise ValueError(f"layer must lie in 0..{s.layers - 1}, got {layer}")
-        if not isinstance(q, torch.Tensor) or q.device.type != DEVICE.type:
-            raise ValueError(f"q must be a torch tensor on {DEVICE.type}")
-        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"q must be float32, bf16 or fp16, got {q.dtype}")
-        if tuple(q.shape) != (s.sessions, s.kv_heads * self.group, s.head_dim):
-            raise ValueError(f"q must have shape {(s.sessions, s.kv_heads * self.group, s.head_dim)}, "
-                             f"got {tuple(q.shape)}")
-        n = self.cache.n_tokens(layer)
-        if self.settings.selection.k > n:
-            raise ValueError(f"k = {self.settings.selection.k} exceeds the context of {n} tokens")
-        self.cache.wait(layer)
-        return q.reshape(self.streams, self.group, s.head_dim).float().contiguous()
+        if q is not None:
+            if not isinstance(q, torch.Tensor) or q.device.type != DEVICE.type:
+                raise ValueError(f"q must be a torch tensor on {DEVICE.type}")
+            if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"q must be float32, bf16 or fp16, got {q.dtype}")
+            if tuple(q.shape) != (s.sessions, s.kv_heads * self.group, s.head_dim):
+                raise ValueError(f"q must have shape {(s.sessions, s.kv_heads * self.group, s.head_dim)}, "
+                                 f"got {tuple(q.shape)}")
+        empty = np.flatnonzero(self.cache.lengths(layer) == 0)
+        if len(empty):
+            raise ValueError(f"session {int(empty[0])} of layer {layer} holds no tokens: nothing to attend to")
 
-    def plan(self, layer: int, q: torch.Tensor) -> None:
-        """The query in the store's basis (``self.q_store``) and the depths of a plane method."""
-        policy = self.settings.method.policy
-        basis = self.cache.layer(layer).basis
-        self.q_store = q if basis is None or policy is None else torch.bmm(q, basis)
-        if isinstance(policy, WATERFILL):
-            budget = policy.budget if isinstance(policy, methods.Waterfill) else policy.budgets[layer]
-            sigma2 = self.cache.store_variance(layer) if self._sigma2 is None else self._sigma2[layer]
-            waterfill(as_array(self.q_store), as_array(sigma2.contiguous()), budget, self._arrays["depths"],
-                      min(self.settings.threads, PLAN_THREADS, self.cache.shape.head_dim))
-        elif isinstance(policy, methods.QueryTopChannels):
-            order = torch.sort(self.q_store.abs().sum(dim=1), dim=1, descending=True, stable=True).indices
-            self.depths.zero_().scatter_(1, order[:, :policy.r], MAX_DEPTH)
-        elif policy is not None:
-            self.depths.copy_(self._fixed[layer])
+    def stages(self, layer: int) -> list[tuple[str, list[Launch]]]:
+        """The step's launches by stage (for timing each stage); :meth:`run` runs them in order."""
+        return self._steps[layer]
 
-    def stage(self, layer: int) -> None:
-        """What the scan reads, into HBM: the active runs (planes), every sealed landmark, or every sealed K row."""
-        store, scorer = self.cache.layer(layer), self.settings.method.scorer
-        if self.staging is not None:
-            self.staging.stage(self._arrays["depths"], store.planes_dev.reshape(store.planes_dev.size),
-                               store.scales_dev.reshape(store.scales_dev.size), store.n_blocks)
-        elif scorer == "landmark":
-            stage_rows(store.marks_dev, as_array(self.staged_rows), store.n_blocks * BLOCK // LANDMARK_TOKENS,
-                       self.settings.threads)
-        elif scorer == "exact":
-            stage_rows(store.keys_dev, as_array(self.staged_rows), store.n_blocks * BLOCK, self.settings.threads)
+    def _build(self, layer: int) -> list[tuple[str, list[Launch]]]:
+        s, sel = self.cache.shape, self.settings.selection
+        store = self.cache.layers[layer]
+        heads, lengths, status = s.kv_heads, store.arrays["lengths"], self.cache._status[layer]
+        q = self.q_in[layer].view(s.groups, self.group, s.head_dim)
+        out = as_array(self.out[layer].view(s.groups, self.group, s.head_dim))
+        a = {name: as_array(getattr(self, name)) for name in
+             ("top_hist", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "staged",
+              "part_m", "part_l", "part_o")}
+        a["staged"] = a["staged"].view(np.uint64)
+        winners = as_array(self.winners).view(np.uint32)
+        any_rows = as_array(self.any_rows).view(np.uint64)
+        score_bits = as_array(self.scores).view(np.uint32)
+        cand_key = as_array(self.cand_key).view(np.uint32)
+        threads, dense, scale, k = self.settings.threads, self.dense, self.scale, sel.k
+        steps: list[tuple[str, list[Launch]]] = []
+        if not dense:
+            buf = StepBuffers(q, self.q_store, self.depths, self.scores, self.top_hist)
+            steps += [("plan", self.strategy.plan(layer, buf)), ("scan", self.strategy.scan(layer, buf, sel)),
+                      ("select", [lambda stream: select(score_bits, lengths, heads, k, sel.sink, sel.local,
+                                                        a["top_hist"], cand_key, a["cand_idx"], a["cand_count"],
+                                                        winners, any_rows, threads, min(4 * threads, 1024),
+                                                        stream=stream)]),
+                      ("union", [lambda stream: union_rows(any_rows, winners, lengths, heads, a["block_rows"],
+                                                           a["row_index"], a["head_mask"], a["n_rows"], threads,
+                                                           stream)])]
+        q_arr = as_array(q)
+        steps += [("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
+                                                       store.arrays["kv"], a["staged"], threads, stream=stream)]),
+                  ("attention", [lambda stream: attend(q_arr, a["staged"], a["head_mask"], a["n_rows"], lengths,
+                                                       heads, dense, scale, status, a["part_m"], a["part_l"],
+                                                       a["part_o"], out, stream)])]
+        return steps
 
-    def scan(self, layer: int, q: torch.Tensor) -> None:
-        """Scores ``self.scores [S·H, G, n_sealed]`` of the sealed tokens (after :meth:`plan` and :meth:`stage`)."""
-        n_blocks, scorer = self.cache.layer(layer).n_blocks, self.settings.method.scorer
-        if self.staging is not None:
-            st = self.staging
-            approx_scores(as_array(self.q_store), self._arrays["depths"], st.active, st.n_active, st.plane_row,
-                          st.scale_row, st.planes, st.scales, st.max_planes, st.max_channels, n_blocks,
-                          self._arrays["scores"], self.settings.threads)
-        elif scorer == "landmark":
-            row_scores(q, self.staged_rows, n_blocks * BLOCK // LANDMARK_TOKENS, torch.float16, LANDMARK_TOKENS,
-                       self.scores)
-        elif scorer == "exact":
-            row_scores(q, self.staged_rows, n_blocks * BLOCK, torch.bfloat16, 1, self.scores)
-
-    def select(self, layer: int) -> None:
-        store, sel, a = self.cache.layer(layer), self.settings.selection, self._arrays
-        if self.settings.method.scorer == "dense":
+    def _warm_up(self) -> None:
+        """Compile every kernel of the step now (the first launch of a Numba kernel compiles it), not in the first
+        decode step or inside a CUDA graph capture: run layer 0's launches once (on an empty cache they exit
+        early; on a filled one they compute an output nobody reads). The simulator compiles nothing."""
+        if SIMULATED:
             return
-        select(a["scores"], store.n_blocks * BLOCK, store.n_tokens, sel.k, sel.sink, sel.local, a["top_hist"],
-               a["cand_key"], a["cand_idx"], a["cand_count"], a["winners"], self.settings.threads,
-               select_threads=min(4 * self.settings.threads, 1024))
+        stream = self.cache.stream()
+        for _, launches in self._steps[0]:
+            for launch in launches:
+                launch(stream)
+        torch.cuda.synchronize()
 
-    def union(self, layer: int) -> None:
-        store, sel, a = self.cache.layer(layer), self.settings.selection, self._arrays
-        scored = 0 if self.settings.method.scorer == "dense" else store.n_blocks * BLOCK  # dense: all rows kept
-        union_rows(a["winners"], self.group, scored, store.n_tokens, sel.sink, sel.local,
-                   a["block_rows"], a["row_index"], a["head_mask"], a["n_rows"], self.settings.threads,
-                   ROWS_PER_BLOCK)
+    # -- what the last step read (host syncs) ---------------------------------------------------------------
 
-    def selected(self, n: int) -> np.ndarray:
-        """The last step's selection over a context of ``n`` tokens as bool ``[S·H, G, n]`` (a host copy)."""
-        mask = np.zeros((self.streams, self.group, n), bool)
-        rows, heads, counts = self.row_index.cpu().numpy(), self.head_mask.cpu().numpy(), self.n_rows.cpu().numpy()
-        for g in range(self.streams):
-            bits = (heads[g, :counts[g], None] >> np.arange(self.group)) & 1
-            mask[g][:, rows[g, :counts[g]]] = bits.T.astype(bool)
+    def selected(self, layer: int) -> np.ndarray:
+        """The last step's selection over each group's context as bool ``[S·H, G, max n]`` (a host copy)."""
+        n = self.cache.lengths(layer)
+        heads = self.cache.shape.kv_heads
+        mask = np.zeros((self.cache.shape.groups, self.group, int(n.max())), bool)
+        rows, bits, counts = self.row_index.cpu().numpy(), self.head_mask.cpu().numpy(), self.n_rows.cpu().numpy()
+        for g in range(mask.shape[0]):
+            if self.dense:
+                mask[g, :, :n[g // heads]] = True
+                continue
+            selected = (bits[g, :counts[g], None] >> np.arange(self.group)) & 1
+            mask[g][:, rows[g, :counts[g]]] = selected.T.astype(bool)
         return mask
 
-    def fetch(self, layer: int) -> None:
-        store, a = self.cache.layer(layer), self._arrays
-        gather_rows(a["row_index"], a["n_rows"], store.keys_dev, store.values_dev, a["k_rows"], a["v_rows"],
-                    self.settings.threads)
-
-    def attend(self, q: torch.Tensor) -> torch.Tensor:
-        s = self.cache.shape
-        scale = self.settings.scale if self.settings.scale is not None else 1.0 / math.sqrt(s.head_dim)
-        out = selected_attention(q, self.k_rows.view(torch.bfloat16), self.v_rows.view(torch.bfloat16),
-                                 self.head_mask, self.n_rows, scale)
-        return out.reshape(s.sessions, s.kv_heads * self.group, s.head_dim)
-
     def scan_nbytes(self, layer: int) -> float:
-        """Bytes the last step's scan read from the store (planes + scales, landmarks or K rows): a host sync.
+        """Bytes the last step's scan read from the store (planes + scales, landmarks or K rows), by the one bit
+        accounting (``fathom.decode.step_bits``): the depths actually read, else the method's bits."""
+        heads = self.cache.shape.kv_heads
+        sealed = np.repeat(self.cache.lengths(layer) // BLOCK * BLOCK, heads)
+        planes = self.strategy is not None and self.settings.method.scorer == "planes"
+        depths = self.depths.cpu().numpy() if planes else None
+        bits = np.broadcast_to(step_bits(self.settings.method, depths, self.cache.shape.head_dim), sealed.shape)
+        return float((bits * sealed).sum() / 8)
 
-        By the one bit accounting (``fathom.decode.step_bits``): the depths actually read, else the method's bits.
-        """
-        tokens = self.cache.layer(layer).n_blocks * BLOCK
-        depths = self.depths.cpu().numpy() if self.staging is not None else None
-        bits = np.broadcast_to(step_bits(self.settings.method, depths, self.cache.shape.head_dim), (self.streams,))
-        return float(bits.sum() * tokens / 8)
-
-    def row_nbytes(self) -> float:
-        """Bytes of K and V rows the last step fetched: a host sync."""
-        return float(self.n_rows.cpu().numpy().sum() * row_bytes(self.cache.shape.head_dim))
-
-    def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """One decode step of ``layer``: ``q [S, H·G, d]`` -> float32 attention output ``[S, H·G, d]``."""
-        q = self.check(layer, q)
-        self.plan(layer, q)
-        self.stage(layer)
-        self.scan(layer, q)
-        self.select(layer)
-        self.union(layer)
-        self.fetch(layer)
-        return self.attend(q)
+    def row_nbytes(self, layer: int) -> float:
+        """Bytes of K and V rows the last step fetched."""
+        rows = np.repeat(self.cache.lengths(layer), self.cache.shape.kv_heads) if self.dense \
+            else self.n_rows.cpu().numpy()
+        return float(rows.sum() * row_bytes(self.cache.shape.head_dim))

@@ -1,15 +1,14 @@
 """Page-locked host memory mapped into the GPU's address space, with an explicit lifetime.
 
-``cuMemHostAlloc(DEVICEMAP | PORTABLE)`` through cuda-python: the same bytes are
-a NumPy array on the host and, through ``__cuda_array_interface__``, a Numba
-device array that kernels read over PCIe (zero-copy).
-The memory is freed by :meth:`MappedBuffer.close` (or leaving a ``with``
-block), never by garbage collection, so its lifetime is the owner's decision;
-views taken before ``close`` are invalid afterwards, and asking a closed buffer
-for a view raises.
+``cuMemHostAlloc(DEVICEMAP | PORTABLE)`` through cuda-python: the same bytes are a NumPy array on the host and,
+through ``__cuda_array_interface__``, a torch tensor on the GPU that kernels read over PCIe (zero-copy).
+The memory is freed by :meth:`MappedBuffer.close` (or leaving a ``with`` block), never by garbage collection, so
+its lifetime is the owner's decision; views taken before ``close`` are invalid afterwards (their owner must not
+use them: ``fathom.host.cache.OffloadedCache`` refuses every call once closed), and asking a closed buffer for a
+view raises.
 
-Under the CUDA simulator there is no device: the buffer is ordinary host memory
-with the same interface, so the host API runs in CI.
+Under the CUDA simulator there is no device: the buffer is ordinary host memory with the same interface, so the
+host API runs in CI.
 """
 
 from __future__ import annotations
@@ -18,9 +17,10 @@ import ctypes
 import math
 
 import numpy as np
+import torch
 from numba import cuda
 
-from fathom.cuda.interop import SIMULATED
+from fathom.cuda.interop import DEVICE, SIMULATED
 
 
 def _check(result):
@@ -38,9 +38,7 @@ class MappedBuffer:
         self.dtype = np.dtype(dtype)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         if SIMULATED:
-            self._simulated = cuda.mapped_array(self.shape, self.dtype)
-            self._host = np.asarray(self._simulated)
-            self._host[...] = 0
+            self._host = np.zeros(self.shape, self.dtype)
             self._ptr = self._device_ptr = None
         else:
             from cuda.bindings import driver
@@ -49,9 +47,9 @@ class MappedBuffer:
             flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
             self._ptr = int(_check(driver.cuMemHostAlloc(max(self.nbytes, 1), flags)))
             self._device_ptr = int(_check(driver.cuMemHostGetDevicePointer(self._ptr, 0)))
+            _check(driver.cuMemsetD8(self._device_ptr, 0, self.nbytes))  # over the link: far faster than a host loop
             raw = (ctypes.c_byte * max(self.nbytes, 1)).from_address(self._ptr)
             self._host = np.frombuffer(raw, np.uint8, self.nbytes).view(self.dtype).reshape(self.shape)
-            self._host[...] = 0
         self.closed = False
 
     @property
@@ -70,17 +68,13 @@ class MappedBuffer:
         self._alive()
         return self._ptr
 
-    def interface(self) -> dict:
-        """``__cuda_array_interface__`` of the device mapping."""
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.device_ptr, False), "version": 3,
-                "strides": None, "stream": None}
-
-    def device(self):
-        """A Numba device array on the mapping (kernels read host memory over PCIe)."""
+    def tensor(self) -> torch.Tensor:
+        """A torch tensor on :data:`~fathom.cuda.interop.DEVICE` viewing the mapping (kernels read host memory over
+        PCIe). It does not own the memory: unusable after :meth:`close`."""
         self._alive()
         if SIMULATED:
-            return self._simulated
-        return cuda.from_cuda_array_interface(self.interface(), owner=self, sync=False)
+            return torch.from_numpy(self._host)
+        return torch.as_tensor(_Interface(self), device=DEVICE)
 
     def close(self) -> None:
         """Free the memory; every view taken from this buffer is invalid afterwards."""
@@ -101,3 +95,11 @@ class MappedBuffer:
         if self.closed:
             raise ValueError("this MappedBuffer has been closed")
 
+
+class _Interface:
+    """``__cuda_array_interface__`` of a buffer's device mapping (what ``torch.as_tensor`` imports)."""
+
+    def __init__(self, buffer: MappedBuffer):
+        self.__cuda_array_interface__ = {"shape": buffer.shape, "typestr": buffer.dtype.str,
+                                         "data": (buffer.device_ptr, False), "version": 3, "strides": None,
+                                         "stream": None}

@@ -1,10 +1,11 @@
 """The whole offloaded ``Decoder.run`` against the reference decode (``fathom.decode.decode_step``) for every
-method, S = 1 and S = 3 sessions, with appends in pieces across 64-token block and segment boundaries; the
-cache's store and landmarks against the reference's; and bad input rejected before any kernel runs.
+method, S = 1 and S = 3 sessions, ragged sessions appended independently, appends in pieces across 64-token block
+and segment boundaries; the cache's store and landmarks against the reference's; the CUDA-graph replay against the
+eager step; and bad input refused (or flagged and reported) without changing the cache.
 
-Rows are bf16 in the cache, so the reference runs on bf16-rounded keys and values. Selected sets must be
-equal except where the reference's scores tie at the k-th within float32 tolerance (the scan sums in
-another order); the attention output must match within float32 tolerance.
+Rows are bf16 in the cache, so the reference runs on bf16-rounded keys and values. Selected sets must be equal
+except where the reference's scores tie at the k-th within float32 tolerance (the scan sums in another order); the
+attention output must match within float32 tolerance.
 """
 
 import numpy as np
@@ -15,13 +16,9 @@ from fathom import methods
 from fathom.attention import attention
 from fathom.cuda.interop import DEVICE, SIMULATED
 from fathom.decode import HeadIndex, decode_step, method_scores
-from fathom.host.cache import (
-    CacheShape,
-    OffloadedCache,
-    sealed_landmarks,
-    sealed_planes,
-)
+from fathom.host.cache import CacheShape, OffloadedCache, sealed_landmarks, sealed_planes
 from fathom.host.decoder import Decoder, DecoderSettings
+from fathom.host.graph import StepGraph
 from fathom.scoring import landmarks
 from fathom.selection import Selection
 from fathom.store import PlaneStore
@@ -31,8 +28,8 @@ GROUP = 2
 D = 8
 PIECES = (1, 70, 40, 29)  # 140 tokens: blocks sealed inside appends and from the tail, 2 segments, 12 in the tail
 SEL = Selection(k=6, sink=4, local=16)
-SHAPES = {1: CacheShape(sessions=1, layers=2, kv_heads=2, head_dim=D, max_tokens=160, segment_blocks=1),
-          3: CacheShape(sessions=3, layers=2, kv_heads=1, head_dim=D, max_tokens=160, segment_blocks=1)}
+SHAPES = {1: CacheShape(sessions=1, layers=2, kv_heads=2, head_dim=D, max_tokens=200, segment_blocks=1),
+          3: CacheShape(sessions=3, layers=2, kv_heads=1, head_dim=D, max_tokens=200, segment_blocks=1)}
 METHODS = [methods.fathom(12.0), methods.fathom(12.0, variance="calibration"), methods.fathom_rotated(12.0),
            methods.fathom_plan((8.0, 14.0), 11.0), methods.sparq(2), methods.double_sparsity(2), methods.loki(2),
            methods.thumbnail(2), methods.landmark(), methods.oracle(), methods.dense()]
@@ -42,10 +39,9 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return torch.from_numpy(x).to(torch.bfloat16).float().numpy()
 
 
-def _setup(shape: CacheShape, seed: int = 0):
+def _setup(shape: CacheShape, seed: int = 0, n: int = sum(PIECES)):
     """bf16-exact keys/values [S, H, n, d] with spread channel scales, queries [S, H·G, d], calibration stats."""
     rng = np.random.default_rng(seed)
-    n = sum(PIECES)
     k = _bf16((rng.standard_normal((shape.sessions, shape.kv_heads, n, D)) * np.exp(rng.uniform(-1, 1, D)))
               .astype(np.float32))
     v = _bf16(rng.standard_normal(k.shape).astype(np.float32))
@@ -57,9 +53,15 @@ def _setup(shape: CacheShape, seed: int = 0):
     return k, v, q, basis, sigma2, ds_rank
 
 
-def _append(cache: OffloadedCache, k: np.ndarray, v: np.ndarray, start: int, stop: int) -> None:
-    cache.append(LAYER, torch.from_numpy(k[:, :, start:stop]).to(DEVICE),
-                 torch.from_numpy(v[:, :, start:stop]).to(DEVICE))
+def _append(cache: OffloadedCache, k: np.ndarray, v: np.ndarray, start: int, stop: int, sessions=None) -> None:
+    rows = slice(None) if sessions is None else sessions
+    cache.append(LAYER, torch.from_numpy(k[rows, :, start:stop]).to(DEVICE),
+                 torch.from_numpy(v[rows, :, start:stop]).to(DEVICE), sessions)
+
+
+def _fill(cache: OffloadedCache, k, v) -> None:
+    for start, stop in zip(np.cumsum((0,) + PIECES[:-1]), np.cumsum(PIECES)):
+        _append(cache, k, v, start, stop)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +74,7 @@ def filled():
             shape = SHAPES[sessions]
             data = _setup(shape)
             cache = OffloadedCache(shape, basis=data[3] if rotated else None)
-            for start, stop in zip(np.cumsum((0,) + PIECES[:-1]), np.cumsum(PIECES)):
-                _append(cache, data[0], data[1], start, stop)
+            _fill(cache, data[0], data[1])
             made[sessions, rotated] = cache, data
         return made[sessions, rotated]
 
@@ -82,25 +83,33 @@ def filled():
         cache.close()
 
 
-def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis, sigma2, ds_rank, n: int):
-    """Every (session, KV head) of a step against ``decode_step`` on the first ``n`` tokens."""
+def _decoder(cache, method, data, sel=SEL) -> Decoder:
+    return Decoder(cache, DecoderSettings(method, sel), GROUP, sigma2=data[4], ds_rank=data[5])
+
+
+def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis, sigma2, ds_rank,
+                              lengths: np.ndarray, sel=SEL):
+    """Every (session, KV head) of a step against ``decode_step`` on that session's first ``lengths[s]`` tokens."""
     method, shape = decoder.settings.method, decoder.cache.shape
-    got_masks = decoder.selected(n)
+    got_masks = decoder.selected(LAYER)
     want_scan_bytes = 0.0
     for s in range(shape.sessions):
+        n = int(lengths[s])
         for h in range(shape.kv_heads):
             g, heads = s * shape.kv_heads + h, slice(h * GROUP, (h + 1) * GROUP)
             keys, values, qg = k[s, h, :n], v[s, h, :n], q[s, heads]
             stats = {b: methods.HeadStats(sigma2[LAYER, h], ds_rank[LAYER, h], layer=LAYER) for b in ("raw", "rotated")}
             index = HeadIndex.build(keys, stats, basis=basis[LAYER, h])
-            want = decode_step(qg, keys, values, index, method, SEL)
+            want = decode_step(qg, keys, values, index, method, sel)
             want_scan_bytes += want.scan_bytes
             if want.depths is not None:
                 np.testing.assert_array_equal(decoder.depths.cpu().numpy()[g], want.depths)
             scores, _ = method_scores(method, qg[None], index, np.array([n // 64]))
-            _assert_same_selection(got_masks[g], want.mask, None if scores is None else scores[0])
-            np.testing.assert_allclose(out[s, heads], attention(qg, keys, values, got_masks[g]), rtol=1e-4, atol=1e-5)
-            if (got_masks[g] == want.mask).all():
+            got = got_masks[g, :, :n]
+            assert not got_masks[g, :, n:].any()
+            _assert_same_selection(got, want.mask, None if scores is None else scores[0])
+            np.testing.assert_allclose(out[s, heads], attention(qg, keys, values, got), rtol=1e-4, atol=1e-5)
+            if (got == want.mask).all():
                 np.testing.assert_allclose(out[s, heads], want.output, rtol=1e-4, atol=1e-5)
     assert decoder.scan_nbytes(LAYER) == want_scan_bytes  # the same bit accounting as the reference
 
@@ -125,24 +134,64 @@ def _assert_same_selection(got: np.ndarray, want: np.ndarray, scores: np.ndarray
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
 def test_run_matches_reference_decode(filled, method, sessions):
     cache, data = filled(sessions, method.basis == "rotated" and method.scorer == "planes")
-    q, sigma2, ds_rank = data[2], data[4], data[5]
-    decoder = Decoder(cache, DecoderSettings(method, SEL, threads=8), GROUP, sigma2=sigma2, ds_rank=ds_rank)
-    out = decoder.run(LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy()
-    _assert_matches_reference(decoder, out, *data, sum(PIECES))
+    decoder = _decoder(cache, method, data)
+    out = decoder.run(LAYER, torch.from_numpy(data[2]).to(DEVICE)).cpu().numpy()
+    _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER))
+
+
+@pytest.mark.parametrize("method", [methods.fathom(12.0), methods.oracle(), methods.dense()], ids=lambda m: m.name)
+def test_ragged_sessions_appended_independently(method):
+    """Three sessions of 140, 67 and 200 tokens, appended in different pieces, decoded in one call."""
+    shape = SHAPES[3]
+    k, v, q, *_ = data = _setup(shape, seed=2, n=200)
+    with OffloadedCache(shape) as cache:
+        _append(cache, k, v, 0, 67)  # every session
+        _append(cache, k, v, 67, 140, sessions=[0, 2])
+        _append(cache, k, v, 140, 200, sessions=[2])
+        lengths = cache.lengths(LAYER)
+        assert lengths.tolist() == [140, 67, 200]
+        decoder = _decoder(cache, method, data)
+        out = decoder.run(LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy()
+        _assert_matches_reference(decoder, out, *data, lengths)
 
 
 @pytest.mark.parametrize("method", [methods.fathom(12.0), methods.landmark()], ids=lambda m: m.name)
 def test_steps_between_appends(method):
-    """A step, then an append that seals a block (queued on the side stream on a GPU), then a step: each step
-    sees exactly the tokens appended before it."""
+    """A step, then an append that seals a block, then a step: each step sees exactly the tokens appended before
+    it (the launches were built once, at construction)."""
     shape = SHAPES[3]
     k, v, q, *_ = data = _setup(shape, seed=1)
     with OffloadedCache(shape) as cache:
-        decoder = Decoder(cache, DecoderSettings(method, SEL, threads=8), GROUP)
+        decoder = None
         for start, stop in ((0, 111), (111, 140)):
             _append(cache, k, v, start, stop)
+            decoder = decoder or _decoder(cache, method, data)
             out = decoder.run(LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy()
-            _assert_matches_reference(decoder, out, *data, stop)
+            _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER))
+
+
+def test_graph_replay_equals_eager():
+    """A captured token (append of one token per session + step) replayed, against appending and running eagerly on
+    a twin cache; the second token seals a block. On a GPU it is a CUDA graph; under the simulator the recorded
+    launches."""
+    shape = SHAPES[3]
+    k, v, q, *_ = data = _setup(shape, seed=4, n=193)
+    method = methods.fathom(12.0)
+    with OffloadedCache(shape) as eager_cache, OffloadedCache(shape) as graph_cache:
+        for cache in (eager_cache, graph_cache):
+            _append(cache, k, v, 0, 190)
+        eager = _decoder(eager_cache, method, data)
+        token = StepGraph(_decoder(graph_cache, method, data), layers=[LAYER], append=True)
+        for t in range(190, 193):
+            q_t = torch.from_numpy(q * (1 + t % 3)).to(DEVICE)
+            k_t, v_t = (torch.from_numpy(x[:, :, t:t + 1]).to(DEVICE) for x in (k, v))
+            eager_cache.append(LAYER, k_t, v_t)
+            want = eager.run(LAYER, q_t).cpu().numpy()
+            got = token(q_t, k_t, v_t).cpu().numpy()
+            np.testing.assert_array_equal(got, want)
+            assert (graph_cache.lengths(LAYER) == eager_cache.lengths(LAYER)).all()
+        for g in range(shape.groups):
+            np.testing.assert_array_equal(sealed_planes(graph_cache, LAYER, g)[0], sealed_planes(eager_cache, LAYER, g)[0])
 
 
 def test_cache_store_and_landmarks_match_reference():
@@ -151,18 +200,122 @@ def test_cache_store_and_landmarks_match_reference():
     k, v, _, basis, *_ = _setup(shape, seed=3)
     for rotation in (None, basis):
         with OffloadedCache(shape, basis=rotation) as cache:
-            for start, stop in zip(np.cumsum((0,) + PIECES[:-1]), np.cumsum(PIECES)):
-                _append(cache, k, v, start, stop)
+            _fill(cache, k, v)
             for s in range(shape.sessions):
-                store = PlaneStore.from_keys(k[s, 0], segment_blocks=shape.segment_blocks,
-                                             basis=None if rotation is None else rotation[LAYER, 0])
-                planes, scales = sealed_planes(cache, LAYER, s)
-                np.testing.assert_array_equal(planes, store.planes())
-                np.testing.assert_array_equal(scales, store.scales())
-                np.testing.assert_allclose(cache.store_variance(LAYER).cpu().numpy()[s], store.scale_variance,
-                                           rtol=1e-12)
+                for name, store in [("raw", PlaneStore.from_keys(k[s, 0], segment_blocks=shape.segment_blocks))] + (
+                        [] if rotation is None else [("rotated", PlaneStore.from_keys(
+                            k[s, 0], segment_blocks=shape.segment_blocks, basis=rotation[LAYER, 0]))]):
+                    planes, scales = sealed_planes(cache, LAYER, s, name)
+                    np.testing.assert_array_equal(planes, store.planes())
+                    np.testing.assert_array_equal(scales, store.scales())
+                    np.testing.assert_allclose(cache.store_variance(LAYER, name).cpu().numpy()[s],
+                                               store.scale_variance, rtol=1e-12)
                 np.testing.assert_array_equal(sealed_landmarks(cache, LAYER, s).view(np.uint16),
                                               landmarks(k[s, 0, :store.n_sealed]).view(np.uint16))
+
+
+def test_oracle_with_k_beyond_the_context_is_dense(filled):
+    cache, data = filled(3, False)
+    q = torch.from_numpy(data[2]).to(DEVICE)
+    sparse = _decoder(cache, methods.oracle(), data, Selection(k=500)).run(LAYER, q).cpu().numpy()
+    dense = _decoder(cache, methods.dense(), data).run(LAYER, q).cpu().numpy()
+    np.testing.assert_allclose(sparse, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_reset_empties_a_session_for_reuse():
+    shape = SHAPES[3]
+    k, v, q, *rest = data = _setup(shape, seed=5)
+    k_new, v_new, *_ = _setup(shape, seed=7)
+    with OffloadedCache(shape) as cache:
+        _fill(cache, k, v)
+        cache.reset(1)
+        assert cache.lengths(LAYER).tolist() == [140, 0, 140]
+        _append(cache, k_new, v_new, 0, 100, sessions=[1])  # session 1 reused with other keys, no reallocation
+        decoder = _decoder(cache, methods.fathom(12.0), data)
+        out = decoder.run(LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy()
+        k[1], v[1] = k_new[1], v_new[1]
+        _assert_matches_reference(decoder, out, k, v, q, *rest, cache.lengths(LAYER))
+
+
+def test_bad_keys_are_refused_and_leave_the_cache_unchanged():
+    shape = SHAPES[3]
+    k, v, q, *_ = data = _setup(shape, seed=6)
+    with OffloadedCache(shape) as cache:
+        _append(cache, k, v, 0, 100)
+        before = sealed_planes(cache, LAYER, 0), cache.store_variance(LAYER).cpu().numpy().copy()
+        for bad_k, bad_v in ((np.nan, 0.0), (np.inf, 0.0), (70000.0, 0.0), (0.0, np.nan)):
+            k_bad, v_bad = k[:, :, 100:130].copy(), v[:, :, 100:130].copy()
+            k_bad[0, 0, 5, 3], v_bad[1, 0, 7, 2] = bad_k or k_bad[0, 0, 5, 3], bad_v or v_bad[1, 0, 7, 2]
+            cache.append(LAYER, torch.from_numpy(k_bad).to(DEVICE), torch.from_numpy(v_bad).to(DEVICE))
+            with pytest.raises(ValueError, match="refused on the GPU"):
+                cache.append(LAYER, torch.from_numpy(k[:, :, 100:101]).to(DEVICE),
+                             torch.from_numpy(v[:, :, 100:101]).to(DEVICE))
+            assert cache.lengths(LAYER).tolist() == [100, 100, 100]
+            np.testing.assert_array_equal(sealed_planes(cache, LAYER, 0)[0], before[0][0])
+            np.testing.assert_array_equal(cache.store_variance(LAYER).cpu().numpy(), before[1])
+        _append(cache, k, v, 100, 140)  # the cache works on, exactly as if nothing had happened
+        decoder = _decoder(cache, methods.fathom(12.0), data)
+        out = decoder.run(LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy()
+        _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER))
+
+
+def test_bad_input_raises_before_any_kernel():
+    shape = SHAPES[3]
+    k, v, q, *_ = data = _setup(shape)
+    cache = OffloadedCache(shape)
+    _append(cache, k, v, 0, 100)
+    decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), Selection(k=20)), GROUP)
+    q_dev = torch.from_numpy(q).to(DEVICE)
+    for bad_layer in (-1, 2, 1.0):
+        with pytest.raises(ValueError, match="layer"):
+            decoder.run(bad_layer, q_dev)
+    with pytest.raises(ValueError, match="shape"):
+        decoder.run(LAYER, q_dev[:, :1])
+    with pytest.raises(ValueError, match="float32"):
+        decoder.run(LAYER, q_dev.to(torch.int32))
+    with pytest.raises(ValueError, match="holds no tokens"):
+        decoder.run(0, q_dev)  # layer 0 holds no tokens
+    with pytest.raises(ValueError, match="torch tensor"):
+        decoder.run(LAYER, q)
+    q_nan = q_dev.clone()
+    q_nan[0, 0, 0] = float("nan")
+    decoder.run(LAYER, q_nan)  # flagged on the GPU, reported at the next call
+    with pytest.raises(ValueError, match="query that is NaN or inf"):
+        decoder.run(LAYER, q_dev)
+    decoder.run(LAYER, q_dev)  # reported once; the cache is fine
+    with pytest.raises(ValueError, match="exceeds max_tokens"):
+        cache.append(LAYER, torch.zeros((3, 1, 101, D), device=DEVICE), torch.zeros((3, 1, 101, D), device=DEVICE))
+    with pytest.raises(ValueError, match="sessions must be distinct"):
+        cache.append(LAYER, torch.zeros((2, 1, 1, D), device=DEVICE), torch.zeros((2, 1, 1, D), device=DEVICE),
+                     sessions=[1, 1])
+    with pytest.raises(ValueError, match="shape"):
+        cache.append(LAYER, torch.zeros((2, 1, 1, D), device=DEVICE), torch.zeros((2, 1, 1, D), device=DEVICE))
+    with pytest.raises(ValueError, match="rotated store"):
+        Decoder(cache, DecoderSettings(methods.loki(2)), GROUP)
+    with pytest.raises(ValueError, match="per-layer budgets"):
+        Decoder(cache, DecoderSettings(methods.fathom_plan((8.0,), 8.0)), GROUP)
+    with pytest.raises(ValueError, match="ds_rank"):
+        Decoder(cache, DecoderSettings(methods.double_sparsity(2)), GROUP)
+    with pytest.raises(ValueError, match="ds_rank"):
+        Decoder(cache, DecoderSettings(methods.double_sparsity(2)), GROUP, ds_rank=np.zeros((2, 1, D), int))
+    with pytest.raises(ValueError, match="sigma2"):
+        Decoder(cache, DecoderSettings(methods.fathom(12.0, variance="calibration")), GROUP)
+    with pytest.raises(ValueError, match="group"):
+        Decoder(cache, DecoderSettings(), 9)
+    with pytest.raises(ValueError, match="basis must be orthonormal"):
+        OffloadedCache(shape, basis=np.ones((2, 1, D, D)))
+    with pytest.raises(ValueError, match="store must be one of"):
+        CacheShape(1, 1, 1, D, 64, store="disk")
+    with pytest.raises(ValueError, match="segment_blocks must be a power of two"):
+        CacheShape(1, 1, 1, D, 64, segment_blocks=3)
+    cache.close()
+    for call in (lambda: decoder.run(LAYER, q_dev), lambda: _append(cache, k, v, 100, 101),
+                 lambda: cache.lengths(LAYER), lambda: StepGraph(decoder)):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    with OffloadedCache(shape) as empty:
+        with pytest.raises(ValueError, match="holds no tokens"):
+            Decoder(empty, DecoderSettings(methods.dense()), GROUP).run(LAYER, q_dev)
 
 
 @pytest.mark.skipif(SIMULATED, reason="HBM-resident store: on the GPU only (the simulator has one memory)")
@@ -171,48 +324,8 @@ def test_device_resident_store_runs_the_same_step():
     k, v, q, *_ = _setup(shape)
     outs = []
     for where in ("host", "device"):
-        cache = OffloadedCache(CacheShape(**{**vars(shape), "store": where}))
-        cache.append(LAYER, torch.from_numpy(k).to(DEVICE), torch.from_numpy(v).to(DEVICE))
-        outs.append(Decoder(cache, DecoderSettings(methods.fathom(12.0), SEL), GROUP).run(
-            LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy())
-        cache.close()
+        with OffloadedCache(CacheShape(**{**vars(shape), "store": where})) as cache:
+            cache.append(LAYER, torch.from_numpy(k).to(DEVICE), torch.from_numpy(v).to(DEVICE))
+            outs.append(Decoder(cache, DecoderSettings(methods.fathom(12.0), SEL), GROUP).run(
+                LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy())
     np.testing.assert_array_equal(*outs)
-
-
-def test_bad_input_raises_before_any_kernel():
-    shape = SHAPES[3]
-    k, v, *_ = _setup(shape)
-    cache = OffloadedCache(shape)
-    cache.append(LAYER, torch.from_numpy(k[:, :, :100]).to(DEVICE), torch.from_numpy(v[:, :, :100]).to(DEVICE))
-    decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), Selection(k=20), threads=32), GROUP)
-    q = torch.zeros((shape.sessions, shape.kv_heads * GROUP, D), device=DEVICE)
-    for bad_layer in (-1, 2):
-        with pytest.raises(ValueError, match="layer"):
-            decoder.run(bad_layer, q)
-    with pytest.raises(ValueError, match="shape"):
-        decoder.run(LAYER, q[:, :1])
-    with pytest.raises(ValueError, match="dtype|float32"):
-        decoder.run(LAYER, q.to(torch.int32))
-    with pytest.raises(ValueError, match="exceeds the context"):
-        decoder.run(0, q)  # layer 0 holds no tokens
-    with pytest.raises(ValueError, match="torch tensor"):
-        decoder.run(LAYER, q.cpu().numpy())
-    with pytest.raises(ValueError, match="exceeds max_tokens"):
-        cache.append(LAYER, torch.zeros((3, 1, 100, D), device=DEVICE), torch.zeros((3, 1, 100, D), device=DEVICE))
-    with pytest.raises(ValueError, match="rotated store but the cache holds the raw store"):
-        Decoder(cache, DecoderSettings(methods.loki(2)), GROUP)
-    with pytest.raises(ValueError, match="per-layer budgets"):
-        Decoder(cache, DecoderSettings(methods.fathom_plan((8.0,), 8.0)), GROUP)
-    with pytest.raises(ValueError, match="ds_rank"):
-        Decoder(cache, DecoderSettings(methods.double_sparsity(2)), GROUP)
-    with pytest.raises(ValueError, match="sigma2"):
-        Decoder(cache, DecoderSettings(methods.fathom(12.0, variance="calibration")), GROUP)
-    with pytest.raises(ValueError, match="basis must be orthonormal"):
-        OffloadedCache(shape, basis=np.ones((2, 1, D, D)))
-    with pytest.raises(ValueError, match="store must be one of"):
-        CacheShape(1, 1, 1, D, 64, store="disk")
-    cache.close()
-    rotated = OffloadedCache(shape, basis=np.broadcast_to(np.eye(D), (2, 1, D, D)).copy())
-    with pytest.raises(ValueError, match="raw store but the cache holds the rotated store"):
-        Decoder(rotated, DecoderSettings(methods.fathom(12.0)), GROUP)
-    rotated.close()

@@ -1,4 +1,5 @@
-"""fathom.cuda.pack against fathom.quantize: codes and scales bit-identical."""
+"""fathom.cuda.pack against fathom.quantize + fathom.scoring.landmarks: codes, scales and landmarks bit-identical,
+for the blocks an append completes (read from the device lengths: the open block's tail, then new keys)."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -6,7 +7,9 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from fathom import reference as ref
-from fathom.cuda.pack import pack
+from fathom.cuda.pack import seal_blocks
+from fathom.layout import StoreLayout
+from fathom.scoring import landmarks
 
 
 def _keys(seed: int, n: int, d: int) -> np.ndarray:
@@ -18,24 +21,36 @@ def _keys(seed: int, n: int, d: int) -> np.ndarray:
     return k
 
 
-@settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 2**31), blocks=st.integers(1, 3), d=st.sampled_from([8, 12, 16]),
-       block0=st.integers(0, 2))
-def test_pack_is_bit_identical(seed, blocks, d, block0):
-    n = blocks * 64
-    k = _keys(seed, n, d)
-    cap = block0 + blocks + 1
-    planes = cuda.to_device(np.zeros((1, d, 4, cap), np.uint64))
-    scales = cuda.to_device(np.zeros((1, d, cap), np.uint16))
+def _seal(keys: np.ndarray, n0: int, m: int, cap: int, status=(0, 0, 0, 0)):
+    """Seal what appending keys[n0:n0 + m] to a store holding keys[:n0] completes -> (records, σ² sums, marks)."""
+    n, d = keys.shape
+    layout = StoreLayout(groups=1, segments=-(-n // 64 // cap) + 1, d=d, cap=cap)
+    records = cuda.to_device(np.zeros(layout.words, np.uint64))
+    tail = np.zeros((1, 64, d), np.float32)
+    tail[0, :n0 % 64] = keys[n0 // 64 * 64:n0]
     sq = cuda.to_device(np.zeros((1, d), np.float64))
-    pack(cuda.to_device(k[None]), planes, scales, block0, sq)
-    codes, want_scales = ref.quantize(k)
-    got_planes = planes.copy_to_host()[0]
-    got_scales = scales.copy_to_host()[0].view(np.float16)
-    np.testing.assert_array_equal(got_planes[:, :, block0:block0 + blocks], ref.pack_planes(codes))
-    np.testing.assert_array_equal(got_scales[:, block0:block0 + blocks].view(np.uint16), want_scales.view(np.uint16))
-    assert not got_planes[:, :, block0 + blocks:].any() and not got_planes[:, :, :block0].any()
-    np.testing.assert_allclose(sq.copy_to_host()[0], np.square(want_scales.astype(np.float64)).sum(axis=1))
+    marks = cuda.to_device(np.zeros((1, n // 8 + 8, d), np.uint16))
+    seal_blocks(cuda.to_device(keys[None, n0:n0 + m]), cuda.to_device(tail), cuda.to_device(np.array([n0], np.int32)),
+                cuda.to_device(np.array([0], np.int32)), 1, cuda.to_device(np.array(status, np.int32)), records,
+                records.view(np.uint16), layout, sq, marks, True)
+    return layout, records.copy_to_host(), sq.copy_to_host()[0], marks.copy_to_host()[0]
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31), n0=st.integers(0, 130), m=st.integers(1, 140), d=st.sampled_from([8, 12]),
+       cap=st.sampled_from([1, 2]))
+def test_seal_is_bit_identical(seed, n0, m, d, cap):
+    keys = _keys(seed, n0 + m, d)
+    layout, records, sq, marks = _seal(keys, n0, m, cap)
+    first, stop = n0 // 64, (n0 + m) // 64  # the blocks this append completes
+    planes, scales = layout.read(records, 0, stop)
+    if stop > first:
+        codes, want_scales = ref.quantize(keys[first * 64:stop * 64])
+        np.testing.assert_array_equal(planes[:, :, first:], ref.pack_planes(codes))
+        np.testing.assert_array_equal(scales[:, first:].view(np.uint16), want_scales.view(np.uint16))
+        np.testing.assert_allclose(sq, np.square(want_scales.astype(np.float64)).sum(axis=1), rtol=1e-12)
+        np.testing.assert_array_equal(marks[first * 8:stop * 8], landmarks(keys[first * 64:stop * 64]).view(np.uint16))
+    assert not planes[:, :, :first].any() and not marks[:first * 8].any() and not marks[stop * 8:].any()
 
 
 def test_fp16_rounding_edges():
@@ -44,9 +59,15 @@ def test_fp16_rounding_edges():
                       2**-14 * (1 - 2**-12), 6.1e-5, 0.1, 1 / 3], np.float32)
     k = np.zeros((64, len(edges)), np.float32)
     k[7] = -edges  # the max is of |k|
-    planes = cuda.to_device(np.zeros((1, len(edges), 4, 1), np.uint64))
-    scales = cuda.to_device(np.zeros((1, len(edges), 1), np.uint16))
-    pack(cuda.to_device(k[None]), planes, scales)
-    np.testing.assert_array_equal(scales.copy_to_host()[0, :, 0], edges.astype(np.float16).view(np.uint16))
+    layout, records, _, _ = _seal(k, 0, 64, 1)
+    planes, scales = layout.read(records, 0, 1)
+    np.testing.assert_array_equal(scales[:, 0].view(np.uint16), edges.astype(np.float16).view(np.uint16))
     codes, _ = ref.quantize(k)
-    np.testing.assert_array_equal(planes.copy_to_host()[0], ref.pack_planes(codes))
+    np.testing.assert_array_equal(planes, ref.pack_planes(codes))
+
+
+def test_a_flagged_or_dry_append_seals_nothing():
+    keys = _keys(0, 128, 8)
+    for status in ((1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 0, 1)):
+        _, records, sq, marks = _seal(keys, 0, 128, 2, status)
+        assert not records.any() and not sq.any() and not marks.any()

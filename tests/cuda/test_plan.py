@@ -1,11 +1,12 @@
-"""fathom.cuda.plan against fathom.waterfill.waterfill_batched: depths equal bit for bit."""
+"""fathom.cuda.plan against fathom.waterfill.waterfill_batched and SparQ's policy: depths equal bit for bit."""
 
 import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from fathom.cuda.plan import waterfill
+from fathom import methods
+from fathom.cuda.plan import top_channels, waterfill
 from fathom.waterfill import importance, waterfill_batched
 
 
@@ -29,8 +30,43 @@ def test_waterfill_matches_reference(seed, groups, heads, d, budget, zeros):
     w = importance(q, sigma2)
     assume(_gaps_ok(w))
     depths = cuda.to_device(np.full((groups, d), -1, np.int8))
-    waterfill(cuda.to_device(q), cuda.to_device(sigma2), budget, depths)
+    waterfill(cuda.to_device(q), cuda.to_device(sigma2), budget, depths, _lengths(groups))
     np.testing.assert_array_equal(depths.copy_to_host(), waterfill_batched(w, budget))
+
+
+def _lengths(groups: int, tokens: int = 0) -> object:
+    return cuda.to_device(np.full(groups, tokens, np.int32))
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31), sessions=st.integers(1, 3), heads_per_session=st.sampled_from([1, 2]),
+       budget=st.floats(0, 60))
+def test_waterfill_from_the_store_statistic(seed, sessions, heads_per_session, budget):
+    """σ² = the store's sum of squared scales / each session's sealed blocks (read from the device lengths)."""
+    rng = np.random.default_rng(seed)
+    groups, d = sessions * heads_per_session, 16
+    q = rng.standard_normal((groups, 2, d)).astype(np.float32)
+    sums = np.exp(rng.uniform(-4, 4, (groups, d)))
+    tokens = rng.integers(0, 500, sessions).astype(np.int32)
+    blocks = np.maximum(np.repeat(tokens // 64, heads_per_session), 1)
+    w = importance(q, sums / blocks[:, None])
+    assume(_gaps_ok(w))
+    depths = cuda.to_device(np.full((groups, d), -1, np.int8))
+    waterfill(cuda.to_device(q), cuda.to_device(sums), budget, depths, cuda.to_device(tokens), heads_per_session,
+              from_store=True)
+    np.testing.assert_array_equal(depths.copy_to_host(), waterfill_batched(w, budget))
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31), groups=st.integers(1, 3), r=st.integers(0, 16), levels=st.sampled_from([3, 10**6]))
+def test_top_channels_matches_sparq(seed, groups, r, levels):
+    """Ties (few distinct |q| levels) go to the lower channel, like the reference's stable argsort."""
+    rng = np.random.default_rng(seed)
+    q = (rng.integers(-levels, levels + 1, (groups, 3, 16)) / 7).astype(np.float32)
+    depths = cuda.to_device(np.full((groups, 16), -1, np.int8))
+    top_channels(cuda.to_device(q), r, depths)
+    stats = methods.HeadStats(sigma2=np.ones(16), ds_rank=np.arange(16))
+    np.testing.assert_array_equal(depths.copy_to_host(), methods.sparq(r).policy.depths(q, stats))
 
 
 def test_all_zero_and_all_fit():
@@ -38,5 +74,5 @@ def test_all_zero_and_all_fit():
     q[1] = 1.0
     sigma2 = np.ones((2, 8))
     depths = cuda.to_device(np.full((2, 8), -1, np.int8))
-    waterfill(cuda.to_device(q), cuda.to_device(sigma2), 1000.0, depths)
+    waterfill(cuda.to_device(q), cuda.to_device(sigma2), 1000.0, depths, _lengths(2))
     np.testing.assert_array_equal(depths.copy_to_host(), [[0] * 8, [4] * 8])

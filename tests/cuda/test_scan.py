@@ -1,40 +1,45 @@
-"""fathom.cuda.scan against fathom.scoring.approx_scores (float32 tolerance), through the staging."""
+"""fathom.cuda.scan against fathom.scoring.approx_scores (float32 tolerance), straight from the store's records,
+with ragged sessions (lengths read on the device) and the candidates' top-byte histogram."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from fathom.cuda.gather import Staging
-from fathom.cuda.scan import approx_scores
-from fathom.scoring import approx_scores as ref_scores
+from fathom.cuda.scan import scan_planes
+from fathom.layout import StoreLayout
+from fathom.scoring import approx_scores
 from fathom.store import PlaneStore
+from tests.cuda.helpers import top_byte_histogram, write_store
 
 
 @settings(max_examples=5, deadline=None)
-@given(seed=st.integers(0, 2**31), streams=st.integers(1, 2), heads=st.sampled_from([1, 4]),
-       d=st.sampled_from([8, 16]), blocks=st.integers(1, 3), cap=st.integers(1, 2), threads=st.sampled_from([32, 96]))
-def test_scan_matches_reference(seed, streams, heads, d, blocks, cap, threads):
+@given(seed=st.integers(0, 2**31), sessions=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]),
+       heads=st.sampled_from([1, 3]), d=st.sampled_from([8, 12]), cap=st.sampled_from([1, 2, 4]),
+       warps=st.sampled_from([1, 2]), sink=st.integers(0, 4), local=st.integers(0, 40))
+def test_scan_matches_reference(seed, sessions, kv_heads, heads, d, cap, warps, sink, local):
     rng = np.random.default_rng(seed)
-    n = blocks * 64
-    keys = (rng.standard_normal((streams, n, d)) * np.exp(rng.uniform(-2, 2, d))).astype(np.float32)
-    stores = [PlaneStore.from_keys(k, segment_blocks=cap) for k in keys]
-    n_seg = -(-blocks // cap)
-    planes = np.zeros((streams, n_seg, d, 4, cap), np.uint64)
-    scales = np.zeros((streams, n_seg, d, cap), np.uint16)
-    for s, store in enumerate(stores):
-        for i, seg in enumerate(store.segments):
-            planes[s, i], scales[s, i] = seg.planes, seg.scales.view(np.uint16)
-    depths = rng.integers(0, 5, (streams, d)).astype(np.int8)
-    q = rng.standard_normal((streams, heads, d)).astype(np.float32)
-
-    staging = Staging(streams, d, n_seg, cap, 4 * d, d, 8, 16, 1)
-    depths_dev = cuda.to_device(depths)
-    staging.stage(depths_dev, cuda.to_device(planes.reshape(-1)), cuda.to_device(scales.reshape(-1)), blocks)
-    scores = cuda.device_array((streams, heads, n + 64), np.float32)
-    approx_scores(cuda.to_device(q), depths_dev, staging.active, staging.n_active, staging.plane_row,
-                  staging.scale_row, staging.planes, staging.scales, 4 * d, d, blocks, scores, threads=threads)
-    got = scores.copy_to_host()[:, :, :n]
-    for s, store in enumerate(stores):
-        want = ref_scores(q[s], store.planes(), store.scales(), depths[s])
-        np.testing.assert_allclose(got[s], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    tokens = rng.integers(1, 300, sessions).astype(np.int32)  # ragged: each session its own length
+    groups, max_tokens = sessions * kv_heads, 320
+    layout = StoreLayout(groups, -(-max_tokens // 64 // cap), d, cap)
+    records = np.zeros(layout.words, np.uint64)
+    stores = []
+    for g in range(groups):
+        n = int(tokens[g // kv_heads])
+        keys = (rng.standard_normal((n, d)) * np.exp(rng.uniform(-2, 2, d))).astype(np.float32)
+        stores.append(PlaneStore.from_keys(keys, segment_blocks=cap))
+        write_store(stores[-1].planes(), stores[-1].scales(), layout, g, records)
+    depths = rng.integers(0, 5, (groups, d)).astype(np.int8)
+    q = rng.standard_normal((groups, heads, d)).astype(np.float32)
+    scores = cuda.to_device(np.full((groups, heads, max_tokens), np.nan, np.float32))
+    top_hist = cuda.to_device(np.zeros((groups, heads, 256), np.int32))
+    scan_planes(cuda.to_device(q), cuda.to_device(depths), cuda.to_device(tokens), kv_heads, cuda.to_device(records),
+                layout, sink, local, scores, top_hist, warps)
+    got, hist = scores.copy_to_host(), top_hist.copy_to_host()
+    for g, store in enumerate(stores):
+        n, n_sealed = int(tokens[g // kv_heads]), store.n_sealed
+        want = approx_scores(q[g], store.planes(), store.scales(), depths[g])
+        np.testing.assert_allclose(got[g, :, :n_sealed], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(initial=1))
+        assert np.isnan(got[g, :, n_sealed:]).all()  # nothing written past the sealed tokens
+        candidates = got[g, :, sink:min(n_sealed, n - local)]
+        np.testing.assert_array_equal(hist[g], top_byte_histogram(candidates))

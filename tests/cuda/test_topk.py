@@ -1,53 +1,62 @@
-"""fathom.cuda.topk against fathom.selection: selections equal (ties to the earlier token) and the union row list."""
+"""fathom.cuda.topk against fathom.selection: selections equal (ties to the earlier token) and the ascending union
+row list, with ragged sessions (lengths read on the device)."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from fathom.cuda.topk import select, union_rows
+from fathom.cuda.topk import select, union_blocks, union_rows
 from fathom.selection import Selection
 from fathom.selection import select as ref_select
+from tests.cuda.helpers import top_byte_histogram
 
 
-def _scores(rng, groups, heads, n_scored, levels):
+def _scores(rng, groups, heads, tokens, levels):
     """Scores with many exact ties (few distinct levels) and both signs of zero."""
-    s = rng.integers(-levels, levels + 1, (groups, heads, n_scored)).astype(np.float32) * np.float32(0.37)
+    s = rng.integers(-levels, levels + 1, (groups, heads, tokens)).astype(np.float32) * np.float32(0.37)
     s[s == 0] = np.where(rng.random((s == 0).sum()) < 0.5, np.float32(-0.0), np.float32(0.0))
     return s
 
 
 @settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 2**31), groups=st.integers(1, 2), heads=st.sampled_from([1, 3]),
-       n=st.integers(1, 300), k=st.integers(0, 70), sink=st.integers(0, 5), local=st.integers(0, 40),
-       levels=st.sampled_from([2, 1000]), threads=st.sampled_from([1, 16, 32]))
-def test_select_and_union_match_reference(seed, groups, heads, n, k, sink, local, levels, threads):
+@given(seed=st.integers(0, 2**31), sessions=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]),
+       heads=st.sampled_from([1, 3]), k=st.integers(0, 70), sink=st.integers(0, 5), local=st.integers(0, 40),
+       levels=st.sampled_from([2, 1000]), threads=st.sampled_from([32, 64]))
+def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, sink, local, levels, threads):
     rng = np.random.default_rng(seed)
-    n_scored = n // 64 * 64
-    scores = _scores(rng, groups, heads, max(n_scored, 1), levels)
-    winners = cuda.to_device(np.zeros((groups, n + 3), np.uint32))
-    top_hist = cuda.to_device(np.zeros((groups, heads, 256), np.int32))
-    cand_key = cuda.device_array((groups, heads, max(n_scored, 1)), np.uint32)
-    cand_idx = cuda.device_array((groups, heads, max(n_scored, 1)), np.int32)
+    tokens = 320
+    lengths = rng.integers(1, tokens + 1, sessions).astype(np.int32)
+    groups = sessions * kv_heads
+    scores = _scores(rng, groups, heads, tokens, levels)
+    hist = np.zeros((groups, heads, 256), np.int32)
+    for g in range(groups):  # what the scan counts: the candidates' top bytes
+        n = lengths[g // kv_heads]
+        hist[g] = top_byte_histogram(scores[g, :, sink:min(n // 64 * 64, n - local)])
+    winners = cuda.to_device(np.zeros((groups, tokens), np.uint32))
+    any_rows = cuda.to_device(np.zeros((groups, tokens // 64), np.uint64))
+    top_hist = cuda.to_device(hist)
+    cand_key = cuda.device_array((groups, heads, tokens), np.uint32)
+    cand_idx = cuda.device_array((groups, heads, tokens), np.int32)
     cand_count = cuda.to_device(np.zeros((groups, heads), np.int32))
-    select(cuda.to_device(scores), n_scored, n, k, sink, local, top_hist, cand_key, cand_idx, cand_count, winners,
-           threads=threads, per_block=40, select_threads=threads)
+    lengths_dev = cuda.to_device(lengths)
+    select(cuda.to_device(scores.view(np.uint32)), lengths_dev, kv_heads, k, sink, local, top_hist, cand_key,
+           cand_idx, cand_count, winners, any_rows, threads=threads, select_threads=threads, per_block=40)
     assert not top_hist.copy_to_host().any() and not cand_count.copy_to_host().any()  # zero for the next step
 
-    max_rows = n + 1
+    max_rows = tokens
     row_index = cuda.device_array((groups, max_rows), np.int32)
     head_mask = cuda.device_array((groups, max_rows), np.uint32)
     n_rows = cuda.device_array(groups, np.int32)
-    block_rows = cuda.device_array((groups, -(-n // 50)), np.int32)
-    union_rows(winners, heads, n_scored, n, sink, local, block_rows, row_index, head_mask, n_rows,
-               threads=threads, per_block=50)
-    assert not winners.copy_to_host().any()  # cleared for the next step
+    block_rows = cuda.device_array((groups, union_blocks(tokens, threads)), np.int32)
+    union_rows(any_rows, winners, lengths_dev, kv_heads, block_rows, row_index, head_mask, n_rows, threads)
+    assert not winners.copy_to_host().any() and not any_rows.copy_to_host().any()  # cleared for the next step
     sel = Selection(k=k, sink=sink, local=local)
     for g in range(groups):
-        want = ref_select(scores[g, :, :n_scored], n, sel)
+        n = int(lengths[g // kv_heads])
+        want = ref_select(scores[g, :, :n // 64 * 64], n, sel)
         rows = np.flatnonzero(want.any(axis=0))
         assert n_rows.copy_to_host()[g] == len(rows)
         np.testing.assert_array_equal(row_index.copy_to_host()[g, :len(rows)], rows)
         bits = (head_mask.copy_to_host()[g, :len(rows), None] >> np.arange(heads)) & 1
         np.testing.assert_array_equal(bits.astype(bool), want[:, rows].T)
-

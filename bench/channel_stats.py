@@ -1,0 +1,62 @@
+"""``python -m bench channel-stats``: per-channel statistics of a real capture, for synthetic keys that look real.
+
+The GPU timing (``python -m bench timing``) needs Qwen3-8B-shaped keys and queries at up to a million tokens,
+which no model here can produce; it draws them channel by channel from the statistics of a real d = 128 capture
+(default Qwen2.5-Coder-1.5B on Paul Graham's essays): per (layer, KV head, channel) the mean and standard
+deviation of the post-RoPE keys over the window's tokens, and of the decode queries over positions and the
+group's heads. Writes ``bench/data/channel-stats-<model>-<n>-<text>.npz`` with the command that made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from bench.report import command_line
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="a real model (see bench fetch)")
+    parser.add_argument("--context", type=int, default=4096, help="window length in tokens (64 .. the model's)")
+    parser.add_argument("--corpus", default="paul-graham", help="the text (a corpus name)")
+    parser.add_argument("--cache", type=Path, default=None, help="model / corpus / capture cache folder")
+    parser.add_argument("--out", type=Path, default=DATA, help="output folder (default bench/data)")
+
+
+def statistics(keys: np.ndarray, queries: np.ndarray) -> dict[str, np.ndarray]:
+    """keys ``[L, H, n, d]``, queries ``[L, H, P, G, d]`` -> mean / std per (layer, KV head, channel), float32."""
+    q = queries.reshape(queries.shape[:2] + (-1, queries.shape[-1]))
+    return {"key_mean": keys.mean(axis=2), "key_std": keys.std(axis=2), "query_mean": q.mean(axis=2),
+            "query_std": q.std(axis=2)}
+
+
+def load(path: Path) -> dict:
+    """The statistics and their provenance (``meta``) from a file this command wrote."""
+    with np.load(path) as f:
+        stats = {name: f[name] for name in ("key_mean", "key_std", "query_mean", "query_std")}
+        stats["meta"] = json.loads(str(f["meta"]))
+    return stats
+
+
+def run(args: argparse.Namespace) -> Path:
+    from bench.capture import load_capture
+    from bench.models import MODELS
+
+    if args.model not in MODELS:
+        raise ValueError(f"--model must be one of {sorted(MODELS)}, got {args.model!r}")
+    if not 64 <= args.context <= MODELS[args.model].context:
+        raise ValueError(f"--context must lie in 64..{MODELS[args.model].context}, got {args.context}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    capture, seconds = load_capture(args.model, args.corpus, args.context, args.cache)
+    stats = statistics(capture.keys.astype(np.float64), capture.queries.astype(np.float64))
+    meta = {"command": command_line(), "model": args.model, "context": args.context, "text": args.corpus,
+            "capture": capture.shape, "prefill_s": round(seconds, 1)}
+    path = args.out / f"channel-stats-{args.model}-{args.context}-{args.corpus}.npz"
+    np.savez(path, **{k: v.astype(np.float32) for k, v in stats.items()}, meta=json.dumps(meta))
+    print(f"wrote {path}")
+    return path

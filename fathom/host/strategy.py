@@ -1,0 +1,163 @@
+"""A method resolved, once, into what the GPU does to score the sealed tokens (SPEC §7, §8 steps 1-3).
+
+``fathom.methods`` says *what* a method reads (a basis and a depth policy, or its own scorer); this module turns
+that into device work exactly once, when a decoder is made, so the step itself never dispatches on the method:
+
+=================  ============================================================================================
+``PlaneScan``      a depth plan on the GPU (water-filling, SparQ's top channels, or fixed depths), then the one
+                   plane scan (``fathom.cuda.scan``) over the raw or rotated store
+``RowScan``        exact scores over the bf16 K rows (oracle) or block scores over the fp16 landmarks (landmark)
+``Dense``          no scan: every row is attended
+=================  ============================================================================================
+
+Each exposes ``plan(layer)`` and ``scan(layer)``: lists of launches ``fn(stream)`` with every argument fixed, which
+the decoder runs eagerly or captures into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fathom import methods
+from fathom.cuda.exact import scan_rows
+from fathom.cuda.interop import DEVICE, as_array
+from fathom.cuda.plan import THREADS as PLAN_THREADS
+from fathom.cuda.plan import top_channels, waterfill
+from fathom.cuda.scan import scan_planes
+from fathom.scoring import LANDMARK_TOKENS
+
+Launch = Callable[[object], None]  # fn(stream)
+
+
+@dataclass(frozen=True)
+class StepBuffers:
+    """What a strategy reads and writes in one layer's step (torch tensors owned by the decoder)."""
+
+    q: torch.Tensor  # float32 [groups, G, d] the layer's raw query
+    q_store: torch.Tensor  # float32 [groups, G, d] the query in the store's basis
+    depths: torch.Tensor  # int8 [groups, d]
+    scores: torch.Tensor  # float32 [groups, G, T]
+    top_hist: torch.Tensor  # int32 [groups, G, 256]
+
+
+class PlaneScan:
+    """Depths planned on the GPU, then the plane scan of the ``basis`` store."""
+
+    def __init__(self, method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
+                 ds_rank: np.ndarray | None, warps: int):
+        self.cache, self.basis, self.warps = cache, method.basis, warps
+        policy, shape = method.policy, cache.shape
+        self.policy = policy
+        if isinstance(policy, (methods.Waterfill, methods.LayerWaterfill)):
+            budgets = [policy.budget] * shape.layers if isinstance(policy, methods.Waterfill) else list(policy.budgets)
+            if len(budgets) != shape.layers:
+                raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "
+                                 f"{shape.layers} layers")
+            self.budgets = budgets
+            self.sigma2 = None if policy.variance == "store" else _per_group(cache, "sigma2", sigma2, torch.float64)
+        elif isinstance(policy, (methods.FixedChannels, methods.UniformDepth)):
+            self.fixed = torch.as_tensor(np.repeat(_fixed_depths(policy, cache, group, ds_rank)[:, None],
+                                                   shape.sessions, 1).reshape(shape.layers, shape.groups, -1),
+                                         device=DEVICE)
+        elif not isinstance(policy, methods.QueryTopChannels):
+            raise ValueError(f"no plane scan for the policy of {method.name!r}")
+
+    def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
+        """The query into the store's basis, then the depths."""
+        store = self.cache.layers[layer]
+        launches: list[Launch] = []
+        if self.basis == "rotated":
+            launches.append(lambda stream: torch.bmm(buf.q, store.basis, out=buf.q_store))
+        q_store = as_array(buf.q_store if self.basis == "rotated" else buf.q)
+        depths = as_array(buf.depths)
+        threads = min(PLAN_THREADS, self.cache.shape.head_dim)
+        heads = self.cache.shape.kv_heads
+        policy = self.policy
+        if isinstance(policy, (methods.Waterfill, methods.LayerWaterfill)):
+            from_store = self.sigma2 is None
+            sigma2 = as_array(store.stores[self.basis].scale_sq_sum if from_store else self.sigma2[layer])
+            budget, lengths = self.budgets[layer], store.arrays["lengths"]
+            launches.append(lambda stream: waterfill(q_store, sigma2, budget, depths, lengths, heads, from_store,
+                                                     threads, stream))
+        elif isinstance(policy, methods.QueryTopChannels):
+            launches.append(lambda stream: top_channels(q_store, policy.r, depths, threads, stream))
+        else:
+            fixed = self.fixed[layer]
+            launches.append(lambda stream: buf.depths.copy_(fixed))
+        return launches
+
+    def scan(self, layer: int, buf: StepBuffers, sel) -> list[Launch]:
+        store = self.cache.layers[layer]
+        records = store.stores[self.basis].arrays["records"]
+        q_store = as_array(buf.q_store if self.basis == "rotated" else buf.q)
+        depths, lengths = as_array(buf.depths), store.arrays["lengths"]
+        scores, top_hist = as_array(buf.scores), as_array(buf.top_hist)
+        heads, layout, warps = self.cache.shape.kv_heads, self.cache.shape.layout, self.warps
+        return [lambda stream: scan_planes(q_store, depths, lengths, heads, records, layout, sel.sink, sel.local,
+                                           scores, top_hist, warps, stream)]
+
+
+class RowScan:
+    """Exact scores over the sealed bf16 K rows (``keys``, the oracle) or landmark scores (``landmarks``)."""
+
+    def __init__(self, cache, rows: str):
+        self.cache, self.rows = cache, rows
+
+    def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
+        return []
+
+    def scan(self, layer: int, buf: StepBuffers, sel) -> list[Launch]:
+        store = self.cache.layers[layer]
+        rows = store.arrays["kv"] if self.rows == "keys" else store.arrays["marks"]
+        bf16, per_row = (True, 1) if self.rows == "keys" else (False, LANDMARK_TOKENS)
+        lengths, heads = store.arrays["lengths"], self.cache.shape.kv_heads
+        q, scores, top_hist = as_array(buf.q), as_array(buf.scores), as_array(buf.top_hist)
+        return [lambda stream: scan_rows(q, rows, bf16, per_row, lengths, heads, sel.sink, sel.local, scores,
+                                         top_hist, stream=stream)]
+
+
+def resolve(method: methods.Method, cache, group: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
+            warps: int) -> PlaneScan | RowScan | None:
+    """The scan of ``method`` on ``cache`` (None: dense, nothing scanned)."""
+    if method.scorer == "dense":
+        return None
+    if method.scorer in ("exact", "landmark"):
+        return RowScan(cache, "keys" if method.scorer == "exact" else "landmarks")
+    if method.basis == "rotated" and not cache.rotated:
+        raise ValueError(f"method {method.name!r} scans the rotated store but the cache holds only the raw store "
+                         f"(make the cache with a basis)")
+    return PlaneScan(method, cache, group, sigma2, ds_rank, warps)
+
+
+def _per_group(cache, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
+    """``x [L, H, d]`` repeated per session -> ``[L, groups, d]`` on the device."""
+    s = cache.shape
+    if x is None or np.shape(x) != (s.layers, s.kv_heads, s.head_dim):
+        raise ValueError(f"{name} must have shape {(s.layers, s.kv_heads, s.head_dim)} for this method")
+    x = np.asarray(x, np.float64)
+    if not np.all(np.isfinite(x)) or x.min() < 0:
+        raise ValueError(f"{name} must be finite and >= 0")
+    per_group = np.repeat(x[:, None], s.sessions, 1).reshape(s.layers, s.groups, -1)
+    return torch.as_tensor(per_group, dtype=dtype, device=DEVICE)
+
+
+def _fixed_depths(policy, cache, group: int, ds_rank: np.ndarray | None) -> np.ndarray:
+    """Depths ``int8 [L, H, d]`` of a query-independent policy (double-sparsity, loki, thumbnail)."""
+    s = cache.shape
+    shape = (s.layers, s.kv_heads, s.head_dim)
+    ranked = isinstance(policy, methods.FixedChannels) and policy.ranking == "double-sparsity"
+    if ranked:
+        ranks = np.asarray(ds_rank) if ds_rank is not None else None
+        if ranks is None or ranks.shape != shape or not all(
+                np.array_equal(np.sort(r), np.arange(s.head_dim)) for r in ranks.reshape(-1, s.head_dim)):
+            raise ValueError(f"ds_rank must be a permutation of the channels per (layer, KV head), shape {shape}, "
+                             f"for double-sparsity")
+    else:
+        ranks = np.broadcast_to(np.arange(s.head_dim), shape)
+    no_query = np.zeros((group, s.head_dim), np.float32)
+    return np.array([[policy.depths(no_query, methods.HeadStats(np.ones(s.head_dim), ranks[layer, h]))
+                      for h in range(s.kv_heads)] for layer in range(s.layers)], np.int8)

@@ -1,0 +1,72 @@
+"""fathom.cuda.attention against fathom.attention.attention: the listed K/V rows fetched from the row store, and
+each head's softmax over its own selection (float32 tolerance); dense over every row of each session."""
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import cuda
+
+from fathom.attention import attention
+from fathom.cuda.attention import CHUNK_ROWS, attend, gather_rows
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+
+
+def _words(x: np.ndarray) -> np.ndarray:
+    """float32 [..., d] -> its bf16 bits as uint64 words [..., d / 4]."""
+    return torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint64)
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**31), groups=st.integers(1, 3), heads=st.sampled_from([1, 3]), d=st.sampled_from([8, 16]),
+       dense=st.booleans(), rows=st.integers(1, 300))
+def test_gather_and_attend_match_reference(seed, groups, heads, d, dense, rows):
+    rng = np.random.default_rng(seed)
+    tokens = 320
+    k, v = _bf16(rng.standard_normal((2, groups, tokens, d)).astype(np.float32) * 2)
+    q = rng.standard_normal((groups, heads, d)).astype(np.float32)
+    kv = np.stack([_words(k), _words(v)], axis=2)  # [groups, T, 2, d / 4]
+    lengths = np.full(groups, rows, np.int32)  # one KV head per session: lengths are per group
+    n_rows = rng.integers(1, rows + 1, groups).astype(np.int32)
+    row_index = np.stack([np.sort(rng.choice(rows, rows, replace=False)) for _ in range(groups)]).astype(np.int32)
+    head_mask = rng.integers(0, 1 << heads, (groups, rows)).astype(np.int32)
+    head_mask[np.arange(groups), 0] = (1 << heads) - 1  # every head selects at least one row
+    max_rows = tokens
+    staged = cuda.to_device(np.zeros((groups, max_rows, 2, d // 4), np.uint64))
+    chunks = -(-max_rows // CHUNK_ROWS)
+    part = [cuda.device_array((groups, chunks, heads), np.float32) for _ in range(2)]
+    part_o = cuda.device_array((groups, chunks, heads, d), np.float32)
+    out = cuda.device_array((groups, heads, d), np.float32)
+    status = cuda.to_device(np.zeros(4, np.int32))
+    mask_dev = cuda.to_device(np.pad(head_mask, ((0, 0), (0, max_rows - rows))))
+    rows_dev = cuda.to_device(np.pad(row_index, ((0, 0), (0, max_rows - rows))))
+    gather_rows(rows_dev, cuda.to_device(n_rows), cuda.to_device(lengths), 1, dense, cuda.to_device(kv), staged,
+                threads=64, ctas=2)
+    attend(cuda.to_device(q), staged, mask_dev, cuda.to_device(n_rows), cuda.to_device(lengths), 1, dense, 0.3,
+           status, *part, part_o, out)
+    got = out.copy_to_host()
+    for g in range(groups):
+        if dense:
+            want = attention(q[g], k[g, :rows], v[g, :rows], scale=0.3)
+        else:
+            listed = row_index[g, :n_rows[g]]
+            mask = ((head_mask[g, :n_rows[g], None] >> np.arange(heads)) & 1).T.astype(bool)
+            want = attention(q[g], k[g, listed], v[g, listed], mask, scale=0.3)
+        np.testing.assert_allclose(got[g], want, rtol=1e-4, atol=1e-5)
+    assert not status.copy_to_host().any()
+
+
+def test_a_non_finite_query_raises_the_flag():
+    k = np.ones((1, 64, 2, 1), np.uint64)
+    q = np.array([[[np.nan, 0, 0, 0]]], np.float32)
+    status = cuda.to_device(np.zeros(4, np.int32))
+    staged = cuda.to_device(np.zeros((1, 64, 2, 1), np.uint64))
+    parts = [cuda.device_array((1, 1, 1), np.float32) for _ in range(2)]
+    lengths, n_rows = cuda.to_device(np.array([64], np.int32)), cuda.to_device(np.array([0], np.int32))
+    gather_rows(cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, cuda.to_device(k), staged)
+    attend(cuda.to_device(q), staged, cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, 1.0,
+           status, *parts, cuda.device_array((1, 1, 1, 4), np.float32), cuda.device_array((1, 1, 4), np.float32))
+    assert status.copy_to_host()[2] == 1
