@@ -34,6 +34,8 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
     if key in _KERNELS:
         return _KERNELS[key]
     ROWS = rows_per_cta(words)
+    stride = words + 1  # +1: rows fall in different banks (shared sizes must be constants for Numba)
+    d = 4 * words
 
     @cuda.jit
     def kernel(q, rows, lengths, heads_per_session, sink, local, scores, top_hist):
@@ -46,9 +48,8 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
         valid = min(ROWS, n_sealed // tokens_per_row - first)
         if valid <= 0:
             return
-        d = q.shape[2]
-        tile = cuda.shared.array((ROWS, words + 1), np.uint64)  # +1: rows fall in different banks
-        q_all = cuda.shared.array((heads, 4 * words), np.float32)
+        tile = cuda.shared.array((ROWS, stride), np.uint64)
+        q_all = cuda.shared.array((heads, d), np.float32)
         hist = cuda.shared.array((heads, RADIX), np.int32)
         for x in range(t, heads * RADIX, n_threads):
             hist[x // RADIX, x % RADIX] = 0

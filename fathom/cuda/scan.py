@@ -52,6 +52,9 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
     max_run = per_cta // SCALES_PER_WORD + 2 + PLANES * per_cta  # words of the longest run (scale words + planes)
     buffer_words = CHUNK_WORDS + max_run
     held_words = -(-buffer_words // threads)  # registers per thread holding the next chunk
+    slots = MAX_D + 1  # shared sizes must be constants, not expressions, for Numba on the GPU
+    chunk_slots = MAX_D + 2
+    pairs = 2 * per_warp
 
     @cuda.jit(device=True, inline=True)
     def find_slot(start, lo, hi, f):
@@ -107,8 +110,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
 
         chan = cuda.shared.array(MAX_D, np.int32)  # active channels, in channel order
         depth = cuda.shared.array(MAX_D, np.int32)
-        start = cuda.shared.array(MAX_D + 1, np.int32)  # slot start of active i (run words, all chunks)
-        chunk_first = cuda.shared.array(MAX_D + 2, np.int32)  # first active of each chunk (+ sentinel)
+        start = cuda.shared.array(slots, np.int32)  # slot start of active i (run words, all chunks)
+        chunk_first = cuda.shared.array(chunk_slots, np.int32)  # first active of each chunk (+ sentinel)
         q_read = cuda.shared.array((MAX_D, heads), np.float32)
         counts = cuda.shared.array(threads, np.int32)
         state = cuda.shared.array(2, np.int32)  # actives, chunks
@@ -150,7 +153,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
         cuda.syncthreads()
         n_chunks = state[1]
 
-        acc = cuda.local.array((2 * per_warp, heads), np.float32)
+        acc = cuda.local.array((pairs, heads), np.float32)
         for x in range(2 * per_warp):
             for h in range(heads):
                 acc[x, h] = np.float32(0)
