@@ -42,7 +42,9 @@ CONTEXTS = (32768, 131072, 262144, 1048576)
 SESSIONS = (1, 4, 16)
 MANY_SESSIONS_UP_TO = 131072  # sessions > 1 at contexts up to this
 HEADROOM = 4096  # tokens appended while timing
-SLEEP_CYCLES = 60_000_000  # ~30 ms at 2 GHz: longer than the host takes to enqueue an eager token
+# cycles of the sleep kernel that holds the GPU while the host enqueues a token (~2 GHz): longer than the enqueue of
+# a graph replay, or of an eager token (~3 ms of Numba launches per layer)
+SLEEP_CYCLES = {"graph": 40_000_000, "eager": 300_000_000}
 HEAVY_MS = 1000.0  # methods whose token takes longer are timed with one repetition (dense, oracle at 1M)
 
 
@@ -79,16 +81,16 @@ def method_table():
 
 
 def settings_for(args) -> list[Setting]:
+    """Every (regime, context, sessions) asked for, within ``--max-tokens`` per layer; k = 2048 too at 1M."""
     out = []
     for regime in args.regimes:
         for context in args.contexts:
             for sessions in args.sessions:
-                if sessions > 1 and context > MANY_SESSIONS_UP_TO:
+                if sessions > 1 and context > MANY_SESSIONS_UP_TO or sessions * context > args.max_tokens:
                     continue
                 out.append(Setting(context, sessions, regime, ragged=sessions == args.ragged_sessions))
-            if context >= 1048576 and 2048 not in (512,):
-                if regime == "host" or not args.skip_large_k_hbm:
-                    out.append(Setting(context, 1, regime, k=2048))
+            if context >= 1048576 and (regime == "host" or not args.skip_large_k_hbm):
+                out.append(Setting(context, 1, regime, k=2048))
     return out
 
 
@@ -244,7 +246,7 @@ class Run:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         if queued:
-            torch.cuda._sleep(SLEEP_CYCLES)
+            torch.cuda._sleep(SLEEP_CYCLES[mode])
         start.record()
         if mode == "graph":
             self.graphs[label](self.q, self.k_new, self.v_new)
@@ -323,6 +325,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=ints, default=list(CONTEXTS), help="tokens per session, comma-separated")
     parser.add_argument("--sessions", type=ints, default=list(SESSIONS),
                         help=f"sessions (more than 1 only at contexts <= {MANY_SESSIONS_UP_TO})")
+    parser.add_argument("--max-tokens", type=int, default=2 * 1048576,
+                        help="skip settings holding more tokens per layer (sessions × context)")
     parser.add_argument("--ragged-sessions", type=int, default=16,
                         help="the session count whose sessions get ragged lengths (0: none)")
     parser.add_argument("--regimes", type=names, default=["host", "hbm"], help="host (pinned store), hbm")
@@ -336,6 +340,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="qwen3-8b", help="file name stem: timing-<name>.*")
     parser.add_argument("--replot", type=Path, nargs="+", default=None,
                         help="merge these timing JSONs and remake the table and plot (no GPU)")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="with --replot: rewrite this README's section between the timing markers")
 
 
 def validate(args) -> None:
@@ -352,10 +358,14 @@ def validate(args) -> None:
         raise ValueError(f"--regimes must be host and/or hbm, got {args.regimes}")
     if not set(args.modes) <= {"eager", "graph"} or not args.modes:
         raise ValueError(f"--modes must be eager and/or graph, got {args.modes}")
+    if args.max_tokens < 4096:
+        raise ValueError(f"--max-tokens must be >= 4096, got {args.max_tokens}")
     if not 1 <= args.reps <= 50:
         raise ValueError(f"--reps must lie in 1..50, got {args.reps}")
     if not 1 <= args.host_gb <= 1000:
         raise ValueError(f"--host-gb must lie in 1..1000, got {args.host_gb}")
+    if args.readme is not None and (args.replot is None or README_START not in _read(args.readme)):
+        raise ValueError(f"--readme needs --replot and a file with the marker {README_START!r}")
     if args.replot is None and not args.stats.is_file():
         raise ValueError(f"--stats: no file {args.stats} (make it with python -m bench channel-stats)")
 
@@ -366,7 +376,10 @@ def run(args: argparse.Namespace) -> Path:
         payloads = [json.loads(p.read_text()) for p in args.replot]
         merged = {**payloads[0], "records": [r for p in payloads for r in p["records"]],
                   "commands": [p["command"] for p in payloads]}
-        return _write(merged, args.out, args.name, args.command_line)
+        path = _write(merged, args.out, args.name, args.command_line)
+        if args.readme is not None:
+            update_readme(args.readme, merged, path)
+        return path
     import torch
     from tqdm import tqdm
 
@@ -403,6 +416,48 @@ def run(args: argparse.Namespace) -> Path:
                "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "group": GROUP, "head_dim": HEAD_DIM},
                "synthetic": True, "keys": f"per-channel statistics of {data.meta}", "records": all_records}
     return _write(payload, args.out, args.name, args.command_line)
+
+
+README_START, README_END = "<!-- timing:start -->", "<!-- timing:end -->"
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+
+def readme_table(payload: dict) -> str:
+    """The README's performance table: per setting, every method's GPU ms per decode token (graph mode) and its
+    ratio to DS-136, and fathom@48's wall / GPU, GPU / floor and host µs per layer."""
+    records = [r for r in payload["records"] if r["mode"] == "graph"]
+    settings = list(dict.fromkeys((r["regime"], _setting_label(r)) for r in records))
+    labels = list(dict.fromkeys(r["label"] for r in records))
+    by = {(r["regime"], _setting_label(r), r["label"]): r for r in records}
+    head = "| setting | store | " + " | ".join(labels) + " | fathom@48: DS-136 / fathom (wall) | GPU / floor | " \
+                                                           "wall / GPU | host µs / layer |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for regime, setting in settings:
+        cells = []
+        for label in labels:
+            r = by.get((regime, setting, label))
+            cells.append("—" if r is None else f"{r['gpu_ms']:.1f}")
+        f = by.get((regime, setting, "fathom@48"))
+        extra = ["—"] * 4 if f is None else [
+            f"**{f['speedup_vs_ds136']:.2f}×** ({f['wall_speedup_vs_ds136']:.2f}×)" if f["speedup_vs_ds136"] else "—",
+            f"{f['gpu_over_floor']:.2f}", f"{f['wall_over_gpu']:.2f}", f"{f['host_us_per_layer']:.0f}"]
+        lines.append(f"| {setting} | {regime} | " + " | ".join(cells + extra) + " |")
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, payload: dict, source: Path) -> None:
+    """Rewrite the README's section between the markers with :func:`readme_table` of ``payload``."""
+    text = _read(readme)
+    start, end = text.index(README_START) + len(README_START), text.index(README_END)
+    body = (f"\n`{payload['commands'][0] if payload.get('commands') else payload['command']}` (and the others "
+            f"recorded in `{source.relative_to(readme.parent) if source.is_relative_to(readme.parent) else source}`): GPU ms "
+            f"per decode token, graph mode, medians; table generated by `python -m bench timing --replot ... --readme "
+            f"README.md`.\n\n{readme_table(payload)}\n")
+    readme.write_text(text[:start] + body + text[end:], encoding="utf-8")
+    print(f"wrote {readme}")
 
 
 def _plane(label: str) -> bool:

@@ -18,7 +18,7 @@ from numba import cuda
 
 from fathom.cuda.half import bf16_bits_to_f32
 
-ROWS_IN_FLIGHT = 4  # rows each thread of the gather loads before it stores
+ROWS_IN_FLIGHT = 2  # rows each thread of the gather loads before it stores
 CHUNK_ROWS = 256  # rows per CTA of the softmax (= its threads)
 _KERNELS: dict[tuple, object] = {}
 
@@ -30,28 +30,32 @@ def _row_count(n_rows, lengths, heads_per_session, dense, g):
 
 @cuda.jit
 def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, staged):
-    """Grid (CTAs per group, groups): thread x moves word x % (row words) of ROWS_IN_FLIGHT consecutive rows at a
-    time, so the CTAs in flight read a narrow window of the (ascending) rows: neighbouring host pages."""
-    g = cuda.blockIdx.y
+    """1-D grid over every group's row slots in order (slot = g · max_rows + r): thread x moves word
+    x % (row words) of ROWS_IN_FLIGHT consecutive slots at a time, so the CTAs in flight read a window of about
+    one group's ascending rows: neighbouring host pages (the GPU's reach over host pages is a few hundred MB)."""
     row_words = kv.shape[2] * kv.shape[3]  # K and V
-    rows = _row_count(n_rows, lengths, heads_per_session, dense, g)
-    x = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    slots = cuda.gridDim.x * cuda.blockDim.x // row_words  # row slots of the whole grid
-    slot = x // row_words
-    w = x % row_words
-    if slot >= slots:
+    max_rows = staged.shape[1]
+    slots = staged.shape[0] * max_rows
+    per_cta = cuda.blockDim.x // row_words  # row slots a CTA moves at once
+    lane_slot = cuda.threadIdx.x // row_words
+    if lane_slot >= per_cta:
         return
+    w = cuda.threadIdx.x % row_words
     half = w // kv.shape[3]
     word = w % kv.shape[3]
-    for base in range(slot * ROWS_IN_FLIGHT, rows, slots * ROWS_IN_FLIGHT):
+    step = cuda.gridDim.x * per_cta * ROWS_IN_FLIGHT
+    for base in range((cuda.blockIdx.x * per_cta + lane_slot) * ROWS_IN_FLIGHT, slots, step):
         held = cuda.local.array(ROWS_IN_FLIGHT, np.uint64)
         for u in range(ROWS_IN_FLIGHT):
-            if base + u < rows:
-                token = base + u if dense else row_index[g, base + u]
-                held[u] = kv[g, token, half, word]
+            g = (base + u) // max_rows
+            r = base + u - g * max_rows
+            if base + u < slots and r < _row_count(n_rows, lengths, heads_per_session, dense, g):
+                held[u] = kv[g, r if dense else row_index[g, r], half, word]
         for u in range(ROWS_IN_FLIGHT):
-            if base + u < rows:
-                staged[g, base + u, half, word] = held[u]
+            g = (base + u) // max_rows
+            r = base + u - g * max_rows
+            if base + u < slots and r < _row_count(n_rows, lengths, heads_per_session, dense, g):
+                staged[g, r, half, word] = held[u]
 
 
 def _softmax_kernel(heads: int, words: int):
@@ -170,24 +174,21 @@ def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, p
         out[g, h, c] = o / total
 
 
-def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool, kv, staged, threads: int = 256,
-                ctas: int | None = None, stream=0) -> None:
+def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool, kv, staged, ctas: int,
+                threads: int = 256, stream=0) -> None:
     """Copy the listed K/V rows (``dense``: rows ``0 .. n``) of every group into ``staged``.
 
     Args:
         row_index: int32 ``[groups, max_rows]``, first ``n_rows[g]`` valid; lengths: int32 ``[S]``.
         kv: uint64 ``[groups, T, 2, d / 4]`` (host-mapped): bf16 K and V of each token, 4 per word.
         staged: uint64 ``[groups, max_rows, 2, d / 4]`` (HBM).
-        ctas: CTAs per group (default: enough for every row of ``staged`` in one pass of ROWS_IN_FLIGHT rows).
+        ctas: CTAs of the grid (about two per multiprocessor: enough loads in flight, a narrow window of pages).
     """
     groups, max_rows = staged.shape[:2]
     row_words = kv.shape[2] * kv.shape[3]
     threads = max(row_words, threads // row_words * row_words)  # whole rows per CTA
-    if ctas is None:
-        ctas = max(1, math.ceil(max_rows / ROWS_IN_FLIGHT / (threads // row_words)))
     if groups and max_rows:
-        _gather_kernel[(ctas, groups), threads, stream](row_index, n_rows, lengths, heads_per_session, dense, kv,
-                                                        staged)
+        _gather_kernel[ctas, threads, stream](row_index, n_rows, lengths, heads_per_session, dense, kv, staged)
 
 
 def attend(q, staged, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, scale: float, status, part_m,

@@ -78,11 +78,14 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
                         acc[h] += q_all[h, 4 * w + e] * value
             for h in range(heads):
                 key = np.int32(order_key(f32_to_bits(acc[h])) >> np.uint32(24))
+                counted = 0
                 for e in range(tokens_per_row):
                     j = (first + r) * tokens_per_row + e
                     scores[g, h, j] = acc[h]
                     if lo_cand <= j < hi_cand:
-                        cuda.atomic.add(hist, (h, key), 1)
+                        counted += 1
+                if counted:  # a row's tokens share its score: one add
+                    cuda.atomic.add(hist, (h, key), counted)
         cuda.syncthreads()
         for x in range(t, heads * RADIX, n_threads):
             if hist[x // RADIX, x % RADIX]:

@@ -34,7 +34,7 @@ from fathom.quantize import BLOCK, PLANES
 
 MAX_D = 256
 MAX_HEADS = 8
-CHUNK_WORDS = 1536  # run words staged per chunk (12 KiB; a chunk may overrun by one run)
+CHUNK_WORDS = 3072  # run words staged per chunk (24 KiB; a chunk may overrun by one run) at G <= 4
 _KERNELS: dict[tuple, object] = {}
 
 
@@ -50,7 +50,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
     threads = 32 * warps
     per_cta = warps * per_warp  # blocks per CTA
     max_run = per_cta // SCALES_PER_WORD + 2 + PLANES * per_cta  # words of the longest run (scale words + planes)
-    buffer_words = CHUNK_WORDS + max_run
+    chunk_words = CHUNK_WORDS if heads <= 4 else CHUNK_WORDS // 2  # within 48 KiB of shared memory with G's arrays
+    buffer_words = chunk_words + max_run
     held_words = -(-buffer_words // threads)  # registers per thread holding the next chunk
     slots = MAX_D + 1  # shared sizes must be constants, not expressions, for Numba on the GPU
     chunk_slots = MAX_D + 2
@@ -144,8 +145,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
         if t == 0:
             start[actives] = words
             n_chunks = 0
-            for i in range(actives):  # a chunk starts where a slot starts past the next CHUNK_WORDS boundary
-                if i == 0 or start[i] // CHUNK_WORDS != start[i - 1] // CHUNK_WORDS:
+            for i in range(actives):  # a chunk starts where a slot starts past the next chunk_words boundary
+                if i == 0 or start[i] // chunk_words != start[i - 1] // chunk_words:
                     chunk_first[n_chunks] = i
                     n_chunks += 1
             chunk_first[n_chunks] = actives
@@ -201,16 +202,27 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
         # scores, and the top-byte histogram of the candidates (not sink / local; tail tokens are never scored)
         lo_cand = sink
         hi_cand = min(n_blocks * BLOCK, n - local)
-        for jb in range(per_warp):
-            b = warp * per_warp + jb
-            if b < valid:
-                for half in range(2):
-                    j = (first_block + b) * BLOCK + lane + 32 * half
-                    for h in range(heads):
+        for h in range(heads):  # a thread's tokens in one bin add once: crowded bins do not serialise
+            last = np.uint32(RADIX)
+            run = 0
+            for jb in range(per_warp):
+                b = warp * per_warp + jb
+                if b < valid:
+                    for half in range(2):
+                        j = (first_block + b) * BLOCK + lane + 32 * half
                         value = acc[2 * jb + half, h]
                         scores[g, h, j] = value
                         if lo_cand <= j < hi_cand:
-                            cuda.atomic.add(hist, (h, np.int32(order_key(f32_to_bits(value)) >> np.uint32(24))), 1)
+                            digit = order_key(f32_to_bits(value)) >> np.uint32(24)
+                            if digit == last:
+                                run += 1
+                            else:
+                                if run:
+                                    cuda.atomic.add(hist, (h, last), run)
+                                last = digit
+                                run = 1
+            if run:
+                cuda.atomic.add(hist, (h, last), run)
         cuda.syncthreads()
         for x in range(t, heads * RADIX, threads):
             if hist[x // RADIX, x % RADIX]:

@@ -2,10 +2,15 @@
 
 ``select`` is the twin of ``fathom.selection.select`` (exactly, ties to the earlier token): a radix select of the
 k-th largest score on order-preserving uint32 keys. The scan (``fathom.cuda.scan`` / ``exact``) already counted
-the top key byte of every candidate, so the selection reads the scores **once**: tokens above the k-th largest
-top byte win outright and those in its bin (a few percent) are appended to a candidate list; then one CTA per head
-finishes the three remaining key passes on that list and breaks ties at the threshold by a second radix select on
-token index, ascending. Sink, local and the unsealed tail are kept by every head.
+the top key byte (sign and exponent) of every candidate, so the pass over the scores knows the k-th largest's
+byte: tokens above it win outright, and those in its bin are appended to a candidate list — one read of the
+scores. Real scores often crowd into one binade (a shared offset q · mean(k)); when the bin holds more than
+``WIDE_BIN`` tokens, a first pass counts the bin's second key byte instead and a second pass over the scores
+appends only the tokens of that byte's bin (scores read twice, and only then). One CTA per head then finishes the
+remaining key bytes on the short list and breaks ties at the threshold by a radix select on token index, ascending.
+Sink, local and the unsealed tail are kept by every head. Histograms are counted per thread run (a thread's tokens
+in one bin add once) and per warp group, so crowded bins do not serialise on one shared counter; the list is
+appended at block-scan offsets, one global reservation per CTA.
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-group row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
@@ -26,6 +31,8 @@ from fathom.quantize import BLOCK
 
 MAX_THREADS = 1024
 WORDS_PER_THREAD = 4  # bitmap words (64 tokens each) per thread of the row compaction
+WIDE_BIN = 32768  # a top-byte bin with more candidates than this is split by its second byte first
+SUB_HISTOGRAMS = 8  # per-warp-group histograms of the tie passes
 
 
 @cuda.jit(device=True, inline=True)
@@ -43,34 +50,46 @@ def _mark(winners, any_rows, g, j, heads_bits):
 
 
 @cuda.jit(device=True, inline=True)
-def _top_digit(top_hist, g, h, k, hist, state, t, n_threads):
-    """state[0] = the top key byte of the k-th largest candidate, state[1] = how many of the k fall in
-    that byte's bin; from the top-digit histogram, staged through shared ``hist``. Syncs."""
+def _kth_digit(hist_src, g, h, wanted, hist, state, t, n_threads):
+    """From a 256-bin histogram (global ``hist_src[g, h]``, staged through shared ``hist``): state[0] = the digit
+    of the ``wanted``-th largest, state[1] = how many of the wanted fall in its bin, state[2] = the bin's count.
+    Every thread calls it; it syncs."""
     for i in range(t, RADIX, n_threads):
-        hist[i] = top_hist[g, h, i]
+        hist[i] = hist_src[g, h, i]
     cuda.syncthreads()
     if t == 0:
         above = 0
         for digit in range(RADIX - 1, -1, -1):
-            if above + hist[digit] >= k:
+            if above + hist[digit] >= wanted:
                 state[0] = digit
-                state[1] = k - above
+                state[1] = wanted - above
+                state[2] = hist[digit]
                 break
             above += hist[digit]
     cuda.syncthreads()
 
 
+@cuda.jit(device=True, inline=True)
+def _add_run(hist, digit, last, run):
+    """Run-length counting: add the finished run of ``last`` when the digit changes; returns (last, run)."""
+    if digit == last:
+        return last, run + 1
+    if run:
+        cuda.atomic.add(hist, last, run)
+    return digit, 1
+
+
 @cuda.jit
-def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, top_hist, winners,
-                       any_rows, cand_key, cand_idx, cand_count):
-    """Grid (chunks, G, groups): tokens above the k-th largest top byte win outright; tokens in its bin are
-    appended (unordered) to head h's candidate list. Block (0, 0) of each group also keeps sink, local and tail."""
+def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, wide_bin, top_hist,
+                       hist2, winners, any_rows, cand_key, cand_idx, cand_count):
+    """Grid (chunks, G, groups), one pass over the scores of a chunk for head h (``level`` 0 or 1, see the module).
+    Block (0, 0) of each group also keeps sink, local and tail, in level 0."""
     h = cuda.blockIdx.y
     g = cuda.blockIdx.z
     t = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
     n, n_sealed, lo, hi = _bounds(lengths, g, heads_per_session, sink, local)
-    if cuda.blockIdx.x == 0 and h == 0:  # sink, local and tail (the ranges may overlap: marks are idempotent)
+    if level == 0 and cuda.blockIdx.x == 0 and h == 0:  # sink, local, tail (ranges may overlap: marks idempotent)
         every_head = np.uint32((1 << cuda.gridDim.y) - 1)
         for j in range(t, min(sink, n), n_threads):
             _mark(winners, any_rows, g, j, every_head)
@@ -82,98 +101,162 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
         return
     bit = np.uint32(1) << np.uint32(h)
     if hi - lo <= k:  # every candidate is kept
-        for j in range(start + t, stop, n_threads):
-            _mark(winners, any_rows, g, j, bit)
+        if level == 0:
+            for j in range(start + t, stop, n_threads):
+                _mark(winners, any_rows, g, j, bit)
         return
     hist = cuda.shared.array(RADIX, np.int32)
-    state = cuda.shared.array(4, np.int64)  # digit, remaining, matches in this block, list base
-    _top_digit(top_hist, g, h, k, hist, state, t, n_threads)
-    digit = np.uint32(state[0])
-    if t == 0:
-        state[2] = 0
-    cuda.syncthreads()
-    for j in range(start + t, stop, n_threads):
-        top = order_key(score_bits[g, h, j]) >> np.uint32(24)
-        if top > digit:
-            _mark(winners, any_rows, g, j, bit)
-        elif top == digit:
-            cuda.atomic.add(state, 2, 1)
-    cuda.syncthreads()
-    if t == 0:  # one global reservation per block, not one per token
-        state[3] = cuda.atomic.add(cand_count, (g, h), np.int32(state[2]))
-        state[2] = 0
-    cuda.syncthreads()
+    state = cuda.shared.array(6, np.int64)  # digit 1, wanted in its bin, its count, digit 2, list base, -
+    _kth_digit(top_hist, g, h, k, hist, state, t, n_threads)
+    digit1 = np.uint32(state[0])
+    digit2 = np.uint32(0)
+    wide = state[2] > wide_bin
+    if level == 1 and not wide:
+        return
+    if level == 1:
+        _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
+        digit2 = np.uint32(state[3])
+    elif wide:  # level 0 of a crowded bin: count its second byte
+        for i in range(t, RADIX, n_threads):
+            hist[i] = 0
+        cuda.syncthreads()
+    matches = 0
+    last = np.uint32(RADIX)
+    run = 0
     for j in range(start + t, stop, n_threads):
         key = order_key(score_bits[g, h, j])
-        if key >> np.uint32(24) == digit:
-            pos = state[3] + cuda.atomic.add(state, 2, 1)
+        top = key >> np.uint32(24)
+        if level == 0:
+            if top > digit1:
+                _mark(winners, any_rows, g, j, bit)
+            elif top == digit1:
+                if wide:
+                    last, run = _add_run(hist, (key >> np.uint32(16)) & np.uint32(0xFF), last, run)
+                else:
+                    matches += 1
+        elif top == digit1:
+            second = (key >> np.uint32(16)) & np.uint32(0xFF)
+            if second > digit2:
+                _mark(winners, any_rows, g, j, bit)
+            elif second == digit2:
+                matches += 1
+    if level == 0 and wide:
+        if run:
+            cuda.atomic.add(hist, last, run)
+        cuda.syncthreads()
+        for i in range(t, RADIX, n_threads):
+            if hist[i]:
+                cuda.atomic.add(hist2, (g, h, i), hist[i])
+        return
+    # append this CTA's candidates at block-scan offsets: one global reservation per CTA, no shared counter
+    counts = cuda.shared.array(MAX_THREADS, np.int32)
+    counts[t] = matches
+    offset, total = exclusive_scan(counts, t, n_threads)
+    if t == 0:
+        state[4] = cuda.atomic.add(cand_count, (g, h), np.int32(total))
+    cuda.syncthreads()
+    pos = state[4] + offset
+    for j in range(start + t, stop, n_threads):
+        key = order_key(score_bits[g, h, j])
+        if key >> np.uint32(24) == digit1 and (level == 0 or (key >> np.uint32(16)) & np.uint32(0xFF) == digit2):
             cand_key[g, h, pos] = key
             cand_idx[g, h, pos] = j
+            pos += 1
+
+
+@cuda.jit(device=True, inline=True)
+def _tie_pass(cand_key, cand_idx, g, h, m, on_index, shift, prefix, mask, threshold, subs, hist, t, n_threads):
+    """Histogram of one digit over the candidates matching the prefix (keys, or indices of keys == threshold),
+    counted in per-warp-group sub-histograms, summed into ``hist``. Syncs."""
+    for i in range(t, SUB_HISTOGRAMS * RADIX, n_threads):
+        subs[i // RADIX, i % RADIX] = 0
+    cuda.syncthreads()
+    sub = (t // 32) % SUB_HISTOGRAMS
+    for i in range(t, m, n_threads):
+        key = cand_key[g, h, i]
+        value = np.uint32(cand_idx[g, h, i]) if on_index else key
+        if (not on_index or key == threshold) and value & mask == prefix:
+            cuda.atomic.add(subs, (sub, np.int32((value >> shift) & np.uint32(RADIX - 1))), 1)
+    cuda.syncthreads()
+    for i in range(t, RADIX, n_threads):
+        total = 0
+        for x in range(SUB_HISTOGRAMS):
+            total += subs[x, i]
+        hist[i] = total
+    cuda.syncthreads()
 
 
 @cuda.jit
-def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, cand_key, cand_idx, cand_count, winners,
-                 any_rows):
-    """One CTA per (head, group): the last three radix passes over the candidate list, then the winners.
-
-    Ties at the threshold go to the earliest tokens: a second radix select finds the ``wanted``-th smallest token
-    index among the tied candidates. Leaves ``top_hist`` and ``cand_count`` zero for the next step.
-    """
+def _ties_kernel(lengths, heads_per_session, k, sink, local, wide_bin, top_hist, hist2, cand_key, cand_idx, cand_count,
+                 winners, any_rows):
+    """One CTA per (head, group): the remaining key bytes over the candidate list, then ties at the threshold by
+    token index (earliest first), then the winners. Leaves ``top_hist``, ``hist2`` and ``cand_count`` zero."""
     h = cuda.blockIdx.x
     g = cuda.blockIdx.y
     t = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
     hist = cuda.shared.array(RADIX, np.int32)
-    state = cuda.shared.array(5, np.int64)  # prefix, mask, remaining, threshold, every tie kept
+    subs = cuda.shared.array((SUB_HISTOGRAMS, RADIX), np.int32)
+    state = cuda.shared.array(8, np.int64)  # digit, wanted, count, digit 2, wanted 2, count 2, prefix, remaining
     bit = np.uint32(1) << np.uint32(h)
     n, n_sealed, lo, hi = _bounds(lengths, g, heads_per_session, sink, local)
     if hi - lo > k:
         m = cand_count[g, h]
-        _top_digit(top_hist, g, h, k, hist, state, t, n_threads)
-        if t == 0:
-            state[2] = state[1]
-            state[0] = state[0] << 24
-            state[1] = np.int64(RADIX - 1) << 24
+        _kth_digit(top_hist, g, h, k, hist, state, t, n_threads)
+        wide = state[2] > wide_bin
+        if wide:
+            _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
+        prefix = np.uint32(state[0] << 24)
+        mask = np.uint32(0xFF000000)
+        remaining = state[1]
+        first = 0
+        if wide:
+            prefix |= np.uint32(state[3] << 16)
+            mask = np.uint32(0xFFFF0000)
+            remaining = state[4]
+            first = 1
         cuda.syncthreads()
-        # key passes descending (largest first), then index passes ascending (earliest first) among the ties
-        for pass_ in range(7):
-            on_index = pass_ >= 3
-            shift = np.uint32(16 - 8 * pass_) if not on_index else np.uint32(24 - 8 * (pass_ - 3))
-            if pass_ == 3:
-                if t == 0:
-                    state[3] = state[0]  # the threshold key
-                    state[4] = 1 if hist[state[0] & (RADIX - 1)] == state[2] else 0  # no tie to break (usual)
-                    state[0] = 0
-                    state[1] = 0
-                cuda.syncthreads()
-                if state[4]:
-                    break
-            for i in range(t, RADIX, n_threads):
-                hist[i] = 0
-            cuda.syncthreads()
-            prefix = np.uint32(state[0])
-            mask = np.uint32(state[1])
-            threshold = np.uint32(state[3])
-            for i in range(t, m, n_threads):
-                key = cand_key[g, h, i]
-                value = np.uint32(cand_idx[g, h, i]) if on_index else key
-                if (not on_index or key == threshold) and value & mask == prefix:
-                    cuda.atomic.add(hist, np.int32((value >> shift) & np.uint32(RADIX - 1)), 1)
-            cuda.syncthreads()
+        for pass_ in range(first, 3):  # key bytes, largest first
+            shift = np.uint32(16 - 8 * pass_)
+            _tie_pass(cand_key, cand_idx, g, h, m, False, shift, prefix, mask, 0, subs, hist, t, n_threads)
             if t == 0:
                 passed = 0
-                remaining = state[2]
                 for d in range(RADIX):
-                    digit = RADIX - 1 - d if not on_index else d
+                    digit = RADIX - 1 - d
                     if passed + hist[digit] >= remaining:
-                        state[0] = state[0] | (np.int64(digit) << np.int64(shift))
-                        state[2] = remaining - passed
+                        state[6] = digit
+                        state[7] = remaining - passed
                         break
                     passed += hist[digit]
-                state[1] = state[1] | (np.int64(RADIX - 1) << np.int64(shift))
             cuda.syncthreads()
-        threshold = np.uint32(state[3])
-        last_tie = np.uint32(0xFFFFFFFF) if state[4] else np.uint32(state[0])
+            prefix |= np.uint32(state[6]) << shift
+            mask |= np.uint32(RADIX - 1) << shift
+            remaining = state[7]
+            cuda.syncthreads()
+        threshold = prefix  # the k-th largest key
+        all_ties = hist[threshold & np.uint32(RADIX - 1)] == remaining  # the usual case: no tie to break
+        last_tie = np.uint32(0xFFFFFFFF)
+        if not all_ties:  # the remaining earliest of the keys == threshold, by radix select on the index
+            prefix = np.uint32(0)
+            mask = np.uint32(0)
+            for pass_ in range(4):
+                shift = np.uint32(24 - 8 * pass_)
+                _tie_pass(cand_key, cand_idx, g, h, m, True, shift, prefix, mask, threshold, subs, hist, t,
+                          n_threads)
+                if t == 0:
+                    passed = 0
+                    for digit in range(RADIX):
+                        if passed + hist[digit] >= remaining:
+                            state[6] = digit
+                            state[7] = remaining - passed
+                            break
+                        passed += hist[digit]
+                cuda.syncthreads()
+                prefix |= np.uint32(state[6]) << shift
+                mask |= np.uint32(RADIX - 1) << shift
+                remaining = state[7]
+                cuda.syncthreads()
+            last_tie = prefix
         for i in range(t, m, n_threads):
             key = cand_key[g, h, i]
             if key > threshold or (key == threshold and np.uint32(cand_idx[g, h, i]) <= last_tie):
@@ -181,6 +264,7 @@ def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, cand_key,
     cuda.syncthreads()
     for i in range(t, RADIX, n_threads):
         top_hist[g, h, i] = 0
+        hist2[g, h, i] = 0
     if t == 0:
         cand_count[g, h] = 0
 
@@ -245,37 +329,43 @@ def _write_rows_kernel(any_rows, winners, lengths, heads_per_session, block_rows
         any_rows[g, w] = np.uint64(0)
 
 
-def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, cand_key, cand_idx,
-           cand_count, winners, any_rows, threads: int = 256, select_threads: int = MAX_THREADS,
-           per_block: int = 8192, stream=0) -> None:
+def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hist2, cand_key,
+           cand_idx, cand_count, winners, any_rows, threads: int = 256, select_threads: int = MAX_THREADS,
+           per_block: int = 8192, wide_bin: int = WIDE_BIN, stream=0) -> None:
     """Each head's top-k among its candidates (sealed tokens but sink and local), plus sink, local and tail for every
     head, marked in ``winners`` (bit h) and ``any_rows``.
 
     Args:
         score_bits: uint32 ``[groups, G, T]``: the bits of the float32 scores of the sealed tokens (from the scan).
         lengths: int32 ``[S]`` session lengths; group ``g`` is session ``g // heads_per_session``.
-        top_hist: int32 ``[groups, G, 256]``: the candidates' top-byte counts (from the scan); left zero.
+        top_hist: int32 ``[groups, G, 256]``: the candidates' top-byte counts (from the scan); hist2: int32
+            ``[groups, G, 256]`` scratch, zero; both left zero.
         cand_key, cand_idx: uint32 / int32 ``[groups, G, T]`` scratch; cand_count: int32 ``[groups, G]``, zero (left zero).
         winners: uint32 ``[groups, T]`` and any_rows: uint64 ``[groups, ceil(T / 64)]``, zero as allocated and as
             :func:`union_rows` leaves them.
-        per_block: tokens per CTA of the pass over the scores.
+        per_block: tokens per CTA of the passes over the scores; wide_bin: the bin size above which a second pass
+            splits the k-th top-byte bin by its second byte.
     """
     groups, heads, tokens = score_bits.shape
     if score_bits.dtype != np.uint32 or winners.shape != (groups, tokens) or top_hist.shape != (groups, heads, RADIX) \
-            or cand_key.shape != score_bits.shape or cand_idx.shape != score_bits.shape \
-            or cand_count.shape != (groups, heads) or any_rows.shape != (groups, -(-tokens // 64)) or heads > 32:
-        raise ValueError(f"score bits {score_bits.dtype} {score_bits.shape} / winners {winners.shape} / top_hist "
-                         f"{top_hist.shape} / candidates {cand_key.shape} / bitmap {any_rows.shape} do not fit "
-                         f"(at most 32 heads)")
-    if min(k, sink, local) < 0 or not 1 <= threads <= MAX_THREADS or not 1 <= select_threads <= MAX_THREADS:
-        raise ValueError(f"k, sink, local must be >= 0 and threads in 1..{MAX_THREADS}")
+            or hist2.shape != top_hist.shape or cand_key.shape != score_bits.shape \
+            or cand_idx.shape != score_bits.shape or cand_count.shape != (groups, heads) \
+            or any_rows.shape != (groups, -(-tokens // 64)) or heads > 32:
+        raise ValueError(f"score bits {score_bits.dtype} {score_bits.shape} / winners {winners.shape} / histograms "
+                         f"{top_hist.shape} {hist2.shape} / candidates {cand_key.shape} / bitmap {any_rows.shape} do "
+                         f"not fit (at most 32 heads)")
+    if min(k, sink, local) < 0 or not 1 <= threads <= MAX_THREADS or not 32 <= select_threads <= MAX_THREADS:
+        raise ValueError(f"k, sink, local must be >= 0, threads in 1..{MAX_THREADS}, select_threads in "
+                         f"32..{MAX_THREADS}")
     if groups and heads and tokens:
         chunks = (math.ceil(tokens / per_block), heads, groups)
-        _candidates_kernel[chunks, threads, stream](score_bits, lengths, heads_per_session, k, sink,
-                                                    local, per_block, top_hist, winners, any_rows, cand_key, cand_idx,
-                                                    cand_count)
-        _ties_kernel[(heads, groups), select_threads, stream](lengths, heads_per_session, k, sink, local, top_hist,
-                                                              cand_key, cand_idx, cand_count, winners, any_rows)
+        for level in (0, 1):
+            _candidates_kernel[chunks, threads, stream](score_bits, lengths, heads_per_session, k, sink, local,
+                                                        per_block, level, wide_bin, top_hist, hist2, winners, any_rows,
+                                                        cand_key, cand_idx, cand_count)
+        _ties_kernel[(heads, groups), select_threads, stream](lengths, heads_per_session, k, sink, local, wide_bin,
+                                                              top_hist, hist2, cand_key, cand_idx, cand_count, winners,
+                                                              any_rows)
 
 
 def union_blocks(tokens: int, threads: int) -> int:

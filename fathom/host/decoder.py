@@ -120,6 +120,7 @@ class Decoder:
         scored = tokens if not self.dense else 1
         self.scores = zeros((groups, self.group, scored), torch.float32)
         self.top_hist = zeros((groups, self.group, RADIX), torch.int32)
+        self.hist2 = zeros((groups, self.group, RADIX), torch.int32)
         self.cand_key = zeros((groups, self.group, scored), torch.int32)
         self.cand_idx = zeros((groups, self.group, scored), torch.int32)
         self.cand_count = zeros((groups, self.group), torch.int32)
@@ -134,6 +135,8 @@ class Decoder:
         self.part_m = zeros((groups, chunks, self.group), torch.float32)
         self.part_l = zeros((groups, chunks, self.group), torch.float32)
         self.part_o = zeros((groups, chunks, self.group, d), torch.float32)
+        # the row gather's grid: two CTAs per multiprocessor keep enough rows in flight in a narrow window of pages
+        self.gather_ctas = 2 if SIMULATED else 2 * torch.cuda.get_device_properties(DEVICE).multi_processor_count
         self._steps = [self._build(layer) for layer in range(s.layers)]
         self._warm_up()
 
@@ -178,7 +181,7 @@ class Decoder:
         q = self.q_in[layer].view(s.groups, self.group, s.head_dim)
         out = as_array(self.out[layer].view(s.groups, self.group, s.head_dim))
         a = {name: as_array(getattr(self, name)) for name in
-             ("top_hist", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "staged",
+             ("top_hist", "hist2", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "staged",
               "part_m", "part_l", "part_o")}
         a["staged"] = a["staged"].view(np.uint64)
         winners = as_array(self.winners).view(np.uint32)
@@ -191,15 +194,16 @@ class Decoder:
             buf = StepBuffers(q, self.q_store, self.depths, self.scores, self.top_hist)
             steps += [("plan", self.strategy.plan(layer, buf)), ("scan", self.strategy.scan(layer, buf, sel)),
                       ("select", [lambda stream: select(score_bits, lengths, heads, k, sel.sink, sel.local,
-                                                        a["top_hist"], cand_key, a["cand_idx"], a["cand_count"],
-                                                        winners, any_rows, threads, min(4 * threads, 1024),
-                                                        stream=stream)]),
+                                                        a["top_hist"], a["hist2"], cand_key, a["cand_idx"],
+                                                        a["cand_count"], winners, any_rows, threads,
+                                                        min(4 * threads, 1024), stream=stream)]),
                       ("union", [lambda stream: union_rows(any_rows, winners, lengths, heads, a["block_rows"],
                                                            a["row_index"], a["head_mask"], a["n_rows"], threads,
                                                            stream)])]
         q_arr = as_array(q)
+        ctas = self.gather_ctas
         steps += [("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
-                                                       store.arrays["kv"], a["staged"], threads, stream=stream)]),
+                                                       store.arrays["kv"], a["staged"], ctas, threads, stream)]),
                   ("attention", [lambda stream: attend(q_arr, a["staged"], a["head_mask"], a["n_rows"], lengths,
                                                        heads, dense, scale, status, a["part_m"], a["part_l"],
                                                        a["part_o"], out, stream)])]

@@ -53,6 +53,7 @@ class StepGraph:
         self.q_in = torch.zeros((n, s.sessions, s.kv_heads * decoder.group, s.head_dim), dtype=torch.float32,
                                 device=DEVICE)
         shape = (n, s.groups, 1, s.head_dim)
+        self.out = torch.zeros_like(self.q_in)
         self.k_in = torch.zeros(shape, dtype=torch.float32, device=DEVICE) if append else None
         self.v_in = torch.zeros(shape, dtype=torch.float32, device=DEVICE) if append else None
         sessions = cache._all_sessions
@@ -64,6 +65,7 @@ class StepGraph:
             launches.append(lambda stream, i=i, layer=layer: decoder.q_in[layer].copy_(self.q_in[i]))
             for _, stage in decoder.stages(layer):
                 launches += stage
+            launches.append(lambda stream, i=i, layer=layer: self.out[i].copy_(decoder.out[layer]))
         self._launches = launches
         self._graph = None
         if SIMULATED:
@@ -80,8 +82,8 @@ class StepGraph:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
         """Replay: ``q [L', S, H·G, d]`` (``[S, H·G, d]`` for one layer) and, with appends, the new token's
-        ``k, v [L', S, H, 1, d]`` (``[S, H, 1, d]``) -> float32 outputs of the same leading shape (the decoder's
-        buffers, overwritten by the next replay)."""
+        ``k, v [L', S, H, 1, d]`` (``[S, H, 1, d]``) -> float32 outputs of the same leading shape (the graph's
+        output buffer, overwritten by the next replay)."""
         decoder, cache, s = self.decoder, self.decoder.cache, self.decoder.cache.shape
         n = len(self.layers)
         one = q.ndim == 3 if isinstance(q, torch.Tensor) else False
@@ -116,8 +118,4 @@ class StepGraph:
                 launch(stream)
         if self.append:
             cache._lengths += self._appends[:, None]
-        if one:
-            return decoder.out[self.layers[0]]
-        first = self.layers[0]
-        contiguous = self.layers == list(range(first, first + n))
-        return decoder.out[first:first + n] if contiguous else decoder.out[self.layers]
+        return self.out[0] if one else self.out

@@ -44,7 +44,7 @@ def test_gather_and_attend_match_reference(seed, groups, heads, d, dense, rows):
     mask_dev = cuda.to_device(np.pad(head_mask, ((0, 0), (0, max_rows - rows))))
     rows_dev = cuda.to_device(np.pad(row_index, ((0, 0), (0, max_rows - rows))))
     gather_rows(rows_dev, cuda.to_device(n_rows), cuda.to_device(lengths), 1, dense, cuda.to_device(kv), staged,
-                threads=64, ctas=2)
+                ctas=2, threads=64)
     attend(cuda.to_device(q), staged, mask_dev, cuda.to_device(n_rows), cuda.to_device(lengths), 1, dense, 0.3,
            status, *part, part_o, out)
     got = out.copy_to_host()
@@ -66,7 +66,7 @@ def test_a_non_finite_query_raises_the_flag():
     staged = cuda.to_device(np.zeros((1, 64, 2, 1), np.uint64))
     parts = [cuda.device_array((1, 1, 1), np.float32) for _ in range(2)]
     lengths, n_rows = cuda.to_device(np.array([64], np.int32)), cuda.to_device(np.array([0], np.int32))
-    gather_rows(cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, cuda.to_device(k), staged)
+    gather_rows(cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, cuda.to_device(k), staged, 1)
     attend(cuda.to_device(q), staged, cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, 1.0,
            status, *parts, cuda.device_array((1, 1, 1, 4), np.float32), cuda.device_array((1, 1, 4), np.float32))
     assert status.copy_to_host()[2] == 1

@@ -13,8 +13,9 @@ from tests.cuda.helpers import top_byte_histogram
 
 
 def _scores(rng, groups, heads, tokens, levels):
-    """Scores with many exact ties (few distinct levels) and both signs of zero."""
+    """Scores with many exact ties (few distinct levels), both signs of zero, and crowded in a binade (an offset)."""
     s = rng.integers(-levels, levels + 1, (groups, heads, tokens)).astype(np.float32) * np.float32(0.37)
+    s[rng.random(s.shape) < 0.5] += np.float32(1000.0)
     s[s == 0] = np.where(rng.random((s == 0).sum()) < 0.5, np.float32(-0.0), np.float32(0.0))
     return s
 
@@ -22,8 +23,9 @@ def _scores(rng, groups, heads, tokens, levels):
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**31), sessions=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]),
        heads=st.sampled_from([1, 3]), k=st.integers(0, 70), sink=st.integers(0, 5), local=st.integers(0, 40),
-       levels=st.sampled_from([2, 1000]), threads=st.sampled_from([32, 64]))
-def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, sink, local, levels, threads):
+       levels=st.sampled_from([2, 1000]), threads=st.sampled_from([32, 64]), wide_bin=st.sampled_from([4, 32768]))
+def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, sink, local, levels, threads, wide_bin):
+    """wide_bin = 4 takes the two-pass path (the k-th top-byte bin split by its second byte) on these small cases."""
     rng = np.random.default_rng(seed)
     tokens = 320
     lengths = rng.integers(1, tokens + 1, sessions).astype(np.int32)
@@ -32,17 +34,20 @@ def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, si
     hist = np.zeros((groups, heads, 256), np.int32)
     for g in range(groups):  # what the scan counts: the candidates' top bytes
         n = lengths[g // kv_heads]
-        hist[g] = top_byte_histogram(scores[g, :, sink:min(n // 64 * 64, n - local)])
+        hist[g] = top_byte_histogram(scores[g, :, sink:max(min(n // 64 * 64, n - local), sink)])
     winners = cuda.to_device(np.zeros((groups, tokens), np.uint32))
     any_rows = cuda.to_device(np.zeros((groups, tokens // 64), np.uint64))
     top_hist = cuda.to_device(hist)
+    hist2 = cuda.to_device(np.zeros_like(hist))
     cand_key = cuda.device_array((groups, heads, tokens), np.uint32)
     cand_idx = cuda.device_array((groups, heads, tokens), np.int32)
     cand_count = cuda.to_device(np.zeros((groups, heads), np.int32))
     lengths_dev = cuda.to_device(lengths)
-    select(cuda.to_device(scores.view(np.uint32)), lengths_dev, kv_heads, k, sink, local, top_hist, cand_key,
-           cand_idx, cand_count, winners, any_rows, threads=threads, select_threads=threads, per_block=40)
-    assert not top_hist.copy_to_host().any() and not cand_count.copy_to_host().any()  # zero for the next step
+    select(cuda.to_device(scores.view(np.uint32)), lengths_dev, kv_heads, k, sink, local, top_hist, hist2, cand_key,
+           cand_idx, cand_count, winners, any_rows, threads=threads, select_threads=threads, per_block=40,
+           wide_bin=wide_bin)
+    assert not top_hist.copy_to_host().any() and not hist2.copy_to_host().any()  # zero for the next step
+    assert not cand_count.copy_to_host().any()
 
     max_rows = tokens
     row_index = cuda.device_array((groups, max_rows), np.int32)
