@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -264,17 +265,19 @@ class OffloadedCache:
         finish_append(k_arr, ks_arr, raw.arrays["tail"], rotated.arrays["tail"], lengths, index, heads, status,
                       stream)
 
-    def compile_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor) -> None:
-        """Compile the append kernels for inputs like ``k, v [S'·H, m, d]`` without changing the cache: a dry run
-        (every launch reads the dry-run flag and changes nothing), then a sync. Before a CUDA graph capture."""
-        self.check(layer)
-        self.status.host[layer, DRY_RUN] = 1
+    @contextlib.contextmanager
+    def dry_run(self):
+        """Inside, every append launch reads a flag and changes nothing (its rows land past the lengths, unseen):
+        for warming up launches — compiling kernels, preparing cuBLAS on a stream — before a CUDA graph capture.
+        Syncs on exit."""
+        self.check()
+        self.status.host[:, DRY_RUN] = 1
         try:
-            self.enqueue_append(layer, k, v, sessions, self.stream())
+            yield
             if not SIMULATED:
                 torch.cuda.synchronize()
         finally:
-            self.status.host[layer, DRY_RUN] = 0
+            self.status.host[:, DRY_RUN] = 0
 
     def reset(self, session: int) -> None:
         """Empty ``session`` in every layer (its memory is kept and reused)."""

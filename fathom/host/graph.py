@@ -70,11 +70,16 @@ class StepGraph:
         self._graph = None
         if SIMULATED:
             return
-        if append:
-            cache.compile_append(self.layers[0], self.k_in[0], self.v_in[0], sessions)
+        # Warm up on the capture stream first (kernels compiled, cuBLAS's workspace for that stream made: neither
+        # may happen inside a capture), with the appends dry: the cache does not change.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with cache.dry_run(), torch.cuda.stream(side):
+            stream = cache.stream()
+            for launch in launches:
+                launch(stream)
         self._graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with cuda.defer_cleanup(), torch.cuda.graph(self._graph):  # Numba frees nothing inside the capture
+        with cuda.defer_cleanup(), torch.cuda.graph(self._graph, stream=side):  # Numba frees nothing inside
             stream = cache.stream()  # the capture stream, which torch makes current
             for launch in launches:
                 launch(stream)
