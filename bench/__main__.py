@@ -5,16 +5,29 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import fetch, fidelity, headline
+from bench import cli, fetch, fidelity, headline
 from bench.report import command_line
 
 
 def main(argv: list[str] | None = None) -> None:
-    if argv is None:
-        argv = sys.argv[1:]
+    """Run one command. Bad input (:class:`bench.cli.UsageError`) prints ``error: …`` and exits 2; a failed
+    download or cache repair (:class:`bench.fetch.FetchError`) prints ``error: …`` and exits 1; a bug raises."""
+    try:
+        _run(sys.argv[1:] if argv is None else argv)
+    except cli.UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except fetch.FetchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _run(argv: list[str]) -> None:
     if argv[:1] == ["fetch"]:  # fetch and gpu-step parse their own arguments
         raise SystemExit(fetch.main(argv[1:]))
     if argv[:1] == ["gpu-step"]:
+        if "--replot" not in argv:  # remaking a table and plot from a JSON needs no GPU
+            cli.require_cuda("gpu-step")
         from bench import gpu_step  # imports the CUDA path: only when asked for
 
         return gpu_step.main(argv[1:])
@@ -26,10 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("gpu-step", help="time one offloaded decode step on the GPU (see gpu-step --help)")
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
-    if args.command == "fidelity":
-        fidelity.run(args)
-    elif args.command == "headline":
-        headline.run(args)
+    written = {"fidelity": fidelity.run, "headline": headline.run}[args.command](args)
+    # the result and its siblings (a fidelity run's .md, .png, .calibration.npz): the last thing printed
+    print(f"\nwrote {', '.join(str(p) for p in sorted(written.parent.glob(written.stem + '.*')))}")
 
 
 if __name__ == "__main__":
