@@ -26,7 +26,7 @@ def _run(argv: list[str]) -> None:
     if argv[:1] == ["fetch"]:  # fetch and gpu-step parse their own arguments
         raise SystemExit(fetch.main(argv[1:]))
     if argv[:1] == ["gpu-step"]:
-        if "--replot" not in argv:  # remaking a table and plot from a JSON needs no GPU
+        if not any(a.split("=")[0] == "--replot" for a in argv):  # remaking a table and plot needs no GPU
             cli.require_cuda("gpu-step")
         from bench import gpu_step  # imports the CUDA path: only when asked for
 

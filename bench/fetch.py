@@ -384,7 +384,7 @@ def load_cached(target: Path, build: Callable[[Path], object], load: Callable[[P
     path = build_once(target, build, sha256)
     try:
         return load(path)
-    except Exception as error:  # noqa: BLE001 - any load failure gets one rebuild; the second one is raised
+    except Exception as error:  # any load failure gets one rebuild; a second one is raised as it is
         _note(f"{target} fails to load ({type(error).__name__}: {error}); deleting and rebuilding it")
     discard(target)
     path = build_once(target, build, sha256)

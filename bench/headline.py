@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from bench import cli
 from bench.report import RESULTS, context_label, markdown_table
 
 COLUMNS = [("setting", "model, context", "s"), ("d", "d", "d"), ("basis", "store basis", "s"),
@@ -45,6 +46,9 @@ def rows(results: Path) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> Path:
+    if not args.results.is_dir():
+        raise cli.UsageError(f"--results {args.results}: not a folder of fidelity-*.json")
+    cli.writable_folder("--results", args.results)
     table = markdown_table(rows(args.results), COLUMNS)
     path = args.results / "headline.md"
     path.write_text(f"Real-model fidelity (made by `{args.command_line}` from the fidelity-*.json beside it). "

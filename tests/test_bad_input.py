@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,6 +122,11 @@ def test_a_text_shorter_than_the_context_is_refused_before_loading(nothing_loads
     text.write_text("only a few words\n", encoding="utf-8")
     err = refused(["fidelity", "--quick", "--text", str(text), "--out", str(nothing_loads)], capsys)
     assert err == f"error: --text {text} is too short for --context 4096 tokens"
+
+
+def test_headline_refuses_a_results_folder_that_is_not_one(tmp_path, capsys):
+    assert refused(["headline", "--results", str(tmp_path / "nowhere")], capsys) == \
+        f"error: --results {tmp_path / 'nowhere'}: not a folder of fidelity-*.json"
 
 
 def test_fetch_refuses_unknown_names(nothing_loads, capsys):
@@ -443,6 +449,21 @@ def test_per_layer_plan_refuses_nan_and_inf_errors(bad):
     errors[1, 1] = bad
     with pytest.raises(ValueError, match="^errors must be finite"):
         per_layer_plan(errors, np.array([32.0, 48.0, 64.0]), 48.0)
+
+
+def test_a_download_shows_its_bytes_while_it_runs(tmp_path, capsys):
+    slow_download = [sys.executable, "-c", "import pathlib, time; pathlib.Path('pkg.deb').write_bytes(b'x' * 5000); "
+                                           "time.sleep(1.0)"]
+    fetch.run_command(slow_download, what="Debian package 'pkg'", cwd=tmp_path, progress=tmp_path)
+    assert "Debian package 'pkg': 5.00kB" in capsys.readouterr().err
+
+
+def test_the_prefill_shows_its_progress_per_layer(capsys):
+    fake = CountingModel()
+    model, tokenizer = fake()
+    bench_capture.capture(model, tokenizer("some text " * 8).input_ids, positions=4)
+    err = capsys.readouterr().err
+    assert "prefill 80 tokens: 100%" in err and "2/2 [" in err  # one tick per layer of the 2-layer model
 
 
 def test_main_prints_where_it_wrote_last(tmp_path, capsys):
