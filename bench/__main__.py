@@ -1,43 +1,50 @@
 """``python -m bench <command>``: fidelity (error against bits), headline (summary table), timing (the decode token
-on the GPU), soak (memory over many caches), channel-stats (real channel statistics for it), fetch (models and corpora into the cache)."""
+on the GPU), soak (memory over many caches), channel-stats (real channel statistics for the timing's keys), fetch
+(models and corpora into the cache)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench import channel_stats, fetch, fidelity, headline, soak, timing
+from bench import channel_stats, cli, fetch, fidelity, headline, soak, timing
 from bench.report import command_line
 
 
 def main(argv: list[str] | None = None) -> None:
-    if argv is None:
-        argv = sys.argv[1:]
+    """Run one command. Bad input (:class:`bench.cli.UsageError`) prints ``error: …`` and exits 2; a failed
+    download or cache repair (:class:`bench.fetch.FetchError`) prints ``error: …`` and exits 1; a bug raises."""
+    try:
+        _run(sys.argv[1:] if argv is None else argv)
+    except cli.UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except fetch.FetchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _run(argv: list[str]) -> None:
     if argv[:1] == ["fetch"]:  # fetch parses its own arguments
         raise SystemExit(fetch.main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     fidelity.add_arguments(commands.add_parser("fidelity", help="attention error against scan bits, every method"))
     headline.add_arguments(commands.add_parser("headline", help="one table of the real-model fidelity summaries"))
-    channel_stats.add_arguments(commands.add_parser("channel-stats", help="per-channel key/query statistics of a "
-                                                    "real capture (for the GPU timing's synthetic keys)"))
-    commands.add_parser("fetch", help="download, check and convert models and corpora (see fetch --help)")
     timing.add_arguments(commands.add_parser("timing", help="the whole decode token on the GPU, every method, eager "
                                                           "and CUDA graph"))
     soak.add_arguments(commands.add_parser("soak", help="create / use / close an offloaded cache many times: memory "
                                                       "stays flat"))
+    channel_stats.add_arguments(commands.add_parser("channel-stats", help="per-channel key/query statistics of a "
+                                                    "real capture (for the GPU timing's synthetic keys)"))
+    commands.add_parser("fetch", help="download, check and convert models and corpora (see fetch --help)")
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
-    if args.command == "fidelity":
-        fidelity.run(args)
-    elif args.command == "headline":
-        headline.run(args)
-    elif args.command == "channel-stats":
-        channel_stats.run(args)
-    elif args.command == "timing":
-        timing.run(args)
-    elif args.command == "soak":
-        soak.run(args)
+    run = {"fidelity": fidelity.run, "headline": headline.run, "timing": timing.run, "soak": soak.run,
+           "channel-stats": channel_stats.run}[args.command]
+    written = run(args)
+    # the result and its siblings (a fidelity run's .md, .png, .calibration.npz): the last thing printed
+    print(f"\nwrote {', '.join(str(p) for p in sorted(written.parent.glob(written.stem + '.*')))}")
 
 
 if __name__ == "__main__":

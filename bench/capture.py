@@ -6,7 +6,8 @@ extension point (a registered attention function that records its inputs and
 then runs the stock SDPA attention), so they are exactly what the model's
 attention sees: after RoPE and after QK-norm where the model has it. Only
 global-attention layers are kept (sliding-window layers never see the long
-context). Captures are cached on disk.
+context). Captures are cached on disk with the digests of the model build and
+the text they were made from, and are remade when either changes.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from bench import corpora, fetch, models
+from bench.cli import UsageError
 from fathom.capture import Capture
 
 ATTENTION_NAME = "fathom_capture"
@@ -29,10 +32,10 @@ def decode_positions(n: int) -> int:
 
 
 class _Recorder:
-    """An attention function that records each layer's inputs, then attends with SDPA."""
+    """An attention function that records each layer's inputs, then attends with SDPA (ticking ``progress``)."""
 
-    def __init__(self, positions: int, layers: set[int]):
-        self.positions, self.layers = positions, layers
+    def __init__(self, positions: int, layers: set[int], progress: tqdm):
+        self.positions, self.layers, self.progress = positions, layers, progress
         self.keys: dict[int, np.ndarray] = {}
         self.values: dict[int, np.ndarray] = {}
         self.queries: dict[int, np.ndarray] = {}
@@ -48,6 +51,7 @@ class _Recorder:
             self.values[layer] = value[0].float().numpy().copy()
             self.queries[layer] = query[0, :, -self.positions:].float().numpy().copy()
             self.scales[layer] = float(kwargs.get("scaling") or module.scaling)
+        self.progress.update(1)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -59,11 +63,11 @@ def global_layers(config) -> list[int]:
     return [i for i, t in enumerate(types) if t == "full_attention"]
 
 
-def window(tokenizer, text: str, n: int):
-    """The first ``n`` token ids of ``text`` as a ``[1, n]`` tensor."""
+def window(tokenizer, text: str, n: int, name: str = "text"):
+    """The first ``n`` token ids of ``text`` (called ``name`` in errors) as a ``[1, n]`` tensor."""
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=True).input_ids[:, :n]
     if ids.shape[1] < n:
-        raise ValueError(f"text has only {ids.shape[1]} tokens, fewer than n = {n}")
+        raise UsageError(f"{name} has only {ids.shape[1]} tokens, fewer than the context {n} (--context)")
     return ids
 
 
@@ -80,16 +84,17 @@ def capture(model, ids, positions: int | None = None, meta: dict | None = None) 
     n = ids.shape[1]
     positions = positions or decode_positions(n)
     layers = global_layers(model.config)
-    recorder = _Recorder(positions, set(layers))
-    AttentionInterface.register(ATTENTION_NAME, recorder)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION_NAME)
-    try:
-        with torch.inference_mode():
-            model(ids, use_cache=False, logits_to_keep=1)
-    finally:
-        model.set_attn_implementation(previous)
+    with tqdm(total=model.config.num_hidden_layers, desc=f"prefill {n} tokens", unit="layer") as bar:
+        recorder = _Recorder(positions, set(layers), bar)
+        AttentionInterface.register(ATTENTION_NAME, recorder)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(ATTENTION_NAME)
+        try:
+            with torch.inference_mode():
+                model(ids, use_cache=False, logits_to_keep=1)
+        finally:
+            model.set_attn_implementation(previous)
     scales = {recorder.scales[i] for i in layers}
     if len(scales) != 1:
         raise ValueError(f"layers use different softmax scales {scales}; a Capture holds one")
@@ -108,26 +113,36 @@ def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path 
     cached on disk; returns it with the seconds its prefill took (recorded with the capture, so a cached
     capture reports the time it took when it was made).
 
-    ``loaded``: a callable returning the loaded ``(model, tokenizer)``, called only on a cache miss.
+    A cached capture is used only if its file matches the digest recorded when it was written and it was
+    made from the same model build (:func:`bench.models.digest`) and the same text (sha256); otherwise it
+    is remade. ``loaded``: a callable returning the loaded ``(model, tokenizer)``, called only to make one.
     """
     positions = positions or decode_positions(n)
     if isinstance(corpus, Path):
         text, text_name = corpus.read_text(encoding="utf-8"), corpus.name
-        tag = hashlib.sha256(text.encode()).hexdigest()[:12]
     else:
-        text, text_name, tag = corpora.load(corpus, cache), corpus, corpus
+        text, text_name = corpora.load(corpus, cache), corpus
+    text_sha256 = hashlib.sha256(text.encode()).hexdigest()
+    tag = text_sha256[:12] if isinstance(corpus, Path) else corpus
     path = fetch.cache_dir(cache) / "captures" / f"{model_name}-{tag}-{n}-{positions}.npz"
-    if path.exists():
-        cached = Capture.load(path)
-        return cached, cached.meta.get("prefill_s", 0.0)
-    model, tokenizer = loaded() if loaded else models.load(model_name, cache)
-    start = time.perf_counter()
-    meta = {"model": model_name, "context": n, "text": text_name}
-    result = capture(model, window(tokenizer, text, n), positions, meta=meta)
-    seconds = time.perf_counter() - start
-    result.meta["prefill_s"] = round(seconds, 1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial.npz")
-    result.save(partial)
-    partial.rename(path)
-    return result, seconds
+
+    def made_from() -> dict:
+        return {"model_sha256": models.digest(model_name, cache), "text_sha256": text_sha256}
+
+    def build(partial: Path) -> None:
+        model, tokenizer = loaded() if loaded else models.load(model_name, cache)
+        start = time.perf_counter()
+        meta = {"model": model_name, "context": n, "text": text_name, **made_from()}
+        result = capture(model, window(tokenizer, text, n, text_name), positions, meta=meta)
+        result.meta["prefill_s"] = round(time.perf_counter() - start, 1)
+        with partial.open("wb") as sink:
+            result.save(sink)
+
+    def load(cached: Path) -> Capture:
+        result = Capture.load(cached)
+        if {key: result.meta.get(key) for key in ("model_sha256", "text_sha256")} != made_from():
+            raise fetch.CacheMismatch(f"{cached} was made from another build of {model_name} or another text")
+        return result
+
+    result = fetch.load_cached(path, build, load)
+    return result, result.meta["prefill_s"]

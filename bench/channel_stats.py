@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.cli import UsageError, writable_folder
 from bench.report import command_line
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -47,16 +48,19 @@ def run(args: argparse.Namespace) -> Path:
     from bench.capture import load_capture
     from bench.models import MODELS
 
+    from bench.corpora import is_corpus
+
     if args.model not in MODELS:
-        raise ValueError(f"--model must be one of {sorted(MODELS)}, got {args.model!r}")
+        raise UsageError(f"--model must be one of {sorted(MODELS)}, got {args.model!r}")
     if not 64 <= args.context <= MODELS[args.model].context:
-        raise ValueError(f"--context must lie in 64..{MODELS[args.model].context}, got {args.context}")
-    args.out.mkdir(parents=True, exist_ok=True)
+        raise UsageError(f"--context must lie in 64..{MODELS[args.model].context}, got {args.context}")
+    if not is_corpus(args.corpus):
+        raise UsageError(f"--corpus {args.corpus!r} is not a corpus (see python -m bench fetch --help)")
+    writable_folder("--out", args.out)
     capture, seconds = load_capture(args.model, args.corpus, args.context, args.cache)
     stats = statistics(capture.keys.astype(np.float64), capture.queries.astype(np.float64))
     meta = {"command": command_line(), "model": args.model, "context": args.context, "text": args.corpus,
             "capture": capture.shape, "prefill_s": round(seconds, 1)}
     path = args.out / f"channel-stats-{args.model}-{args.context}-{args.corpus}.npz"
     np.savez(path, **{k: v.astype(np.float32) for k, v in stats.items()}, meta=json.dumps(meta))
-    print(f"wrote {path}")
     return path

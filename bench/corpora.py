@@ -200,8 +200,8 @@ def is_corpus(name: str) -> bool:
     return name in CORPORA or (novel != name and novel in AUSTEN_NOVELS)
 
 
-def ensure(name: str, cache: str | Path | None = None) -> Path:
-    """The cached .txt of corpus `name`, built on first use (its sha256 recorded beside it)."""
+def _cached(name: str, cache: str | Path | None) -> tuple[Path, Callable[[Path], object]]:
+    """Corpus `name`'s cached .txt and how to build it."""
     if not is_corpus(name):
         raise ValueError(
             f"unknown corpus {name!r}; known: {', '.join(CORPORA)}, "
@@ -209,12 +209,15 @@ def ensure(name: str, cache: str | Path | None = None) -> Path:
         )
     root = fetch.cache_dir(cache) / "corpora"
     build = _builder(name, root)
-    return fetch.build_once(
-        root / f"{name.replace(':', '-')}.txt",
-        lambda partial: partial.write_text(build(), encoding="utf-8"),
-    )
+    return root / f"{name.replace(':', '-')}.txt", lambda partial: partial.write_text(build(), encoding="utf-8")
+
+
+def ensure(name: str, cache: str | Path | None = None) -> Path:
+    """The cached .txt of corpus `name`, built on first use; its sha256 and size are recorded beside it and
+    checked when it is used (a changed file is deleted and built again)."""
+    return fetch.build_once(*_cached(name, cache))
 
 
 def load(name: str, cache: str | Path | None = None) -> str:
     """The text of corpus `name` (see CORPORA; `austen:emma` etc. for one novel)."""
-    return ensure(name, cache).read_text(encoding="utf-8")
+    return fetch.load_cached(*_cached(name, cache), lambda path: path.read_text(encoding="utf-8"))

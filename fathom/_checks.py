@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
+
+ORTHONORMAL_ATOL = 1e-4  # RᵀR = I within this, the GPU cache's tolerance too
 
 
 def array(name: str, x, *, ndim: int | None = None, dtype=None, kind: str | None = None) -> np.ndarray:
@@ -35,3 +39,32 @@ def depths(name: str, x, d: int | None = None) -> np.ndarray:
     if x.size and (x.min() < 0 or x.max() > 4):
         raise ValueError(f"{name} must lie in 0..4, got range [{x.min()}, {x.max()}]")
     return x
+
+
+def integer(name: str, x, minimum: int | None = None) -> int:
+    """``x`` as an int after checking it is an integer (not a bool, float or string) ``>= minimum``."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {x!r}")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)
+
+
+def real(name: str, x) -> float:
+    """``x`` as a float after checking it is a finite real number (not a bool or string)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not np.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {x!r}")
+    return float(x)
+
+
+def orthonormal(name: str, basis, d: int) -> np.ndarray:
+    """Return ``basis`` after checking it is a finite float ``[d, d]`` with ``RᵀR = I`` (within 1e-4)."""
+    basis = array(name, basis, ndim=2, kind="f")
+    if basis.shape != (d, d):
+        raise ValueError(f"{name} must have shape {(d, d)}, got {basis.shape}")
+    finite(name, basis)
+    gram = basis.astype(np.float64).T @ basis.astype(np.float64)
+    if not np.allclose(gram, np.eye(d), atol=ORTHONORMAL_ATOL):
+        raise ValueError(f"{name} must be orthonormal: RᵀR = I within {ORTHONORMAL_ATOL}, "
+                         f"off by up to {np.abs(gram - np.eye(d)).max():.3g}")
+    return basis

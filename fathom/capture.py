@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class Capture:
         return {"layers": L, "kv_heads": H, "tokens": n, "head_dim": d,
                 "group": self.queries.shape[3], "positions": len(self.positions)}
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path | IO[bytes]) -> None:
         np.savez(path, keys=self.keys, values=self.values, queries=self.queries,
                  positions=self.positions, scale=self.scale, meta=json.dumps(self.meta))
 

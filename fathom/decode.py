@@ -56,7 +56,8 @@ class HeadIndex:
     @classmethod
     def build(cls, keys: np.ndarray, calibration: dict[str, HeadStats] | None,
               basis: np.ndarray | None = None) -> HeadIndex:
-        """``keys float32 [n, d]``; ``calibration``: stats per basis (None: unit σ², identity DS rank)."""
+        """``keys float32 [n, d]``; ``calibration``: stats per basis (None: unit σ², identity DS rank);
+        ``basis``: orthonormal ``[d, d]`` (``RᵀR = I`` within 1e-4, checked by the store) for the rotated store."""
         keys = _checks.array("keys", keys, ndim=2, dtype=np.float32)
         d = keys.shape[1]
         stores = {"raw": PlaneStore.from_keys(keys)}
@@ -126,7 +127,13 @@ def decode_step(q: np.ndarray, keys: np.ndarray, values: np.ndarray, index: Head
     ``index`` must have been built over at least the first ``m`` keys (it may hold more).
     """
     q = _checks.array("q", q, ndim=2, kind="f")
+    keys = _checks.array("keys", keys, ndim=2, kind="f")
+    values = _checks.array("values", values, ndim=2, kind="f")
     m, d = keys.shape
+    if q.shape[0] < 1 or q.shape[1] != d:
+        raise ValueError(f"q must have shape (G >= 1, {d}) to match keys, got {q.shape}")
+    if values.shape[0] != m:
+        raise ValueError(f"values must have {m} rows (one per key), got shape {values.shape}")
     if m > index.keys.shape[0]:
         raise ValueError(f"keys has {m} tokens but the index holds only {index.keys.shape[0]}")
     blocks = np.array([m // 64])

@@ -103,7 +103,7 @@ def dequantize(planes: np.ndarray, scales: np.ndarray, depths: np.ndarray) -> np
     ``k̂_t = ((p + 0.5) · 2^(4-t) − 8) · Δ`` with ``p = u >> (4 - t)``; depth 0 gives 0.
 
     Args:
-        planes: uint64 ``[d, 4, nb]``; scales: float16 ``[d, nb]``; depths: int ``[d]`` in 0..4.
+        planes: uint64 ``[d, 4, nb]``; scales: float16 ``[d, nb]``, finite and >= 0; depths: int ``[d]`` in 0..4.
     Returns:
         float32 ``[nb * 64, d]``.
     """
@@ -112,6 +112,7 @@ def dequantize(planes: np.ndarray, scales: np.ndarray, depths: np.ndarray) -> np
     scales = _checks.array("scales", scales, ndim=2, dtype=np.float16)
     if scales.shape != (d, n // BLOCK):
         raise ValueError(f"scales must have shape {(d, n // BLOCK)} to match planes, got {scales.shape}")
+    _checks.nonnegative("scales", scales)  # a NaN, infinite or negative scale would give NaN or flipped keys
     t = _checks.depths("depths", depths, d).astype(np.int64)
     if t.ndim != 1:
         raise ValueError(f"depths must have rank 1, got shape {t.shape}")

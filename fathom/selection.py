@@ -25,8 +25,7 @@ class Selection:
 
     def __post_init__(self):
         for name in ("k", "sink", "local"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            object.__setattr__(self, name, _checks.integer(name, getattr(self, name), minimum=0))
 
     @staticmethod
     def for_context(n: int) -> Selection:

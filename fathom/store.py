@@ -83,10 +83,8 @@ class PlaneStore:
             raise ValueError(f"d must be positive, got {d}")
         if segment_blocks <= 0:
             raise ValueError(f"segment_blocks must be positive, got {segment_blocks}")
-        if basis is not None:
-            basis = _checks.array("basis", basis, ndim=2, kind="f").astype(np.float32)
-            if basis.shape != (d, d):
-                raise ValueError(f"basis must have shape {(d, d)}, got {basis.shape}")
+        if basis is not None:  # scores in the rotated store equal q·k only for an orthonormal basis
+            basis = _checks.orthonormal("basis", basis, d).astype(np.float32)
         self.d = d
         self.segment_blocks = segment_blocks
         self.basis = basis

@@ -63,8 +63,8 @@ def waterfill_batched(w: np.ndarray, budget: float) -> np.ndarray:
     if w.ndim < 1:
         raise ValueError(f"w must have rank >= 1 (channels last), got shape {w.shape}")
     _checks.nonnegative("w", w)
-    if not np.isfinite(budget) or budget < 0:
-        raise ValueError(f"budget must be finite and >= 0 bits per token, got {budget}")
+    if _checks.real("budget (bits per token)", budget) < 0:
+        raise ValueError(f"budget must be >= 0 bits per token, got {budget}")
     positive = w > 0
     w_max = w.max(axis=-1, initial=0.0)
     w_min = np.where(positive, w, np.inf).min(axis=-1, initial=np.inf)
@@ -108,6 +108,7 @@ def per_layer_plan(errors: np.ndarray, budgets: np.ndarray, mean_budget: float) 
     next one would exceed the mean budget.
     """
     errors = _checks.array("errors", errors, ndim=2, kind="f")
+    _checks.finite("errors", errors)  # a NaN compares false everywhere: its layer would silently stay lowest
     budgets = np.asarray(budgets, np.float64)
     if budgets.ndim != 1 or budgets.size != errors.shape[1] or np.any(np.diff(budgets) <= 0):
         raise ValueError(f"budgets must be increasing with {errors.shape[1]} entries, got {budgets}")

@@ -5,8 +5,10 @@ import pytest
 from bench.__main__ import main
 
 
-def test_fidelity_quick_writes_json_table_and_plot(tmp_path):
+def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
     main(["fidelity", "--synthetic", "--quick", "--out", str(tmp_path)])
+    written = ", ".join(str(tmp_path / f"fidelity-synthetic-quick.{ext}") for ext in ("json", "md", "png"))
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"wrote {written}"  # where it wrote, last
     payload = json.loads((tmp_path / "fidelity-synthetic-quick.json").read_text())
     assert payload["synthetic"] and payload["command"].startswith("python -m bench fidelity")
     records = {r["label"]: r for r in payload["records"]}

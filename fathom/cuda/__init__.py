@@ -18,5 +18,5 @@ module         what it does on the GPU                                    refere
 =============  =========================================================  ====================================
 
 Kernels run under ``NUMBA_ENABLE_CUDASIM=1`` in CI at tiny sizes and on the GPU
-with ``FATHOM_GPU=1``; ``bench/gpu_step.py`` times them.
+with ``FATHOM_GPU=1``; ``python -m bench timing`` times them (``bench/timing.py``).
 """

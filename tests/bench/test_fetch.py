@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import sys
 import tarfile
@@ -138,7 +139,10 @@ def test_build_once_builds_folders(tmp_path):
 
     target = fetch.build_once(tmp_path / "pkg", build)
     assert (target / "sub" / "a.txt").read_text(encoding="utf-8") == "a"
-    assert fetch.recorded_sha256(target) == ""
+    manifest = json.loads(fetch.done_marker(target).read_text(encoding="utf-8"))
+    assert manifest == {"files": {"sub/a.txt": [hashlib.sha256(b"a").hexdigest(), 1]}, "links": {}}
+    # a folder's digest is its manifest's: it names the exact build
+    assert fetch.recorded_sha256(target) == hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 # --- models: assembly and caching with a fake downloader --------------------------

@@ -302,7 +302,7 @@ def test_bad_input_raises_before_any_kernel():
         Decoder(cache, DecoderSettings(methods.fathom(12.0, variance="calibration")), GROUP)
     with pytest.raises(ValueError, match="group"):
         Decoder(cache, DecoderSettings(), 9)
-    with pytest.raises(ValueError, match="basis must be orthonormal"):
+    with pytest.raises(ValueError, match=r"basis\[0, 0\] must be orthonormal"):
         OffloadedCache(shape, basis=np.ones((2, 1, D, D)))
     with pytest.raises(ValueError, match="store must be one of"):
         CacheShape(1, 1, 1, D, 64, store="disk")

@@ -1,0 +1,66 @@
+"""How ``python -m bench`` commands refuse bad input: one line, before any expensive work.
+
+A command checks its arguments first and raises :class:`UsageError` with a
+message that names the argument and what it allows; ``bench.__main__.main``
+prints ``error: <message>`` to stderr and exits with status 2, without a
+traceback (argparse's own errors exit 2 the same way). Any other exception is
+a bug and keeps its traceback. The helpers below are the checks more than one
+command needs.
+
+Example (a command's first lines)::
+
+    >>> from bench.cli import UsageError, at_least
+    >>> at_least("--steps", 15, 1)
+    >>> try:
+    ...     at_least("--steps", 0, 1)
+    ... except UsageError as error:
+    ...     print(f"error: {error}")
+    error: --steps must be >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """Bad command-line input: the message is one line naming the argument and its allowed range."""
+
+
+def at_least(name: str, value: int | float, minimum: int | float) -> None:
+    """Refuse ``value < minimum``."""
+    if value < minimum:
+        raise UsageError(f"{name} must be >= {minimum}, got {value}")
+
+
+def require_cuda(command: str) -> None:
+    """Refuse to run ``python -m bench <command>`` without a CUDA GPU (call it before importing the GPU path)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"python -m bench {command} needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def writable_folder(name: str, folder: Path) -> Path:
+    """Create ``folder`` if needed and prove it writable by writing and removing a probe file."""
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"{name} {folder}: cannot write there ({error.strerror or error})") from None
+    return folder
+
+
+def utf8_text(name: str, path: Path) -> str:
+    """The contents of a UTF-8 text file; a missing, unreadable or non-UTF-8 file is refused, naming it."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise UsageError(f"{name} {path}: cannot read it ({error.strerror or error})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{name} {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
