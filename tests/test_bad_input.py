@@ -161,7 +161,7 @@ def test_commands_that_need_a_gpu_say_so_in_one_line(monkeypatch, capsys):
     with pytest.raises(cli.UsageError) as error:
         cli.require_cuda("timing")
     assert str(error.value) == "python -m bench timing needs a CUDA GPU (torch.cuda.is_available() is False)"
-    for command in (["timing", "--contexts", "32768"], ["soak", "--cycles", "10"]):
+    for command in (["timing", "--contexts", "32768"], ["soak", "--cycles", "100"]):
         err = refused(command, capsys)
         assert err == f"error: python -m bench {command[0]} needs a CUDA GPU (torch.cuda.is_available() is False)"
 
