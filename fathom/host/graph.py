@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 from typing import Sequence
 
 import numpy as np
@@ -79,10 +80,20 @@ class StepGraph:
             for launch in launches:
                 launch(stream)
         self._graph = torch.cuda.CUDAGraph()
-        with cuda.defer_cleanup(), torch.cuda.graph(self._graph, stream=side):  # Numba frees nothing inside
-            stream = cache.stream()  # the capture stream, which torch makes current
-            for launch in launches:
-                launch(stream)
+        # No finalizer may run inside the capture: one that frees GPU memory (an earlier graph's pool, found by the
+        # cycle collector) would invalidate it. Collect now, keep the collector off while capturing, and let Numba
+        # defer its own frees.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with cuda.defer_cleanup(), torch.cuda.graph(self._graph, stream=side):
+                stream = cache.stream()  # the capture stream, which torch makes current
+                for launch in launches:
+                    launch(stream)
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
