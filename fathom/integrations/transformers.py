@@ -54,7 +54,7 @@ from fathom import methods
 from fathom.bits import fixed_channel_bits
 from fathom.calibration import Calibration, calibrate
 from fathom.capture import Capture
-from fathom.fidelity import plan_layers
+from fathom.fidelity import PLAN_BUDGETS, plan_layers
 from fathom.integrations.sessions import OffloadedSessions, ReferenceSessions, SessionShape
 from fathom.methods import Method
 from fathom.selection import Selection
@@ -115,6 +115,9 @@ class FathomSettings:
                 raise ValueError(f"plan must hold finite budgets >= 0, got {self.plan!r}")
             if np.mean(self.plan) > self.budget + 1e-9:
                 raise ValueError(f"plan must average at most budget = {self.budget}, got {np.mean(self.plan):g}")
+        elif self.method == "fathom-plan" and not PLAN_BUDGETS[0] <= self.budget <= PLAN_BUDGETS[-1]:
+            raise ValueError(f"budget must lie in {PLAN_BUDGETS[0]}..{PLAN_BUDGETS[-1]} bits to plan fathom-plan "
+                             f"over the candidates {PLAN_BUDGETS} (or pass plan=), got {self.budget}")
 
     def channels(self, d: int) -> int:
         """r of the fixed-channel methods (sparq, double-sparsity, loki) at head dim ``d``."""
@@ -213,6 +216,7 @@ class _Decoding:
         self.from_prompt = (settings.needs_calibration() and calibration is None) or \
             (settings.method == "fathom-plan" and settings.plan is None)
         self.selection: Selection | None = None
+        self.method: Method | None = None
         self.scale: float | None = None
         self.sessions: ReferenceSessions | OffloadedSessions | None = None
         self.waiting: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # slot -> k, v, valid
@@ -280,8 +284,8 @@ class _Decoding:
         max_tokens = self.settings.max_tokens or s.context
         shape = SessionShape(batch, len(s.fathom_layers), s.kv_heads, s.group, s.head_dim, max_tokens)
         make = OffloadedSessions if offloaded else ReferenceSessions
-        self.sessions = make(shape, self.settings.method_at(s.head_dim, plan), self.selection, self.scale,
-                             calibration)
+        self.method, self.calibration = self.settings.method_at(s.head_dim, plan), calibration
+        self.sessions = make(shape, self.method, self.selection, self.scale, calibration)
         for slot, (k, v, valid) in self.waiting.items():
             self._append(slot, k, v, valid)
         self.waiting.clear()
@@ -461,6 +465,16 @@ class FathomCache(Cache):
     def selection(self) -> Selection | None:
         """The selection protocol in use (None until the prefill fixes k)."""
         return self.decoding.selection
+
+    @property
+    def method(self) -> Method | None:
+        """The method decoded with (fathom-plan: with its per-layer budgets); None until the sessions open."""
+        return self.decoding.method
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """The calibration in use: the one given, or the prompt's once computed (None if the method needs none)."""
+        return self.decoding.calibration
 
     def lengths(self) -> np.ndarray:
         """Tokens each session holds in the store (int64 ``[B]``; pad positions are not held)."""
