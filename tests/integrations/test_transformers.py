@@ -4,6 +4,7 @@ budget that reads everything equal dense, the reference sessions equal the refer
 plain generate is unchanged, and bad arguments are refused."""
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -222,3 +223,88 @@ def test_bad_model_calibration_and_use_are_refused():
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="the model's attention implementation is 'sdpa'"):
         model(ids[:, :1], past_key_values=cache)
+
+
+def _cached(name: str) -> bool:
+    from bench.fetch import done_marker
+    from bench.models import model_dir
+    return done_marker(model_dir(name) / "hf").exists()
+
+
+needs_smollm2 = pytest.mark.skipif(not _cached("smollm2-135m"),
+                                   reason="SmolLM2-135M is not in the cache (python -m bench fetch smollm2-135m)")
+
+
+@needs_smollm2
+def test_dense_reproduces_hf_greedy_generation_on_smollm2():
+    from bench.models import load
+
+    model, tokenizer = load("smollm2-135m")
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["The capital of France is", "def fibonacci(n):\n"], return_tensors="pt", padding=True)
+    expected = generate(model, batch.input_ids, batch.attention_mask, new=6)
+    got = generate(model, batch.input_ids, batch.attention_mask, FathomCache(model, "dense"), new=6)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _readme_example() -> str:
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Use it with transformers", 1)[1]
+    return section.split("```python", 1)[1].split("```", 1)[0]
+
+
+@needs_smollm2
+def test_the_readme_example_runs_as_written(monkeypatch):
+    monkeypatch.chdir(Path(__file__).parents[2])  # the example names a calibration file under bench/results
+    exec(compile(_readme_example(), "README.md", "exec"), {})
+
+
+def _ragged_api() -> bool:
+    import inspect
+
+    from fathom.host.cache import OffloadedCache
+    return "sessions" in inspect.signature(OffloadedCache.append).parameters
+
+
+@pytest.mark.skipif(not _ragged_api(), reason="fathom.host predates ragged sessions (OffloadedCache.append(sessions=))")
+@pytest.mark.parametrize("method", ["dense", "fathom", "double-sparsity"])
+def test_offloaded_sessions_decode_as_the_reference_does(method):
+    """Under the CUDA simulator (CI) the offloaded backend runs on CPU tensors: same tokens as the reference."""
+    from fathom.cuda.interop import DEVICE
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
+    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    ids, mask = batch(n=70, pad=9)
+    settings = dict(budget=17 if method == "double-sparsity" else 20, k=6, sink=2, local=4, max_tokens=80)
+    reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=3)
+    offloaded = FathomCache(model, method, backend="offloaded", **settings)
+    torch.testing.assert_close(generate(model, ids, mask, offloaded, new=3), reference, rtol=0, atol=0)
+    offloaded.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["dense", "oracle", "fathom", "fathom-rotated", "sparq", "double-sparsity"])
+def test_on_a_gpu_the_offloaded_path_generates_the_reference_paths_tokens(method):
+    """On a CUDA device (FATHOM_GPU=1): the model in bf16 on the GPU, K/V rows bf16 in the offloaded cache and
+    float32 copies of the same bf16 values in the reference; SmolLM2 if cached, else a tiny random Llama."""
+    if _cached("smollm2-135m"):
+        from bench.models import load
+
+        model, tokenizer = load("smollm2-135m")
+        tokenizer.padding_side = "left"
+        prompts = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
+        encoded = tokenizer([p * 12 for p in prompts], return_tensors="pt", padding=True)
+        ids, mask = encoded.input_ids, encoded.attention_mask
+    else:
+        model = tiny_llama()
+        ids, mask = batch()
+    model = model.to("cuda", torch.bfloat16)
+    ids, mask = ids.cuda(), mask.cuda()
+    settings = dict(budget=68 if method in ("sparq", "double-sparsity") else 48, k=16,
+                    max_tokens=ids.shape[1] + 16)
+    reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=8)
+    offloaded = FathomCache(model, method, backend="offloaded", **settings)
+    torch.testing.assert_close(generate(model, ids, mask, offloaded, new=8), reference, rtol=0, atol=0)
+    offloaded.close()
