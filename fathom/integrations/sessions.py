@@ -137,10 +137,12 @@ class ReferenceSessions:
 
 
 class OffloadedSessions:
-    """The GPU path: :class:`fathom.host.cache.OffloadedCache` and :class:`fathom.host.decoder.Decoder`.
+    """The GPU path: :class:`fathom.host.cache.OffloadedCache` and :class:`fathom.host.decoder.Decoder`, each
+    layer's step (with the append of its token) captured once as a :class:`fathom.host.graph.StepGraph`.
 
     Arguments as :class:`ReferenceSessions`; ``shape.max_tokens`` is required (pinned memory is reserved up front).
-    Call :meth:`close` to release the pinned memory.
+    A step's output is the graph's buffer, valid until the layer's next step. Call :meth:`close` to release the
+    pinned memory.
     """
 
     def __init__(self, shape: SessionShape, method: Method, selection: Selection, scale: float,
@@ -163,6 +165,7 @@ class OffloadedSessions:
             ds_rank = calibration.ds_rank
         self.decoder = Decoder(self.cache, DecoderSettings(method, selection, scale=scale), group=shape.group,
                                sigma2=sigma2, ds_rank=ds_rank)
+        self.graphs: dict = {}  # layer -> its captured step (a StepGraph), made on the layer's first step
 
     def lengths(self, layer: int) -> np.ndarray:
         return self.cache.lengths(layer)
@@ -171,8 +174,11 @@ class OffloadedSessions:
         self.cache.append(layer, k[None], v[None], sessions=[session])
 
     def step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.append(layer, k[:, :, None], v[:, :, None])
-        return self.decoder.run(layer, q)
+        if layer not in self.graphs:
+            from fathom.host.graph import StepGraph
+
+            self.graphs[layer] = StepGraph(self.decoder, layers=[layer], append=True)
+        return self.graphs[layer](q, k[:, :, None], v[:, :, None])
 
     def close(self) -> None:
         """Release the pinned host memory."""

@@ -267,7 +267,7 @@ def _ragged_api() -> bool:
 
 
 @pytest.mark.skipif(not _ragged_api(), reason="fathom.host predates ragged sessions (OffloadedCache.append(sessions=))")
-@pytest.mark.parametrize("method", ["dense", "fathom", "double-sparsity"])
+@pytest.mark.parametrize("method", ["dense", "fathom", "fathom-rotated", "double-sparsity"])
 def test_offloaded_sessions_decode_as_the_reference_does(method):
     """Under the CUDA simulator (CI) the offloaded backend runs on CPU tensors: same tokens as the reference."""
     from fathom.cuda.interop import DEVICE
