@@ -62,6 +62,7 @@ from fathom.selection import Selection
 ATTENTION = "fathom"
 METHODS = ("dense", "oracle", "fathom", "fathom-rotated", "fathom-plan", "sparq", "double-sparsity", "loki",
            "thumbnail", "landmark")
+FIXED_CHANNELS = ("sparq", "double-sparsity", "loki")  # r channels at 4 bits: budget = r · 4.25
 BACKENDS = ("auto", "reference", "offloaded")
 SETTINGS = ("r", "sink", "local", "variance", "plan", "calibration", "backend", "max_tokens")
 CALIBRATION_QUERIES = 128  # prompt queries per layer a calibration from the prompt uses (as the fidelity captures)
@@ -104,6 +105,8 @@ class FathomSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.r is not None and self.method not in FIXED_CHANNELS:
+            raise ValueError(f"r is read by {', '.join(FIXED_CHANNELS)} only; method is {self.method!r}")
         if self.variance not in methods.VARIANCE_SOURCES:
             raise ValueError(f"variance must be one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
         if self.backend not in BACKENDS:
@@ -136,7 +139,7 @@ class FathomSettings:
     def method_at(self, d: int, plan: tuple[float, ...] | None = None) -> Method:
         """The :class:`~fathom.methods.Method` (fathom-plan: with the per-layer budgets ``plan``)."""
         name = self.method
-        if name in ("sparq", "double-sparsity", "loki"):
+        if name in FIXED_CHANNELS:
             return {"sparq": methods.sparq, "double-sparsity": methods.double_sparsity,
                     "loki": methods.loki}[name](self.channels(d))
         if name == "fathom":
@@ -158,7 +161,7 @@ class _ModelShape:
     group: int
     head_dim: int
     sliding_window: int | None
-    context: int
+    context: int | None  # the model's context length, where its config states one
 
     @property
     def fathom_layers(self) -> list[int]:
@@ -178,7 +181,7 @@ class _ModelShape:
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise ValueError("model soft-caps its attention logits; Fathom's exact attention does not")
         return cls(types, kv_heads, q_heads // kv_heads, head_dim, getattr(config, "sliding_window", None),
-                   getattr(config, "max_position_embeddings", 0))
+                   getattr(config, "max_position_embeddings", None))
 
 
 def _load_calibration(calibration, shape: _ModelShape) -> Calibration | None:
@@ -336,7 +339,8 @@ class FathomLayer(CacheLayerMixin):
                              f"through {ATTENTION!r} (set by FathomCache(model, ...))")
         m = key_states.shape[-2]
         if self.length and m != 1:
-            raise ValueError(f"FathomCache decodes one token per step after the prefill; got {m} tokens")
+            raise ValueError(f"FathomCache decodes one token per step after the prefill; got {m} tokens (make a "
+                             "new cache per generate call)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.length += m
@@ -442,7 +446,7 @@ class FathomCache(Cache):
         implementation = model.config._attn_implementation
         if implementation not in ("sdpa", ATTENTION):
             raise ValueError(f"model must use sdpa attention (attn_implementation='sdpa'), got {implementation!r}")
-        if method in ("sparq", "double-sparsity", "loki"):
+        if method in FIXED_CHANNELS:
             self.settings.channels(shape.head_dim)
         if self.settings.plan is not None and len(self.settings.plan) != len(shape.fathom_layers):
             raise ValueError(f"plan must have one budget per full-attention layer ({len(shape.fathom_layers)}), "

@@ -189,6 +189,7 @@ def test_every_update_call_form_of_transformers_5_is_accepted():
     ({"budget": -1}, "budget must be a finite number"),
     ({"method": "sparq", "budget": 50}, r"budget must be r·4.25 bits for an integer r in 1..16"),
     ({"method": "loki", "r": 17}, r"integer r in 1..16"),
+    ({"r": 4}, "r is read by sparq, double-sparsity, loki only"),
     ({"k": -1}, "k must be None or an integer >= 0"),
     ({"sink": -2}, "sink must be an integer >= 0"),
     ({"variance": "prompt"}, "variance must be one of"),
@@ -269,14 +270,15 @@ def _ragged_api() -> bool:
 @pytest.mark.skipif(not _ragged_api(), reason="fathom.host predates ragged sessions (OffloadedCache.append(sessions=))")
 @pytest.mark.parametrize("method", ["dense", "fathom", "fathom-rotated", "double-sparsity"])
 def test_offloaded_sessions_decode_as_the_reference_does(method):
-    """Under the CUDA simulator (CI) the offloaded backend runs on CPU tensors: same tokens as the reference."""
+    """The offloaded backend generates the reference's tokens: under the CUDA simulator (CI) on CPU tensors, with
+    FATHOM_GPU=1 on the GPU."""
     from fathom.cuda.interop import DEVICE
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
     model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
-    ids, mask = batch(n=70, pad=9)
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
     settings = dict(budget=17 if method == "double-sparsity" else 20, k=6, sink=2, local=4, max_tokens=80)
     reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=3)
     offloaded = FathomCache(model, method, backend="offloaded", **settings)
