@@ -32,42 +32,73 @@ from fathom import _checks
 from fathom.attention import attention
 from fathom.bits import row_bytes, scan_bits
 from fathom.methods import HeadStats, Method
+from fathom.quantize import BLOCK
+from fathom.growing import GrowingRows
 from fathom.scoring import DepthScorer, exact_scores, landmark_scores, landmarks
 from fathom.selection import Selection, select, union_rows
 from fathom.store import PlaneStore
 
 
-@dataclass
 class HeadIndex:
-    """What the scan methods read for one (layer, KV head), built once over ``n`` tokens.
+    """What the scan methods read for one (layer, KV head), grown token by token.
 
     ``stores["raw"]`` holds planes of k; ``stores["rotated"]`` (if a basis is
     given) planes of ``k @ basis``; ``stats[basis]`` the calibration stats.
     Scores cover the sealed tokens; a query at context ``m <= n`` uses the
     first ``m // 64`` blocks, exactly what a store grown to ``m`` tokens holds.
+    :meth:`append` adds tokens without touching what is sealed (only newly
+    sealed blocks are dequantized and landmarked), so an index grown one
+    token at a time equals one :meth:`build` over all its keys.
+
+    Args:
+        d: head dim.
+        calibration: stats per basis (None: unit σ², identity DS rank).
+        basis: optional orthonormal ``[d, d]``: also keep the rotated store.
     """
 
-    keys: np.ndarray
-    stores: dict[str, PlaneStore]
-    scorers: dict[str, DepthScorer]
-    stats: dict[str, HeadStats]
-    landmarks: np.ndarray
+    def __init__(self, d: int, calibration: dict[str, HeadStats] | None, basis: np.ndarray | None = None):
+        self.stores = {"raw": PlaneStore(d)}
+        if basis is not None:
+            self.stores["rotated"] = PlaneStore(d, basis=basis)
+        if calibration is None:
+            calibration = {b: HeadStats(sigma2=np.ones(d), ds_rank=np.arange(d)) for b in self.stores}
+        self.stats = calibration
+        self.scorers = {b: DepthScorer(s.planes(), s.scales()) for b, s in self.stores.items()}
+        self._keys = GrowingRows(d)
+        self._landmarks = GrowingRows(d, np.float16)
 
     @classmethod
     def build(cls, keys: np.ndarray, calibration: dict[str, HeadStats] | None,
               basis: np.ndarray | None = None) -> HeadIndex:
-        """``keys float32 [n, d]``; ``calibration``: stats per basis (None: unit σ², identity DS rank);
-        ``basis``: orthonormal ``[d, d]`` (``RᵀR = I`` within 1e-4, checked by the store) for the rotated store."""
+        """The index of ``keys float32 [n, d]`` in one go; ``calibration``: stats per basis (None: unit σ², identity
+        DS rank); ``basis``: orthonormal ``[d, d]`` (``RᵀR = I`` within 1e-4, checked by the store) for the rotated
+        store."""
         keys = _checks.array("keys", keys, ndim=2, dtype=np.float32)
-        d = keys.shape[1]
-        stores = {"raw": PlaneStore.from_keys(keys)}
-        if basis is not None:
-            stores["rotated"] = PlaneStore.from_keys(keys, basis=basis)
-        if calibration is None:
-            calibration = {b: HeadStats(sigma2=np.ones(d), ds_rank=np.arange(d)) for b in stores}
-        scorers = {b: DepthScorer(s.planes(), s.scales()) for b, s in stores.items()}
-        n_sealed = stores["raw"].n_sealed
-        return cls(keys, stores, scorers, calibration, landmarks(keys[:n_sealed]))
+        index = cls(keys.shape[1], calibration, basis)
+        index.append(keys)
+        return index
+
+    @property
+    def keys(self) -> np.ndarray:
+        """The exact keys ``float32 [n, d]`` (a view: valid until the next append)."""
+        return self._keys.array
+
+    @property
+    def landmarks(self) -> np.ndarray:
+        """fp16 mean key of each 8-token block of the sealed tokens, ``[n_sealed // 8, d]``."""
+        return self._landmarks.array
+
+    def append(self, keys: np.ndarray) -> None:
+        """Append ``keys float32 [m, d]`` (m >= 0)."""
+        keys = _checks.array("keys", keys, ndim=2, dtype=np.float32)
+        sealed = self.stores["raw"].n_blocks
+        for store in self.stores.values():
+            store.append(keys)
+        self._keys.append(keys)
+        if self.stores["raw"].n_blocks > sealed:
+            for basis, store in self.stores.items():
+                self.scorers[basis].extend(store.planes(sealed), store.scales(sealed))
+            self._landmarks.append(landmarks(self.keys[sealed * BLOCK:self.stores["raw"].n_sealed]))
 
     def store_variance(self, basis: str, blocks: np.ndarray) -> np.ndarray:
         """σ² from the store at each context: mean squared scale over the first ``blocks[p]`` blocks -> ``[P, d]``."""

@@ -12,6 +12,7 @@ import numpy as np
 from fathom import _checks
 from fathom._linalg import stacked_matmul
 from fathom.quantize import MAX_DEPTH, dequantize
+from fathom.growing import GrowingRows
 
 LANDMARK_TOKENS = 8  # ShadowKV-style: one fp16 mean key per 8-token block
 
@@ -26,25 +27,36 @@ def approx_scores(q: np.ndarray, planes: np.ndarray, scales: np.ndarray, depths:
 
 
 class DepthScorer:
-    """Scores at any depth vector from dequantized copies at depths 1..4, computed once.
+    """Scores at any depth vector from dequantized copies at depths 1..4, computed once per block.
 
     Equal to :func:`approx_scores` (tested); for evaluating many queries and
-    policies over one store: ``scores = Σ_t (q ⊙ [b == t]) @ k̂_tᵀ``.
+    policies over one store: ``scores = Σ_t (q ⊙ [b == t]) @ k̂_tᵀ``. A growing
+    store :meth:`extend` s it with its newly sealed blocks only.
     """
 
     def __init__(self, planes: np.ndarray, scales: np.ndarray):
-        d = planes.shape[0]
-        self.khat = np.stack([dequantize(planes, scales, np.full(d, t)) for t in range(1, MAX_DEPTH + 1)])
+        self.d = planes.shape[0]
+        self._khat = [GrowingRows(self.d) for _ in range(MAX_DEPTH)]
+        self.extend(planes, scales)
+
+    def extend(self, planes: np.ndarray, scales: np.ndarray) -> None:
+        """Add the blocks of ``planes uint64 [d, 4, nb]``, ``scales float16 [d, nb]`` after those held."""
+        for t in range(1, MAX_DEPTH + 1):
+            self._khat[t - 1].append(dequantize(planes, scales, np.full(self.d, t)))
+
+    def khat(self, t: int) -> np.ndarray:
+        """The keys every block holds read to depth ``t`` in 1..4, float32 ``[n, d]``."""
+        return self._khat[t - 1].array
 
     def __call__(self, q: np.ndarray, depths: np.ndarray) -> np.ndarray:
         """``q [..., G, d]`` with ``depths [..., d]`` -> ``[..., G, n]``."""
-        depths = _checks.depths("depths", depths, self.khat.shape[2])
+        depths = _checks.depths("depths", depths, self.d)
         q = q.astype(np.float32)
-        scores = np.zeros(q.shape[:-1] + (self.khat.shape[1],), np.float32)
+        scores = np.zeros(q.shape[:-1] + (len(self._khat[0]),), np.float32)
         for t in range(1, MAX_DEPTH + 1):
             at_t = depths == t
             if at_t.any():
-                scores += stacked_matmul(q * at_t[..., None, :], self.khat[t - 1].T)
+                scores += stacked_matmul(q * at_t[..., None, :], self.khat(t).T)
         return scores
 
 

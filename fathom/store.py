@@ -162,15 +162,27 @@ class PlaneStore:
         """σ² from the store itself: the mean over sealed blocks of the squared fp16 scale, ``[d]``."""
         return self._scale_sq_sum / max(self.n_blocks, 1)
 
-    def planes(self) -> np.ndarray:
-        """All sealed planes, ``uint64 [d, 4, n_blocks]`` (a copy)."""
-        return np.concatenate([s.planes[:, :, :s.blocks] for s in self.segments], axis=2) if self.segments \
-            else np.zeros((self.d, PLANES, 0), np.uint64)
+    def planes(self, first_block: int = 0) -> np.ndarray:
+        """Sealed planes from block ``first_block`` on, ``uint64 [d, 4, n_blocks - first_block]`` (a copy)."""
+        return np.concatenate([np.zeros((self.d, PLANES, 0), np.uint64)]
+                              + [seg.planes[:, :, lo:hi] for seg, lo, hi in self._segment_blocks(first_block)], axis=2)
 
-    def scales(self) -> np.ndarray:
-        """All sealed scales, ``float16 [d, n_blocks]`` (a copy)."""
-        return np.concatenate([s.scales[:, :s.blocks] for s in self.segments], axis=1) if self.segments \
-            else np.zeros((self.d, 0), np.float16)
+    def scales(self, first_block: int = 0) -> np.ndarray:
+        """Sealed scales from block ``first_block`` on, ``float16 [d, n_blocks - first_block]`` (a copy)."""
+        return np.concatenate([np.zeros((self.d, 0), np.float16)]
+                              + [seg.scales[:, lo:hi] for seg, lo, hi in self._segment_blocks(first_block)], axis=1)
+
+    def _segment_blocks(self, first_block: int) -> list[tuple[Segment, int, int]]:
+        """(segment, lo, hi): the blocks ``lo..hi`` of each segment at or after sealed block ``first_block``."""
+        if not 0 <= first_block <= self.n_blocks:
+            raise ValueError(f"first_block must lie in 0..{self.n_blocks}, got {first_block}")
+        spans, start = [], 0
+        for seg in self.segments:
+            lo = min(max(first_block - start, 0), seg.blocks)
+            if lo < seg.blocks:
+                spans.append((seg, lo, seg.blocks))
+            start += seg.blocks
+        return spans
 
     def runs(self, depths: np.ndarray) -> list[Run]:
         """The run list of a depth vector: one :class:`Run` per (active channel, segment)."""

@@ -84,3 +84,13 @@ def test_store_rejects_bad_input():
         PlaneStore(4, basis=np.eye(3))
     with pytest.raises(ValueError, match="^segment_blocks "):
         PlaneStore(4, segment_blocks=0)
+
+
+def test_planes_and_scales_from_a_block_on_are_the_tail_of_all_blocks():
+    k = np.random.default_rng(3).standard_normal((700, 8)).astype(np.float32)
+    store = PlaneStore.from_keys(k, segment_blocks=3)  # 10 sealed blocks over 4 segments
+    for first in range(store.n_blocks + 1):
+        np.testing.assert_array_equal(store.planes(first), store.planes()[:, :, first:])
+        np.testing.assert_array_equal(store.scales(first), store.scales()[:, first:])
+    with pytest.raises(ValueError, match="first_block must lie in 0..10"):
+        store.planes(11)

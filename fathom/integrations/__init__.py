@@ -1,0 +1,1 @@
+"""Fathom inside other libraries' decoding loops: :mod:`fathom.integrations.transformers` (``FathomCache``)."""

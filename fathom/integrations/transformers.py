@@ -1,0 +1,491 @@
+"""Fathom inside transformers' ``generate``: a drop-in ``Cache`` and the attention function it decodes with.
+
+::
+
+    from fathom.integrations.transformers import FathomCache
+    cache = FathomCache(model, method="fathom", budget=48)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32, do_sample=False)
+
+How it plugs in, through transformers' own extension points (nothing is patched):
+
+* :class:`FathomCache` is a ``transformers.Cache`` of per-layer ``CacheLayerMixin``
+  layers: a :class:`FathomLayer` for every full-attention layer, and the model's
+  own ``DynamicSlidingWindowLayer`` for sliding-window layers (Gemma-3's local
+  layers stay dense, exactly as the model runs them: they never hold more than
+  their window, so there is nothing to offload or scan).
+* Making a cache switches the model's attention implementation to ``"fathom"``,
+  registered with ``AttentionInterface`` (its mask function, sdpa's, with
+  ``AttentionMaskInterface``). The function runs the stock sdpa attention for any
+  layer whose cache is not a :class:`FathomLayer`, so a later ``generate``
+  without a FathomCache is plain sdpa, unchanged (tested).
+* Prefill (the first forward) runs the model's own sdpa attention over the
+  prompt; each batch row's non-pad keys and values are appended to its session
+  in the store (left padding: every row is its own ragged session).
+* Every decoded token: ``FathomLayer.update`` hands the token's K/V to the
+  attention function, which appends them to every session and runs the
+  method's sparse step over the store (:mod:`fathom.integrations.sessions`).
+
+Calibration: methods that need it (fathom-rotated and loki: the basis;
+double-sparsity: its channels; ``variance="calibration"``: σ²) take
+``calibration=`` — a ``.calibration.npz`` written by ``python -m bench fidelity``
+or a :class:`~fathom.calibration.Calibration` (e.g. ``calibrate(capture(model,
+ids))`` on a calibration text, with :func:`bench.capture.capture`). Without one
+it is computed **from the prompt itself** (batch row 0, its last 128 queries)
+when the prefill ends; fathom-plan's per-layer budgets likewise (``plan=`` gives
+them). The prompt's K/V are then held until the prefill ends, and only then
+enter the store.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from fathom import methods
+from fathom.bits import fixed_channel_bits
+from fathom.calibration import Calibration, calibrate
+from fathom.capture import Capture
+from fathom.fidelity import PLAN_BUDGETS, plan_layers
+from fathom.integrations.sessions import OffloadedSessions, ReferenceSessions, SessionShape
+from fathom.methods import Method
+from fathom.selection import Selection
+
+ATTENTION = "fathom"
+METHODS = ("dense", "oracle", "fathom", "fathom-rotated", "fathom-plan", "sparq", "double-sparsity", "loki",
+           "thumbnail", "landmark")
+FIXED_CHANNELS = ("sparq", "double-sparsity", "loki")  # r channels at 4 bits: budget = r · 4.25
+BACKENDS = ("auto", "reference", "offloaded")
+SETTINGS = ("r", "sink", "local", "variance", "plan", "calibration", "backend", "max_tokens")
+CALIBRATION_QUERIES = 128  # prompt queries per layer a calibration from the prompt uses (as the fidelity captures)
+
+
+@dataclass(frozen=True)
+class FathomSettings:
+    """What a :class:`FathomCache` decodes with (validated here; the model-dependent checks are the cache's).
+
+    ``budget``: bits per token for fathom, fathom-rotated and fathom-plan (the plan's mean); for sparq,
+    double-sparsity and loki it names ``r = budget / 4.25`` channels at 4 bits (68 -> 16, 136 -> 32) unless
+    ``r`` is given; other methods do not read it. ``k``: top-k per query head (None: SPEC §6's k by the
+    longest prompt). ``plan``: fathom-plan's per-layer budgets, one per full-attention layer (None: planned
+    on the prompt). ``max_tokens``: per session, offloaded backend (None: the model's context length).
+    """
+
+    method: str = "fathom"
+    budget: float = 48
+    k: int | None = None
+    r: int | None = None
+    sink: int = 4
+    local: int = 32
+    variance: str = methods.DEFAULT_VARIANCE
+    plan: tuple[float, ...] | None = None
+    backend: str = "auto"
+    max_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) \
+                or not np.isfinite(self.budget) or self.budget <= 0:
+            raise ValueError(f"budget must be a finite number of bits per token > 0, got {self.budget!r}")
+        for name in ("k", "r", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                      or value < (0 if name == "k" else 1)):
+                raise ValueError(f"{name} must be None or an integer >= {0 if name == 'k' else 1}, got {value!r}")
+        for name in ("sink", "local"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.r is not None and self.method not in FIXED_CHANNELS:
+            raise ValueError(f"r is read by {', '.join(FIXED_CHANNELS)} only; method is {self.method!r}")
+        if self.variance not in methods.VARIANCE_SOURCES:
+            raise ValueError(f"variance must be one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.plan is not None:
+            if self.method != "fathom-plan":
+                raise ValueError(f"plan is fathom-plan's per-layer budgets; method is {self.method!r}")
+            if not all(isinstance(b, (int, float)) and np.isfinite(b) and b >= 0 for b in self.plan):
+                raise ValueError(f"plan must hold finite budgets >= 0, got {self.plan!r}")
+            if np.mean(self.plan) > self.budget + 1e-9:
+                raise ValueError(f"plan must average at most budget = {self.budget}, got {np.mean(self.plan):g}")
+        elif self.method == "fathom-plan" and not PLAN_BUDGETS[0] <= self.budget <= PLAN_BUDGETS[-1]:
+            raise ValueError(f"budget must lie in {PLAN_BUDGETS[0]}..{PLAN_BUDGETS[-1]} bits to plan fathom-plan "
+                             f"over the candidates {PLAN_BUDGETS} (or pass plan=), got {self.budget}")
+
+    def channels(self, d: int) -> int:
+        """r of the fixed-channel methods (sparq, double-sparsity, loki) at head dim ``d``."""
+        r = self.r if self.r is not None else self.budget / fixed_channel_bits(1)
+        if r != int(r) or not 1 <= r <= d:
+            raise ValueError(f"budget must be r·4.25 bits for an integer r in 1..{d} (e.g. 68 for r = 16), or pass "
+                             f"r=; got budget = {self.budget}, r = {self.r}")
+        return int(r)
+
+    def needs_calibration(self) -> bool:
+        """Whether the method reads calibration statistics (a basis, DS channels or calibration σ²)."""
+        waterfilled = self.method in ("fathom", "fathom-rotated", "fathom-plan")
+        return self.method in ("fathom-rotated", "loki", "double-sparsity") or \
+            (waterfilled and self.variance == "calibration")
+
+    def method_at(self, d: int, plan: tuple[float, ...] | None = None) -> Method:
+        """The :class:`~fathom.methods.Method` (fathom-plan: with the per-layer budgets ``plan``)."""
+        name = self.method
+        if name in FIXED_CHANNELS:
+            return {"sparq": methods.sparq, "double-sparsity": methods.double_sparsity,
+                    "loki": methods.loki}[name](self.channels(d))
+        if name == "fathom":
+            return methods.fathom(self.budget, self.variance)
+        if name == "fathom-rotated":
+            return methods.fathom_rotated(self.budget, self.variance)
+        if name == "fathom-plan":
+            return methods.fathom_plan(plan, self.budget, "raw", self.variance)
+        return {"dense": methods.dense, "oracle": methods.oracle, "landmark": methods.landmark,
+                "thumbnail": methods.thumbnail}[name]()
+
+
+@dataclass(frozen=True)
+class _ModelShape:
+    """The attention shapes a cache needs, read off the model's config."""
+
+    layer_types: tuple[str, ...]
+    kv_heads: int
+    group: int
+    head_dim: int
+    sliding_window: int | None
+    context: int | None  # the model's context length, where its config states one
+
+    @property
+    def fathom_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @classmethod
+    def of(cls, model) -> _ModelShape:
+        config = model.config.get_text_config(decoder=True)
+        n_layers, q_heads = config.num_hidden_layers, config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+        types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"model has {', '.join(unknown)} layers; FathomCache supports full and sliding-window "
+                             "attention")
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ValueError("model soft-caps its attention logits; Fathom's exact attention does not")
+        return cls(types, kv_heads, q_heads // kv_heads, head_dim, getattr(config, "sliding_window", None),
+                   getattr(config, "max_position_embeddings", None))
+
+
+def _load_calibration(calibration, shape: _ModelShape) -> Calibration | None:
+    """A Calibration (or the path of one) checked against the model's full-attention layers."""
+    if calibration is None:
+        return None
+    if isinstance(calibration, (str, Path)):
+        if not Path(calibration).is_file():
+            raise ValueError(f"calibration must be a .calibration.npz file or a Calibration; no file {calibration}")
+        calibration = Calibration.load(calibration)
+    if not isinstance(calibration, Calibration):
+        raise ValueError(f"calibration must be a path or a fathom.calibration.Calibration, got "
+                         f"{type(calibration).__name__}")
+    layers = shape.fathom_layers
+    expected = (len(layers), shape.kv_heads, shape.head_dim)
+    if calibration.sigma2_raw.shape != expected:
+        raise ValueError(f"calibration must have [layers, KV heads, head dim] = {expected} (the model's "
+                         f"full-attention layers), got {calibration.sigma2_raw.shape}")
+    if calibration.meta.get("layers", layers) != layers:
+        raise ValueError(f"calibration covers layers {calibration.meta['layers']}, the model's full-attention "
+                         f"layers are {layers}")
+    return calibration
+
+
+class _Decoding:
+    """What the layers of one FathomCache share: settings, the prompt record, the sessions once opened.
+
+    The sessions open at the first prefill when everything they need is known (batch, k, scale and the
+    calibration); when the calibration or the plan comes from the prompt they open at the first decode step,
+    and the prompt's K/V wait for them.
+    """
+
+    def __init__(self, settings: FathomSettings, shape: _ModelShape, calibration: Calibration | None, config):
+        self.settings, self.shape, self.calibration, self.config = settings, shape, calibration, config
+        self.from_prompt = (settings.needs_calibration() and calibration is None) or \
+            (settings.method == "fathom-plan" and settings.plan is None)
+        self.selection: Selection | None = None
+        self.method: Method | None = None
+        self.scale: float | None = None
+        self.sessions: ReferenceSessions | OffloadedSessions | None = None
+        self.waiting: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # slot -> k, v, valid
+        self.prompt: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # slot -> row 0's k, v, q
+        self.closed = False
+
+    def prefill(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                scale: float) -> None:
+        """Record the prompt of one layer: ``q [B, H·G, n, d]``, ``k, v [B, H, n, d]``, ``valid bool [B, n]``."""
+        self._check_scale(scale)
+        if self.selection is None:
+            longest = int(valid.sum(dim=1).max())
+            k_top = self.settings.k if self.settings.k is not None else Selection.for_context(longest).k
+            self.selection = Selection(k=k_top, sink=self.settings.sink, local=self.settings.local)
+        if self.from_prompt:
+            rows = valid[0].nonzero()[:, 0]
+            H, G, d = self.shape.kv_heads, self.shape.group, self.shape.head_dim
+            queries = q[0][:, rows[-CALIBRATION_QUERIES:]].reshape(H, G, -1, d).transpose(1, 2)
+            self.prompt[slot] = tuple(x.detach().to("cpu", torch.float32).numpy()
+                                      for x in (k[0][:, rows], v[0][:, rows], queries))
+            self.waiting[slot] = (k, v, valid)
+            return
+        self._open(k.shape[0], k.device)
+        self._append(slot, k, v, valid)
+
+    def step(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """One decoded token of every session: ``q [B, H·G, d]``, ``k, v [B, H, d]`` -> float32 ``[B, H·G, d]``."""
+        self._check_scale(scale)
+        self._open(k.shape[0], k.device)
+        return self.sessions.step(slot, q, k, v)
+
+    def close_sessions(self) -> None:
+        """Release the sessions' memory; the cache cannot decode afterwards."""
+        if self.sessions is not None:
+            self.sessions.close()
+        self.sessions, self.closed = None, True
+
+    def _check_scale(self, scale: float) -> None:
+        if self.scale is None:
+            self.scale = scale
+        elif scale != self.scale:
+            raise ValueError(f"layers use different softmax scales ({self.scale} and {scale}); FathomCache decodes "
+                             "with one")
+
+    def _append(self, slot: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+        for session in range(k.shape[0]):
+            rows = valid[session].nonzero()[:, 0]
+            self.sessions.append(slot, session, k[session][:, rows], v[session][:, rows])
+
+    def _open(self, batch: int, device: torch.device) -> None:
+        if self.closed:
+            raise ValueError("the FathomCache was closed")
+        if self.sessions is not None:
+            return
+        calibration, plan = self.calibration, self.settings.plan
+        if self.from_prompt:
+            capture = self._prompt_capture()
+            if self.settings.needs_calibration() and calibration is None:
+                calibration = calibrate(capture)
+            if self.settings.method == "fathom-plan" and plan is None:
+                planned = plan_layers(capture, calibration, [self.settings.budget], self.selection)[0]
+                plan = planned.policy.budgets
+        s = self.shape
+        offloaded = self.settings.backend == "offloaded" or (self.settings.backend == "auto" and device.type == "cuda")
+        max_tokens = self.settings.max_tokens or s.context
+        shape = SessionShape(batch, len(s.fathom_layers), s.kv_heads, s.group, s.head_dim, max_tokens)
+        make = OffloadedSessions if offloaded else ReferenceSessions
+        self.method, self.calibration = self.settings.method_at(s.head_dim, plan), calibration
+        self.sessions = make(shape, self.method, self.selection, self.scale, calibration)
+        for slot, (k, v, valid) in self.waiting.items():
+            self._append(slot, k, v, valid)
+        self.waiting.clear()
+        self.prompt.clear()
+
+    def _prompt_capture(self) -> Capture:
+        """Row 0's prompt as a :class:`~fathom.capture.Capture` of every full-attention layer."""
+        slots = range(len(self.shape.fathom_layers))
+        keys, values, queries = (np.stack([self.prompt[i][j] for i in slots]) for j in range(3))
+        n, P = keys.shape[2], queries.shape[2]
+        return Capture(keys, values, queries, np.arange(n - P, n), self.scale,
+                       {"text": "prompt", "layers": self.shape.fathom_layers})
+
+
+class _Handoff(threading.local):
+    """The layer whose ``update`` just ran: its attention call, next on the same thread, decodes with it."""
+
+    layer: FathomLayer | None = None
+
+
+_handoff = _Handoff()
+
+
+class FathomLayer(CacheLayerMixin):
+    """One full-attention layer of a :class:`FathomCache`: its K/V live in the Fathom store, not here.
+
+    ``update`` returns the new K/V unchanged (the prompt, for the model's dense prefill; one token when
+    decoding) and hands itself to the attention function, which appends them to the store and decodes.
+    """
+
+    is_sliding = False
+
+    def __init__(self, decoding: _Decoding, layer_idx: int, slot: int):
+        super().__init__()
+        self.decoding, self.layer_idx, self.slot = decoding, layer_idx, slot
+        self.length = 0  # positions seen (padded): what generate's cache positions and masks count
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accepts every 5.x call form (``update(k, v)``, ``(k, v, cache_kwargs)``, ``(k, v, kwargs=...)``)."""
+        implementation = self.decoding.config._attn_implementation
+        if implementation != ATTENTION:
+            raise ValueError(f"the model's attention implementation is {implementation!r}; FathomCache decodes "
+                             f"through {ATTENTION!r} (set by FathomCache(model, ...))")
+        m = key_states.shape[-2]
+        if self.length and m != 1:
+            raise ValueError(f"FathomCache decodes one token per step after the prefill; got {m} tokens (make a "
+                             "new cache per generate call)")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.length += m
+        _handoff.layer = self
+        return key_states, value_states
+
+    def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+        """Prefill: the model's sdpa attention, then the prompt into the store. Decode: append, sparse step."""
+        scale = kwargs.get("scaling") or module.scaling
+        unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
+        if unsupported:
+            raise ValueError(f"Fathom's attention does not support {', '.join(unsupported)}")
+        if self.length == query.shape[2]:  # the prefill
+            dense = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            self.decoding.prefill(self.slot, query, key, value, _valid_keys(attention_mask, key), scale)
+            return dense
+        out = self.decoding.step(self.slot, query[:, :, 0], key[:, :, 0], value[:, :, 0], scale)
+        return out.to(query.dtype)[:, None], None  # [B, 1, H·G, dv], as sdpa's output
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("a FathomCache is not reset: make a new one per generate call")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("FathomCache does not support beam search")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("FathomCache does not roll back tokens (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.length:
+            raise NotImplementedError("FathomCache does not repeat sessions once filled")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.length:
+            raise NotImplementedError("FathomCache does not drop sessions once filled")
+
+
+def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, n]``: the prompt positions that are not padding (what the last query may attend to)."""
+    B, n = key.shape[0], key.shape[2]
+    if attention_mask is None:
+        return torch.ones((B, n), dtype=torch.bool, device=key.device)
+    last = attention_mask[:, 0, -1, :n].expand(B, n)
+    return last if last.dtype == torch.bool else last == 0
+
+
+def fathom_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, **kwargs):
+    """The registered attention function: a :class:`FathomLayer`'s step, else transformers' sdpa attention."""
+    layer, _handoff.layer = _handoff.layer, None
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if layer.layer_idx != module.layer_idx:
+        raise ValueError(f"attention of layer {module.layer_idx} follows the cache update of layer {layer.layer_idx}")
+    return layer.attend(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(ATTENTION, fathom_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+class FathomCache(Cache):
+    """A ``transformers.Cache`` that decodes every generated token with a Fathom method over the Fathom store.
+
+    Args:
+        model: a causal LM loaded the usual way, with sdpa attention (the cache switches it to ``"fathom"``,
+            whose layers without a FathomCache still run sdpa).
+        method: one of :data:`METHODS` (SPEC §7).
+        budget: bits per token (fathom, fathom-rotated; fathom-plan's mean). For sparq, double-sparsity and
+            loki, ``r·4.25`` bits for r channels (68 -> r = 16, 136 -> r = 32) unless ``r=`` is given.
+            Not read by dense, oracle, thumbnail (2 planes of every channel) and landmark.
+        k: top-k per query head; None: SPEC §6's k by the longest prompt (``Selection.for_context``).
+        **settings: ``r``, ``sink`` (4), ``local`` (32), ``variance`` ("store" | "calibration"),
+            ``plan`` (fathom-plan's budgets per full-attention layer), ``calibration`` (a ``.calibration.npz``
+            path or a :class:`~fathom.calibration.Calibration`; without one, computed from the prompt when a
+            method needs it), ``backend`` ("auto": offloaded when the model is on a CUDA device, else the
+            NumPy "reference"), ``max_tokens`` (per session, offloaded; default the model's context).
+
+    One cache serves one ``generate`` call (one prefill, then one token per step); make a new one per call.
+    Sliding-window layers keep the model's own dense attention. :meth:`close` releases the offloaded
+    backend's pinned memory (also done when the cache is garbage collected).
+    """
+
+    def __init__(self, model, method: str = "fathom", budget: float = 48, k: int | None = None, **settings):
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown settings {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
+        calibration = settings.pop("calibration", None)
+        if settings.get("plan") is not None:
+            settings["plan"] = tuple(settings["plan"])
+        self.settings = FathomSettings(method, budget, k, **settings)
+        shape = _ModelShape.of(model)
+        implementation = model.config._attn_implementation
+        if implementation not in ("sdpa", ATTENTION):
+            raise ValueError(f"model must use sdpa attention (attn_implementation='sdpa'), got {implementation!r}")
+        if method in FIXED_CHANNELS:
+            self.settings.channels(shape.head_dim)
+        if self.settings.plan is not None and len(self.settings.plan) != len(shape.fathom_layers):
+            raise ValueError(f"plan must have one budget per full-attention layer ({len(shape.fathom_layers)}), "
+                             f"got {len(self.settings.plan)}")
+        if self.settings.backend == "offloaded":
+            from fathom.cuda.interop import DEVICE
+            if model.device.type != DEVICE.type:
+                raise ValueError(f"backend 'offloaded' needs the model on {DEVICE.type}, it is on {model.device}")
+        calibration = _load_calibration(calibration, shape)
+        self.decoding = _Decoding(self.settings, shape, calibration, model.config)
+        slots = {layer: slot for slot, layer in enumerate(shape.fathom_layers)}
+        layers = [FathomLayer(self.decoding, i, slots[i]) if t == "full_attention"
+                  else DynamicSlidingWindowLayer(sliding_window=shape.sliding_window)
+                  for i, t in enumerate(shape.layer_types)]
+        super().__init__(layers=layers)
+        model.set_attn_implementation(ATTENTION)
+        weakref.finalize(self, _Decoding.close_sessions, self.decoding)
+
+    @property
+    def selection(self) -> Selection | None:
+        """The selection protocol in use (None until the prefill fixes k)."""
+        return self.decoding.selection
+
+    @property
+    def method(self) -> Method | None:
+        """The method decoded with (fathom-plan: with its per-layer budgets); None until the sessions open."""
+        return self.decoding.method
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """The calibration in use: the one given, or the prompt's once computed (None if the method needs none)."""
+        return self.decoding.calibration
+
+    def lengths(self) -> np.ndarray:
+        """Tokens each session holds in the store (int64 ``[B]``; pad positions are not held)."""
+        if self.decoding.sessions is None:
+            raise ValueError("the cache holds no sessions before the first decode step")
+        return self.decoding.sessions.lengths(0)
+
+    def close(self) -> None:
+        """Release what the sessions hold (pinned host memory on the offloaded backend)."""
+        _Decoding.close_sessions(self.decoding)

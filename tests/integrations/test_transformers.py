@@ -1,0 +1,304 @@
+"""FathomCache inside transformers' own generate(): dense reproduces HF greedy decoding token for token (tiny
+random Llama and Gemma-3 configs, batch 2 with left padding; SmolLM2 real weights when cached), oracle and a
+budget that reads everything equal dense, the reference sessions equal the reference decode step, a later
+plain generate is unchanged, and bad arguments are refused."""
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from bench.capture import capture
+from fathom import methods as M
+from fathom.calibration import Calibration, calibrate
+from fathom.decode import HeadIndex, decode_step
+from fathom.integrations.sessions import ReferenceSessions, SessionShape
+from fathom.integrations.transformers import ATTENTION, CALIBRATION_QUERIES, FathomCache
+from fathom.methods import HeadStats
+from fathom.selection import Selection
+
+PROMPT, NEW, PAD = 150, 12, 37  # row 1 is left-padded by PAD positions
+
+
+@pytest.fixture(autouse=True)
+def _quiet_and_single_threaded():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU (10x slower here)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # 5.24 renames generate's past_key_values to cache
+        yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100.0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def tiny_gemma3():
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                           num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                           sliding_window=16, layer_types=["sliding_attention", "full_attention",
+                                                                           "sliding_attention"],
+                                           query_pre_attn_scalar=32)
+    return transformers.Gemma3ForCausalLM(config).eval()
+
+
+def batch(vocab: int = 97, n: int = PROMPT, pad: int = PAD):
+    ids = torch.randint(1, vocab, (2, n), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :pad], mask[1, :pad] = 0, 0
+    return ids, mask
+
+
+def generate(model, ids, mask, cache=None, new=NEW):
+    return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False,
+                          pad_token_id=0)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_dense_reproduces_hf_greedy_generation_and_a_later_plain_generate_is_unchanged(make):
+    model = make()
+    ids, mask = batch()
+    expected = generate(model, ids, mask)
+    cache = FathomCache(model, method="dense")
+    torch.testing.assert_close(generate(model, ids, mask, cache), expected, rtol=0, atol=0)
+    assert model.config._attn_implementation == ATTENTION
+    np.testing.assert_array_equal(cache.lengths(), [PROMPT + NEW - 1, PROMPT - PAD + NEW - 1])  # no pads held
+    torch.testing.assert_close(generate(model, ids, mask), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_oracle_with_k_over_the_context_and_fathom_reading_everything_equal_dense(make):
+    model = make()
+    ids, mask = batch()
+    expected = generate(model, ids, mask)
+    d = model.config.head_dim
+    for cache in (FathomCache(model, "oracle", k=PROMPT + NEW), FathomCache(model, "fathom", budget=4.25 * d,
+                                                                             k=PROMPT + NEW)):
+        torch.testing.assert_close(generate(model, ids, mask, cache), expected, rtol=0, atol=0)
+
+
+def _calibration(rng, L: int, H: int, d: int) -> Calibration:
+    basis = np.stack([[np.linalg.qr(rng.standard_normal((d, d)))[0] for _ in range(H)] for _ in range(L)])
+    return Calibration(np.exp(rng.uniform(-1, 1, (L, H, d))), basis.astype(np.float32),
+                       np.exp(rng.uniform(-1, 1, (L, H, d))), np.stack([[rng.permutation(d) for _ in range(H)]
+                                                                        for _ in range(L)]))
+
+
+@pytest.mark.parametrize("method", [M.fathom(10.0), M.fathom(10.0, "calibration"), M.fathom_rotated(10.0),
+                                    M.fathom_plan((8.0, 14.0), 11.0), M.sparq(2), M.double_sparsity(2), M.loki(2),
+                                    M.thumbnail(2), M.landmark(), M.oracle(), M.dense()],
+                         ids=lambda m: m.name)
+def test_reference_sessions_step_equals_the_reference_decode_step(method):
+    """Ragged sessions (prompts of 130 and 70 tokens) grown token by token against decode_step over an index
+    built at once on the same keys, at every step, for every (layer, session, KV head)."""
+    rng = np.random.default_rng(0)
+    S, L, H, G, d, steps, scale = 2, 2, 2, 2, 8, 4, 0.3
+    calibration = _calibration(rng, L, H, d)
+    sel = Selection(k=6, sink=2, local=8)
+    sessions = ReferenceSessions(SessionShape(S, L, H, G, d), method, sel, scale, calibration)
+    spread = np.exp(rng.uniform(-1, 1, d)).astype(np.float32)
+    keys = [[rng.standard_normal((H, n, d)).astype(np.float32) * spread for n in (130, 70)] for _ in range(L)]
+    values = [[rng.standard_normal((H, n, d)).astype(np.float32) for n in (130, 70)] for _ in range(L)]
+    for layer in range(L):
+        for s in range(S):
+            sessions.append(layer, s, torch.from_numpy(keys[layer][s]), torch.from_numpy(values[layer][s]))
+    for _ in range(steps):
+        for layer in range(L):
+            q = rng.standard_normal((S, H * G, d)).astype(np.float32)
+            k = rng.standard_normal((S, H, d)).astype(np.float32) * spread
+            v = rng.standard_normal((S, H, d)).astype(np.float32)
+            out = sessions.step(layer, torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)).numpy()
+            for s in range(S):
+                keys[layer][s] = np.concatenate([keys[layer][s], k[s, :, None]], axis=1)
+                values[layer][s] = np.concatenate([values[layer][s], v[s, :, None]], axis=1)
+                for h in range(H):
+                    stats = {b: calibration.head_stats(layer, h, b) for b in ("raw", "rotated")}
+                    index = HeadIndex.build(keys[layer][s][h], stats, calibration.basis[layer, h])
+                    step = decode_step(q[s, h * G:(h + 1) * G], keys[layer][s][h], values[layer][s][h], index,
+                                       method, sel, scale)
+                    np.testing.assert_array_equal(out[s, h * G:(h + 1) * G], step.output.astype(np.float32))
+    np.testing.assert_array_equal(sessions.lengths(0), [130 + steps, 70 + steps])
+
+
+def test_sparse_methods_decode_over_the_store_and_differ_from_dense():
+    """At a small k the sparse methods really select (their tokens leave dense's path), and every one runs."""
+    model = tiny_gemma3()
+    ids, mask = batch()
+    dense = generate(model, ids, mask)
+    differ = 0
+    for method, settings in [("fathom", {}), ("fathom-rotated", {}), ("fathom-plan", {}), ("sparq", {"r": 4}),
+                             ("double-sparsity", {"r": 4}), ("loki", {"r": 4}), ("thumbnail", {}),
+                             ("landmark", {}), ("oracle", {})]:
+        cache = FathomCache(model, method, budget=16, k=4, sink=2, local=4, **settings)
+        out = generate(model, ids, mask, cache)
+        assert out.shape == dense.shape and cache.method is not None
+        differ += int((out != dense).any())
+    assert differ >= 5
+
+
+def test_calibration_from_the_prompt_is_the_prompts_calibration():
+    model = tiny_llama()
+    ids, mask = batch()
+    ids, mask = ids[:1], mask[:1]
+    prompt = calibrate(capture(model, ids, positions=CALIBRATION_QUERIES))
+    cache = FathomCache(model, "fathom-rotated", budget=16, k=8)
+    ours = generate(model, ids, mask, cache)
+    np.testing.assert_allclose(cache.calibration.sigma2_raw, prompt.sigma2_raw, rtol=1e-5)
+    np.testing.assert_array_equal(cache.calibration.ds_rank, prompt.ds_rank)
+    given = generate(model, ids, mask, FathomCache(model, "fathom-rotated", budget=16, k=8, calibration=prompt))
+    torch.testing.assert_close(ours, given, rtol=0, atol=0)
+
+
+def test_calibration_file_and_plan_are_read(tmp_path):
+    model = tiny_llama()
+    ids, mask = batch()
+    calibration = _calibration(np.random.default_rng(2), 2, 2, 16)
+    calibration.save(tmp_path / "tiny.calibration.npz")
+    from_file = FathomCache(model, "double-sparsity", budget=17, k=8, calibration=tmp_path / "tiny.calibration.npz")
+    generate(model, ids, mask, from_file)
+    np.testing.assert_array_equal(from_file.calibration.ds_rank, calibration.ds_rank)
+    planned = FathomCache(model, "fathom-plan", budget=12, k=8, plan=[8, 16])
+    generate(model, ids, mask, planned)
+    assert planned.method.policy.budgets == (8.0, 16.0)
+    from_prompt = FathomCache(model, "fathom-plan", budget=20, k=8)
+    generate(model, ids, mask, from_prompt)
+    assert np.mean(from_prompt.method.policy.budgets) <= 20 and len(from_prompt.method.policy.budgets) == 2
+
+
+def test_every_update_call_form_of_transformers_5_is_accepted():
+    model = tiny_llama()
+    cache = FathomCache(model, "dense")
+    k = v = torch.zeros(1, 2, 3, 16)
+    layer = cache.layers[0]
+    for call in (lambda: layer.update(k, v), lambda: cache.update(k, v, 0, {"cache_position": None}),
+                 lambda: cache.update(k, v, 0, kwargs={})):
+        layer.length = 0
+        assert call() == (k, v)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "quest"}, "method must be one of"),
+    ({"budget": -1}, "budget must be a finite number"),
+    ({"method": "sparq", "budget": 50}, r"budget must be r·4.25 bits for an integer r in 1..16"),
+    ({"method": "loki", "r": 17}, r"integer r in 1..16"),
+    ({"r": 4}, "r is read by sparq, double-sparsity, loki only"),
+    ({"k": -1}, "k must be None or an integer >= 0"),
+    ({"sink": -2}, "sink must be an integer >= 0"),
+    ({"variance": "prompt"}, "variance must be one of"),
+    ({"backend": "gpu"}, "backend must be one of"),
+    ({"plan": (8, 16)}, "plan is fathom-plan's per-layer budgets"),
+    ({"method": "fathom-plan", "plan": (8, 16, 8)}, "plan must have one budget per full-attention layer"),
+    ({"method": "fathom-plan", "budget": 10, "plan": (8, 16)}, "plan must average at most budget = 10"),
+    ({"method": "fathom-plan", "budget": 10}, r"budget must lie in 16..136 bits to plan fathom-plan"),
+    ({"calibration": "missing.calibration.npz"}, "calibration must be a .calibration.npz file"),
+    ({"calibration": 3}, "calibration must be a path or a fathom.calibration.Calibration"),
+    ({"window": 3}, "unknown settings window"),
+])
+def test_bad_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FathomCache(tiny_llama(), **kwargs)
+
+
+def test_bad_model_calibration_and_use_are_refused():
+    model = tiny_llama()
+    wrong = _calibration(np.random.default_rng(0), 3, 2, 16)
+    with pytest.raises(ValueError, match=r"calibration must have \[layers, KV heads, head dim\] = \(2, 2, 16\)"):
+        FathomCache(model, "loki", budget=17, calibration=wrong)
+    with pytest.raises(ValueError, match="model must use sdpa attention"):
+        FathomCache(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+            attn_implementation="eager")), "dense")
+    ids, mask = batch()
+    cache = FathomCache(model, "dense")
+    model(ids, attention_mask=mask, past_key_values=cache)
+    with pytest.raises(ValueError, match="decodes one token per step after the prefill; got 2 tokens"):
+        model(ids[:, :2], past_key_values=cache)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="the model's attention implementation is 'sdpa'"):
+        model(ids[:, :1], past_key_values=cache)
+
+
+def _cached(name: str) -> bool:
+    from bench.fetch import done_marker
+    from bench.models import model_dir
+    return done_marker(model_dir(name) / "hf").exists()
+
+
+needs_smollm2 = pytest.mark.skipif(not _cached("smollm2-135m"),
+                                   reason="SmolLM2-135M is not in the cache (python -m bench fetch smollm2-135m)")
+
+
+@needs_smollm2
+def test_dense_reproduces_hf_greedy_generation_on_smollm2():
+    from bench.models import load
+
+    model, tokenizer = load("smollm2-135m")
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["The capital of France is", "def fibonacci(n):\n"], return_tensors="pt", padding=True)
+    expected = generate(model, batch.input_ids, batch.attention_mask, new=6)
+    got = generate(model, batch.input_ids, batch.attention_mask, FathomCache(model, "dense"), new=6)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _readme_example() -> str:
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Use it with transformers", 1)[1]
+    return section.split("```python", 1)[1].split("```", 1)[0]
+
+
+@needs_smollm2
+def test_the_readme_example_runs_as_written(monkeypatch):
+    monkeypatch.chdir(Path(__file__).parents[2])  # the example names a calibration file under bench/results
+    exec(compile(_readme_example(), "README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("method", ["dense", "fathom", "fathom-rotated", "double-sparsity"])
+def test_offloaded_sessions_decode_as_the_reference_does(method):
+    """The offloaded backend generates the reference's tokens: under the CUDA simulator (CI) on CPU tensors, with
+    FATHOM_GPU=1 on the GPU."""
+    from fathom.cuda.interop import DEVICE
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
+    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    settings = dict(budget=17 if method == "double-sparsity" else 20, k=6, sink=2, local=4, max_tokens=80)
+    reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=3)
+    offloaded = FathomCache(model, method, backend="offloaded", **settings)
+    torch.testing.assert_close(generate(model, ids, mask, offloaded, new=3), reference, rtol=0, atol=0)
+    offloaded.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["dense", "oracle", "fathom", "fathom-rotated", "sparq", "double-sparsity"])
+def test_on_a_gpu_the_offloaded_path_generates_the_reference_paths_tokens(method):
+    """On a CUDA device (FATHOM_GPU=1): the model in bf16 on the GPU, K/V rows bf16 in the offloaded cache and
+    float32 copies of the same bf16 values in the reference; SmolLM2 if cached, else a tiny random Llama."""
+    if _cached("smollm2-135m"):
+        from bench.models import load
+
+        model, tokenizer = load("smollm2-135m")
+        tokenizer.padding_side = "left"
+        prompts = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
+        encoded = tokenizer([p * 12 for p in prompts], return_tensors="pt", padding=True)
+        ids, mask = encoded.input_ids, encoded.attention_mask
+    else:
+        model = tiny_llama()
+        ids, mask = batch()
+    model = model.to("cuda", torch.bfloat16)
+    ids, mask = ids.cuda(), mask.cuda()
+    settings = dict(budget=68 if method in ("sparq", "double-sparsity") else 48, k=16,
+                    max_tokens=ids.shape[1] + 16)
+    reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=8)
+    offloaded = FathomCache(model, method, backend="offloaded", **settings)
+    torch.testing.assert_close(generate(model, ids, mask, offloaded, new=8), reference, rtol=0, atol=0)
+    offloaded.close()

@@ -1,0 +1,44 @@
+import numpy as np
+from hypothesis import given, strategies as st
+
+from fathom import methods as M
+from fathom.decode import HeadIndex, decode_step
+from fathom.methods import HeadStats
+from fathom.selection import Selection
+
+
+@given(st.lists(st.integers(0, 90), min_size=1, max_size=8), st.integers(0, 2 ** 32 - 1))
+def test_an_index_grown_in_pieces_equals_one_built_in_one_go(pieces, seed):
+    rng = np.random.default_rng(seed)
+    d = 8
+    k = (rng.standard_normal((sum(pieces), d)) * np.exp(rng.normal(0, 1, d))).astype(np.float32)
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    grown, start = HeadIndex(d, None, basis), 0
+    for m in pieces:
+        grown.append(k[start:start + m])
+        start += m
+    whole = HeadIndex.build(k, None, basis)
+    np.testing.assert_array_equal(grown.keys, whole.keys)
+    np.testing.assert_array_equal(grown.landmarks, whole.landmarks)
+    for b in ("raw", "rotated"):
+        np.testing.assert_array_equal(grown.stores[b].planes(), whole.stores[b].planes())
+        for t in range(1, 5):
+            np.testing.assert_array_equal(grown.scorers[b].khat(t), whole.scorers[b].khat(t))
+
+
+def test_decode_steps_over_a_growing_index_equal_steps_over_indexes_built_at_each_length():
+    rng = np.random.default_rng(5)
+    d, G, n0, steps = 8, 3, 120, 12
+    k = (rng.standard_normal((n0 + steps, d)) * np.exp(rng.normal(0, 1, d))).astype(np.float32)
+    v = rng.standard_normal((n0 + steps, d)).astype(np.float32)
+    stats = {"raw": HeadStats(np.exp(rng.normal(0, 1, d)), rng.permutation(d))}
+    index = HeadIndex.build(k[:n0], stats)
+    for m in range(n0 + 1, n0 + steps + 1):
+        index.append(k[m - 1:m])
+        q = rng.standard_normal((G, d)).astype(np.float32)
+        for method in (M.fathom(10.0), M.sparq(2), M.double_sparsity(2), M.landmark(), M.oracle()):
+            grown = decode_step(q, index.keys, v[:m], index, method, Selection(k=5, sink=2, local=8))
+            built = decode_step(q, k[:m], v[:m], HeadIndex.build(k[:m], stats), method,
+                                Selection(k=5, sink=2, local=8))
+            np.testing.assert_array_equal(grown.mask, built.mask)
+            np.testing.assert_array_equal(grown.output, built.output)
