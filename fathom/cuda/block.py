@@ -35,3 +35,12 @@ def order_key(bits):
     if bits >> np.uint32(31):
         return ~bits
     return bits | np.uint32(0x80000000)
+
+
+@cuda.jit(device=True, inline=True)
+def flush_histogram(hist, top_hist, g, heads, t, n_threads):
+    """Add a CTA's shared ``hist [heads, 256]`` into ``top_hist[g]`` (non-zero bins only). Syncs first."""
+    cuda.syncthreads()
+    for x in range(t, heads * RADIX, n_threads):
+        if hist[x // RADIX, x % RADIX]:
+            cuda.atomic.add(top_hist, (g, x // RADIX, x % RADIX), hist[x // RADIX, x % RADIX])

@@ -15,7 +15,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from fathom.cuda.block import RADIX, order_key
+from fathom.cuda.block import RADIX, flush_histogram, order_key
 from fathom.cuda.half import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bits
 from fathom.quantize import BLOCK
 
@@ -86,10 +86,7 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
                         counted += 1
                 if counted:  # a row's tokens share its score: one add
                     cuda.atomic.add(hist, (h, key), counted)
-        cuda.syncthreads()
-        for x in range(t, heads * RADIX, n_threads):
-            if hist[x // RADIX, x % RADIX]:
-                cuda.atomic.add(top_hist, (g, x // RADIX, x % RADIX), hist[x // RADIX, x % RADIX])
+        flush_histogram(hist, top_hist, g, heads, t, n_threads)
 
     _KERNELS[key] = kernel
     return kernel

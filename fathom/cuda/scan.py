@@ -25,7 +25,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from fathom.cuda.block import RADIX, exclusive_scan, order_key
+from fathom.cuda.block import RADIX, exclusive_scan, flush_histogram, order_key
 from fathom.cuda.half import f16_bits_to_f32, f32_to_bits
 from fathom.cuda.interop import launch_bounds
 from fathom.cuda.layout import plane_word, record_offset
@@ -223,10 +223,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                                 run = 1
             if run:
                 cuda.atomic.add(hist, (h, last), run)
-        cuda.syncthreads()
-        for x in range(t, heads * RADIX, threads):
-            if hist[x // RADIX, x % RADIX]:
-                cuda.atomic.add(top_hist, (g, x // RADIX, x % RADIX), hist[x // RADIX, x % RADIX])
+        flush_histogram(hist, top_hist, g, heads, t, threads)
 
     _KERNELS[key] = kernel
     return kernel

@@ -186,6 +186,22 @@ def _tie_pass(cand_key, cand_idx, g, h, m, on_index, shift, prefix, mask, thresh
     cuda.syncthreads()
 
 
+@cuda.jit(device=True, inline=True)
+def _choose_digit(hist, remaining, descending, state, t):
+    """Thread 0: the digit where the count of ``hist`` (from the largest digit if ``descending``, else the smallest)
+    reaches ``remaining`` -> state[6], and how many are still wanted in its bin -> state[7]. Syncs."""
+    if t == 0:
+        passed = 0
+        for d in range(RADIX):
+            digit = RADIX - 1 - d if descending else d
+            if passed + hist[digit] >= remaining:
+                state[6] = digit
+                state[7] = remaining - passed
+                break
+            passed += hist[digit]
+    cuda.syncthreads()
+
+
 @cuda.jit
 def _ties_kernel(lengths, heads_per_session, k, sink, local, wide_bin, top_hist, hist2, cand_key, cand_idx, cand_count,
                  winners, any_rows):
@@ -219,16 +235,7 @@ def _ties_kernel(lengths, heads_per_session, k, sink, local, wide_bin, top_hist,
         for pass_ in range(first, 3):  # key bytes, largest first
             shift = np.uint32(16 - 8 * pass_)
             _tie_pass(cand_key, cand_idx, g, h, m, False, shift, prefix, mask, 0, subs, hist, t, n_threads)
-            if t == 0:
-                passed = 0
-                for d in range(RADIX):
-                    digit = RADIX - 1 - d
-                    if passed + hist[digit] >= remaining:
-                        state[6] = digit
-                        state[7] = remaining - passed
-                        break
-                    passed += hist[digit]
-            cuda.syncthreads()
+            _choose_digit(hist, remaining, True, state, t)
             prefix |= np.uint32(state[6]) << shift
             mask |= np.uint32(RADIX - 1) << shift
             remaining = state[7]
@@ -243,15 +250,7 @@ def _ties_kernel(lengths, heads_per_session, k, sink, local, wide_bin, top_hist,
                 shift = np.uint32(24 - 8 * pass_)
                 _tie_pass(cand_key, cand_idx, g, h, m, True, shift, prefix, mask, threshold, subs, hist, t,
                           n_threads)
-                if t == 0:
-                    passed = 0
-                    for digit in range(RADIX):
-                        if passed + hist[digit] >= remaining:
-                            state[6] = digit
-                            state[7] = remaining - passed
-                            break
-                        passed += hist[digit]
-                cuda.syncthreads()
+                _choose_digit(hist, remaining, False, state, t)
                 prefix |= np.uint32(state[6]) << shift
                 mask |= np.uint32(RADIX - 1) << shift
                 remaining = state[7]
