@@ -93,11 +93,11 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
             keys, values, qg = k[s, h, :n], v[s, h, :n], q[s, heads]
             stats = {b: methods.HeadStats(sigma2[LAYER, h], ds_rank[LAYER, h], layer=LAYER) for b in ("raw", "rotated")}
             index = HeadIndex.build(keys, stats, basis=basis[LAYER, h])
-            want = decode_step(qg, keys, values, index, method, SEL)
+            want = decode_step(qg, keys, values, index, method, SEL, layer=LAYER)
             want_scan_bytes += want.scan_bytes
             if want.depths is not None:
                 np.testing.assert_array_equal(decoder.depths.cpu().numpy()[g], want.depths)
-            scores, _ = method_scores(method, qg[None], index, np.array([n // 64]))
+            scores, _ = method_scores(method, qg[None], index, np.array([n // 64]), LAYER)
             _assert_same_selection(got_masks[g], want.mask, None if scores is None else scores[0])
             np.testing.assert_allclose(out[s, heads], attention(qg, keys, values, got_masks[g]), rtol=1e-4, atol=1e-5)
             if (got_masks[g] == want.mask).all():
