@@ -61,12 +61,13 @@ def test_headline_tables_the_real_settings_only(tmp_path):
                "ds_quarter_overlap": 0.7, "sparq68_overlap": 0.75}
     real = {"synthetic": False, "model": "m", "evaluation_text": "t", "capture": {"tokens": 16384, "head_dim": 64},
             "summary": summary, "wall_s": 120.0, "device": "cuda", "prefill_evaluation_s": 30,
+            "records": [{"label": "fathom-plan@48", "rel_error": 0.09}],
             "prefill_calibration_s": 30, "basis_rule_s": 20, "per_layer_plan_s": 20, "evaluation_s": 80}
     (tmp_path / "fidelity-m-16k-t.json").write_text(json.dumps(real))
     (tmp_path / "fidelity-synthetic.json").write_text(json.dumps({**real, "synthetic": True}))
     main(["headline", "--results", str(tmp_path)])
     table = (tmp_path / "headline.md").read_text()
-    assert ("| m 16k (t) | 64 | raw, store | 0.2500 | 0.1000 | 0.3000 | 0.0500 | not reached | "
+    assert ("| m 16k (t) | 64 | raw, store | 0.2500 | 0.1000 | 0.3000 | 0.0900 | 0.0500 | not reached | "
             "2.50× (double-sparsity@136) | 0.800 / 0.700 / 0.750 | 31.0 / 64 | cuda | 1.0 | 2.0 |") in table
     assert table.count("| m 16k") == 1
 
