@@ -109,6 +109,7 @@ def select_many(scores: torch.Tensor, keep: torch.Tensor, candidate: torch.Tenso
 
 
 def _chunk_elements(device: torch.device) -> int:
+    """Entries evaluated at once by default: half the free memory of a CUDA device, a fixed amount on the CPU."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return max(free // 2 // BYTES_PER_CHUNK_ELEMENT, 1)
@@ -142,8 +143,7 @@ class _Head:
         self.q = torch.from_numpy(q).to(device)
         self.q_rotated = torch.from_numpy(self.q_store["rotated"]).to(device) if rotated else None
         self.landmarks = torch.from_numpy(landmarks(keys[:self.n_sealed]).astype(np.float32)).to(device)
-        values = torch.from_numpy(capture.values[layer, head]).to(device, torch.float64)
-        self.values = values
+        self.values = torch.from_numpy(capture.values[layer, head]).to(device, torch.float64)
         self.logits = (self.q.double() @ self.keys.double().T) * capture.scale  # [P, G, n]
         self.dense = self.attend(causal[:, None, :])
         self.exact = self.q @ self.keys[:self.n_sealed].T  # the oracle's scores
