@@ -1,6 +1,6 @@
 """Capture real attention inputs: post-RoPE keys, values and the last P decode queries of every layer.
 
-One dense fp32 prefill on the CPU over a real text window. The keys, values
+One dense fp32 prefill (CPU or GPU) over a real text window. The keys, values
 and queries are recorded inside attention through transformers' own
 extension point (a registered attention function that records its inputs and
 then runs the stock SDPA attention), so they are exactly what the model's
@@ -47,9 +47,9 @@ class _Recorder:
         layer = module.layer_idx
         if layer in self.layers:
             # query [1, Hq, n, d]; key / value [1, H, n, d] (before GQA repetition)
-            self.keys[layer] = key[0].float().numpy().copy()
-            self.values[layer] = value[0].float().numpy().copy()
-            self.queries[layer] = query[0, :, -self.positions:].float().numpy().copy()
+            self.keys[layer] = key[0].float().cpu().numpy().copy()
+            self.values[layer] = value[0].float().cpu().numpy().copy()
+            self.queries[layer] = query[0, :, -self.positions:].float().cpu().numpy().copy()
             self.scales[layer] = float(kwargs.get("scaling") or module.scaling)
         self.progress.update(1)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -72,7 +72,7 @@ def window(tokenizer, text: str, n: int, name: str = "text"):
 
 
 def capture(model, ids, positions: int | None = None, meta: dict | None = None) -> Capture:
-    """Run ``model`` densely over token ids ``[1, n]`` and record every global layer.
+    """Run ``model`` densely over token ids ``[1, n]`` (on the model's device) and record every global layer.
 
     Returns keys ``[L, H, n, d]``, values, and the queries of the last ``P``
     positions ``[L, H, P, G, d]`` (query head ``h`` belongs to KV head ``h // G``).
@@ -92,7 +92,7 @@ def capture(model, ids, positions: int | None = None, meta: dict | None = None) 
         model.set_attn_implementation(ATTENTION_NAME)
         try:
             with torch.inference_mode():
-                model(ids, use_cache=False, logits_to_keep=1)
+                model(ids.to(model.device), use_cache=False, logits_to_keep=1)
         finally:
             model.set_attn_implementation(previous)
     scales = {recorder.scales[i] for i in layers}
@@ -108,7 +108,7 @@ def capture(model, ids, positions: int | None = None, meta: dict | None = None) 
 
 
 def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path | None = None,
-                 positions: int | None = None, loaded=None) -> tuple[Capture, float]:
+                 positions: int | None = None, loaded=None, device: str = "cpu") -> tuple[Capture, float]:
     """The capture of ``model_name`` over the first ``n`` tokens of a corpus (a name or a UTF-8 file),
     cached on disk; returns it with the seconds its prefill took (recorded with the capture, so a cached
     capture reports the time it took when it was made).
@@ -116,6 +116,7 @@ def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path 
     A cached capture is used only if its file matches the digest recorded when it was written and it was
     made from the same model build (:func:`bench.models.digest`) and the same text (sha256); otherwise it
     is remade. ``loaded``: a callable returning the loaded ``(model, tokenizer)``, called only to make one.
+    ``device``: where the fp32 prefill runs ("cpu" or "cuda"); recorded in the capture's meta.
     """
     positions = positions or decode_positions(n)
     if isinstance(corpus, Path):
@@ -131,8 +132,9 @@ def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path 
 
     def build(partial: Path) -> None:
         model, tokenizer = loaded() if loaded else models.load(model_name, cache)
+        model.to(device)
         start = time.perf_counter()
-        meta = {"model": model_name, "context": n, "text": text_name, **made_from()}
+        meta = {"model": model_name, "context": n, "text": text_name, "device": device, **made_from()}
         result = capture(model, window(tokenizer, text, n, text_name), positions, meta=meta)
         result.meta["prefill_s"] = round(time.perf_counter() - start, 1)
         with partial.open("wb") as sink:

@@ -5,6 +5,9 @@ Real models (default): the evaluation capture is a window of ``--text`` /
 of another corpus (Jane Austen by default) of the same length; the basis rule
 (raw vs rotated store) is decided on the calibration capture and recorded.
 ``--synthetic``: the same on synthetic keys (every output says "synthetic").
+``--device cuda``: the prefills with the model on the GPU (fp32) and the
+evaluation in torch on the GPU (:mod:`fathom.cuda.fidelity`); ``--device cpu``
+(default): CPU prefills and the NumPy evaluation (:mod:`fathom.fidelity`).
 
 Writes ``<name>.json`` (one record per method × budget, and a ``summary``),
 ``<name>.md`` and ``<name>.png`` under ``--out`` (``bench/results``; with
@@ -15,7 +18,9 @@ checked before any model is loaded (:func:`check_arguments`).
 from __future__ import annotations
 
 import argparse
+import textwrap
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +32,7 @@ from fathom import methods as M
 from fathom.bits import fixed_channel_bits
 from fathom.calibration import Calibration, calibrate
 from fathom.capture import Capture
-from fathom.fidelity import MethodResult, evaluate, plan_layers
+from fathom.fidelity import Evaluator, MethodResult, evaluate, plan_layers
 from fathom.quantize import BLOCK
 from fathom.selection import Selection, always_kept
 from fathom.synthetic import SyntheticConfig, generate
@@ -37,21 +42,25 @@ PLAN_MEANS = (48, 64)
 BASIS_RULE_BUDGETS = (48, 64)  # the raw-vs-rotated decision compares these budgets on calibration text
 QUICK_MODEL, QUICK_CONTEXT, QUICK_POSITIONS = "smollm2-135m", 4096, 32
 EVALUATION_CORPUS = "paul-graham"
+DEVICES = ("cpu", "cuda")
 SYNTHETIC_QUICK = SyntheticConfig(layers=4, kv_heads=2, group=4, head_dim=128, tokens=4096, positions=16)
 SYNTHETIC_FULL = SyntheticConfig(layers=8, kv_heads=4, group=4, head_dim=128, tokens=16384, positions=32)
 COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
            ("scan_bytes", "scan KiB/step", ",.0f"), ("row_bytes", "row KiB/step", ",.0f"),
            ("rows_per_head", "rows/KV head", ".0f"), ("rel_error", "rel. error", ".4f"),
-           ("channels_touched", "channels", ".1f"), ("mean_depth", "depth", ".2f")]
+           ("oracle_overlap", "oracle top-k hit", ".3f"), ("channels_touched", "channels", ".1f"),
+           ("mean_depth", "depth", ".2f")]
 
 
 def method_grid(d: int, basis: str) -> list[M.Method]:
-    """Every method at matched bits: fathom flat budgets on both stores (reaching DS r = d/4's bits), the other
-    σ² source on the preferred store, every baseline at the SPEC's channel fractions, and SparQ r = 16 /
-    Double Sparsity r = 32 (68 / 136 bits at any d). (Per-layer plans are added by :func:`run`.)"""
+    """Every method at matched bits: fathom flat budgets on both stores, each with its basis' default σ²
+    (reaching DS r = d/4's bits), the other σ² source on the preferred store, every baseline at the SPEC's
+    channel fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136 bits at any d). (Per-layer plans
+    are added by :func:`run`.)"""
     budgets = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
     flat = [M.fathom(b) for b in budgets] + [M.fathom_rotated(b) for b in budgets]
-    other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, "calibration") for b in (48, 64)]
+    other = "calibration" if M.DEFAULT_VARIANCE[basis] == "store" else "store"
+    other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, other) for b in (48, 64)]
     grid = flat + other_variance + M.baselines(d) + [M.sparq(16), M.double_sparsity(32)]
     return list({m.label(d): m for m in grid}.values())  # one method per label, in first-seen order
 
@@ -74,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --quick)")
     parser.add_argument("--name", default=None, help="file name stem (default from the setting)")
     parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, SPEC §6)")
+    parser.add_argument("--device", default="cpu", help="cpu (default): CPU prefills and the NumPy evaluation; "
+                        "cuda: prefills with the model on the GPU (fp32) and the evaluation in torch on the GPU")
 
 
 def choosable_tokens(n: int, positions: int, sel: Selection) -> int:
@@ -93,6 +104,10 @@ def min_context(positions: int, sel: Selection) -> int:
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse bad input before any expensive work (:class:`bench.cli.UsageError`, naming the argument and
     what it allows) and fill in the defaults: ``model``, ``context``, ``positions``, ``k``, ``corpus``, ``out``."""
+    if args.device not in DEVICES:
+        raise cli.UsageError(f"--device must be one of {', '.join(DEVICES)}, got {args.device!r}")
+    if args.device == "cuda":
+        cli.require_cuda("fidelity --device cuda")
     args.out = cli.writable_folder("--out", args.out or (LOCAL_RESULTS if args.quick else RESULTS))
     if args.name is not None and (not args.name or "/" in args.name or args.name in (".", "..")):
         raise cli.UsageError(f"--name must be a file name stem (no '/'), got {args.name!r}")
@@ -186,7 +201,8 @@ def _real(args) -> tuple[Capture, Capture, str, dict]:
     captures, seconds = [], {}
     for role, text in (("evaluation", evaluation_text), ("calibration", args.calibration_corpus)):
         print(f"capture {model} at {n} tokens of {text} ({role}) ...", flush=True)
-        cap, secs = load_capture(model, text, n, args.cache, positions=args.positions, loaded=model_once)
+        cap, secs = load_capture(model, text, n, args.cache, positions=args.positions, loaded=model_once,
+                                 device=args.device)
         captures.append(cap)
         seconds[f"prefill_{role}_s"] = round(secs, 1)
     text_name = evaluation_text.name if isinstance(evaluation_text, Path) else evaluation_text
@@ -196,11 +212,22 @@ def _real(args) -> tuple[Capture, Capture, str, dict]:
     return captures[0], captures[1], name, info
 
 
+def evaluator(device: str) -> Evaluator:
+    """The evaluation for ``--device`` (checked by :func:`check_arguments`): the NumPy reference on the CPU, its
+    torch twin on a CUDA device."""
+    if device == "cpu":
+        return evaluate
+    from fathom.cuda.fidelity import evaluate as on_device
+
+    return partial(on_device, device=device)
+
+
 def choose_basis(calibration_capture: Capture, calibration: Calibration, sel: Selection,
-                 on_head=None) -> tuple[str, dict]:
-    """The basis rule (SPEC §7): both stores on calibration text, the lower mean error wins."""
+                 on_head=None, evaluate_fn: Evaluator = evaluate) -> tuple[str, dict]:
+    """The basis rule (SPEC §7): both stores on calibration text, each with its own default σ²; the lower mean
+    error wins."""
     methods = [M.fathom(b) for b in BASIS_RULE_BUDGETS] + [M.fathom_rotated(b) for b in BASIS_RULE_BUDGETS]
-    results = evaluate(calibration_capture, calibration, methods, sel, on_head)
+    results = evaluate_fn(calibration_capture, calibration, methods, sel, on_head)
     half = len(BASIS_RULE_BUDGETS)
     errors = {"raw": float(np.mean([r.rel_error for r in results[:half]])),
               "rotated": float(np.mean([r.rel_error for r in results[half:]]))}
@@ -224,30 +251,40 @@ def equal_error_bits(curve: list[MethodResult], target: float) -> tuple[float | 
 
 
 def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dict) -> dict:
-    """The headline numbers: equal-error savings vs Double Sparsity at 136 bits (r = 32, the issue's DS-136)
-    and at r = d/4 (the SPEC's fraction; the same at d = 128), fathom-48 vs SparQ-68 (r = 16), channels at 48."""
+    """The headline numbers: equal-error savings vs Double Sparsity at r = d/4 (the SPEC's fraction, the primary
+    comparator) and at 136 bits (r = 32; the same at d = 128), fathom-48 vs SparQ-68 (r = 16), channels at 48,
+    and where fathom-48 loses: the overlap of each one's top-k with the oracle's, and on how many (layer, KV
+    head) pairs fathom-48 is less accurate than DS r = d/4 and SparQ-68."""
     by_label = {r.label: r for r in results}
     family = "fathom" if basis == "raw" else "fathom-rotated"
     curve = [r for r in results if r.method == family]
     fathom48 = by_label[f"{family}@48"]
     sparq68 = by_label["sparq@68"]
-    summary = {"basis": basis, "basis_rule_errors": basis_errors, "fathom_family": family,
+    summary = {"basis": basis, "variance": M.DEFAULT_VARIANCE[basis], "basis_rule_errors": basis_errors,
+               "fathom_family": family,
                "fathom48_error": fathom48.rel_error, "sparq68_error": sparq68.rel_error,
                "fathom48_beats_sparq68": fathom48.rel_error < sparq68.rel_error,
                "oracle_error": by_label[f"oracle@{16 * d}"].rel_error,
-               "channels_touched_48": fathom48.channels_touched, "mean_depth_48": fathom48.mean_depth}
+               "channels_touched_48": fathom48.channels_touched, "mean_depth_48": fathom48.mean_depth,
+               "fathom48_overlap": fathom48.oracle_overlap, "sparq68_overlap": sparq68.oracle_overlap}
     for key, ds in (("", by_label["double-sparsity@136"]),
                     ("_quarter", by_label[f"double-sparsity@{fixed_channel_bits(d // 4):g}"])):
         bits, how = equal_error_bits(curve, ds.rel_error)
         summary.update({f"ds{key}_label": ds.label, f"ds{key}_error": ds.rel_error,
+                        f"ds{key}_overlap": ds.oracle_overlap,
                         f"equal_error_bits{key}": bits, f"equal_error_how{key}": how,
                         f"equal_error_saving{key}": None if bits is None else ds.bits / bits})
+    mine = np.array(fathom48.rel_error_per_head)
+    for key, other in (("ds_quarter", by_label[summary["ds_quarter_label"]]), ("sparq68", sparq68)):
+        summary[f"heads_fathom48_worse_than_{key}"] = int((mine > np.array(other.rel_error_per_head)).sum())
+    summary["heads"] = int(mine.size)
     return summary
 
 
 def run(args: argparse.Namespace) -> Path:
     start = time.perf_counter()
     check_arguments(args)
+    evaluate_fn = evaluator(args.device)
     capture, calibration_capture, name, info = (_synthetic if args.synthetic else _real)(args)
     name = args.name or name
     shape = capture.shape
@@ -255,14 +292,20 @@ def run(args: argparse.Namespace) -> Path:
     sel = Selection(k=args.k) if args.k is not None else Selection.for_context(n)
     heads = shape["layers"] * shape["kv_heads"]
     calibration = calibrate(calibration_capture)
+    seconds = {}
+    tick = time.perf_counter()
     with tqdm(total=heads, desc="basis rule (calibration text)", unit="head") as bar:
-        basis, basis_errors = choose_basis(calibration_capture, calibration, sel, bar.update)
+        basis, basis_errors = choose_basis(calibration_capture, calibration, sel, bar.update, evaluate_fn)
     calibration = calibration.with_preferred_basis(basis)
+    seconds["basis_rule_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
     with tqdm(total=heads, desc="per-layer plan (calibration text)", unit="head") as bar:
-        plans = plan_layers(calibration_capture, calibration, list(PLAN_MEANS), sel, basis, on_head=bar.update)
+        plans = plan_layers(calibration_capture, calibration, list(PLAN_MEANS), sel, basis, on_head=bar.update,
+                            evaluator=evaluate_fn)
+    seconds["per_layer_plan_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
     methods = method_grid(d, basis) + plans
     with tqdm(total=heads, desc=f"fidelity {name}", unit="head") as bar:
-        results = evaluate(capture, calibration, methods, sel, on_head=bar.update)
+        results = evaluate_fn(capture, calibration, methods, sel, on_head=bar.update)
+    seconds["evaluation_s"] = round(time.perf_counter() - tick, 1)
     summary = summarize(results, d, basis, basis_errors)
     plan_budgets = {m.label(d): list(m.policy.budgets) for m in plans}
     meta = {"model": info.get("model", "synthetic"), "context": n}
@@ -271,9 +314,9 @@ def run(args: argparse.Namespace) -> Path:
     if not info["synthetic"]:
         calibration.save(args.out / f"{name}.calibration.npz")
     write_json(args.out / f"{name}.json", args.command_line, {
-        **info, "capture": shape, "layers": capture.meta.get("layers"), "selection": sel.__dict__,
-        "per_layer_plans": plan_budgets, "summary": summary, "wall_s": round(time.perf_counter() - start, 1),
-        "records": records})
+        **info, "device": args.device, **seconds, "capture": shape, "layers": capture.meta.get("layers"),
+        "selection": sel.__dict__, "per_layer_plans": plan_budgets, "summary": summary,
+        "wall_s": round(time.perf_counter() - start, 1), "records": records})
     _write_table(args.out / f"{name}.md", records, shape, sel, info, summary)
     _plot(args.out / f"{name}.png", results, shape, sel, info)
     print(f"\n{(args.out / f'{name}.md').read_text()}")
@@ -295,20 +338,36 @@ def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, i
                                                       f"{value:.2f}× ({summary[f'equal_error_how{key}']} "
                                                       f"{summary[f'equal_error_bits{key}']:.1f} bits)")
 
+    fathom48, ds, sparq = f"{summary['fathom_family']}@48", summary["ds_quarter_label"], "sparq@68"
     lines = [f"Fidelity of {_title(shape, sel, info)}.", "",
-             f"Store basis (decided on calibration text): **{summary['basis']}** "
+             f"Store basis (decided on calibration text, each store with its default σ²): **{summary['basis']}** "
              f"(mean error at {'/'.join(map(str, BASIS_RULE_BUDGETS))} bits: "
              + ", ".join(f"{k} {v:.4f}" for k, v in summary["basis_rule_errors"].items()) + ").",
-             f"Equal-error saving {saving('')}"
-             + (f"; {saving('_quarter')}." if summary["ds_quarter_label"] != summary["ds_label"] else "."),
-             f"fathom@48 {summary['fathom48_error']:.4f} vs sparq@68 {summary['sparq68_error']:.4f}; "
+             f"Equal-error saving {saving('_quarter')}"
+             + (f"; {saving('')}." if summary["ds_quarter_label"] != summary["ds_label"] else "."),
+             f"{fathom48} {summary['fathom48_error']:.4f} vs {sparq} {summary['sparq68_error']:.4f}; "
              f"at 48 bits {summary['channels_touched_48']:.1f} of {shape['head_dim']} channels are read, "
-             f"{summary['mean_depth_48']:.2f} planes deep on average.", "",
-             markdown_table(kib, COLUMNS), "", "Error per layer:", ""]
-    key = [f"{summary['fathom_family']}@48", "double-sparsity@136", "sparq@68", f"oracle@{16 * shape['head_dim']}"]
-    per_layer = {r["label"]: r["rel_error_per_layer"] for r in records}
-    rows = [{"layer": i, **{k: per_layer[k][i] for k in key}} for i in range(shape["layers"])]
-    lines.append(markdown_table(rows, [("layer", "layer", "d")] + [(k, k, ".4f") for k in key]))
+             f"{summary['mean_depth_48']:.2f} planes deep on average.",
+             f"Oracle top-k hit (the fraction of the exact top-{sel.k} a method selects): {fathom48} "
+             f"{summary['fathom48_overlap']:.3f}, {ds} {summary['ds_quarter_overlap']:.3f}, {sparq} "
+             f"{summary['sparq68_overlap']:.3f}. {fathom48} is less accurate than {ds} on "
+             f"{summary['heads_fathom48_worse_than_ds_quarter']} and than {sparq} on "
+             f"{summary['heads_fathom48_worse_than_sparq68']} of {summary['heads']} (layer, KV head) pairs.", "",
+             markdown_table(kib, COLUMNS), ""]
+    key = list(dict.fromkeys([fathom48, ds, "double-sparsity@136", sparq, f"oracle@{16 * shape['head_dim']}"]))
+    hit = [fathom48, ds, sparq]
+    by_label = {r["label"]: r for r in records}
+    error = {k: np.array(by_label[k]["rel_error_per_head"]) for k in key}
+    overlap = {k: np.array(by_label[k]["oracle_overlap_per_head"]) for k in hit}
+    columns = [(k, k, ".4f") for k in key] + [(f"hit {k}", f"hit {k}", ".3f") for k in hit]
+    rows = [{"layer": i, **{k: error[k][i].mean() for k in key}, **{f"hit {k}": overlap[k][i].mean() for k in hit}}
+            for i in range(shape["layers"])]
+    lines += ["Error and oracle top-k hit per layer:", "",
+              markdown_table(rows, [("layer", "layer", "d")] + columns), ""]
+    rows = [{"layer": i, "head": h, **{k: error[k][i, h] for k in key}, **{f"hit {k}": overlap[k][i, h] for k in hit}}
+            for i in range(shape["layers"]) for h in range(shape["kv_heads"])]
+    lines += ["Error and oracle top-k hit per (layer, KV head):", "",
+              markdown_table(rows, [("layer", "layer", "d"), ("head", "KV head", "d")] + columns)]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -318,7 +377,7 @@ def _plot(path: Path, results: list[MethodResult], shape: dict, sel: Selection, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
     families: dict[str, list[MethodResult]] = {}
     for r in results:
         if r.method != "dense":
@@ -328,15 +387,16 @@ def _plot(path: Path, results: list[MethodResult], shape: dict, sel: Selection, 
         if family == "oracle":
             ax.axhline(rs[0].rel_error, color="k", ls=":", label=f"oracle (exact top-{sel.k})")
             continue
-        style = "-o" if family.startswith("fathom") and "-plan" not in family else "s"
+        style = "-o" if family.startswith("fathom") and "-plan" not in family and "[" not in family else "s"
         ax.plot([r.bits_read for r in rs], [r.rel_error for r in rs], style, label=family, ms=5)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("scan bits per token (per KV head, per layer)")
     ax.set_ylabel("attention output rel. error vs dense")
-    ax.set_title(_title(shape, sel, info).replace("**", ""), fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    # the whole figure's title, wrapped: centred over the axes alone, a long title ran off the figure's left edge
+    fig.suptitle(textwrap.fill(_title(shape, sel, info).replace("**", ""), 110), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -36,7 +36,7 @@ class Calibration:
     def head_stats(self, layer: int, head: int, basis: str) -> HeadStats:
         """Calibration stats of one (layer, KV head) in the ``basis`` ("raw" or "rotated") store."""
         sigma2 = self.sigma2_rotated if basis == "rotated" else self.sigma2_raw
-        return HeadStats(sigma2=sigma2[layer, head], ds_rank=self.ds_rank[layer, head], layer=layer)
+        return HeadStats(sigma2=sigma2[layer, head], ds_rank=self.ds_rank[layer, head])
 
     def with_preferred_basis(self, basis: str) -> Calibration:
         if basis not in ("raw", "rotated"):

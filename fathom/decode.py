@@ -31,9 +31,9 @@ import numpy as np
 from fathom import _checks
 from fathom.attention import attention
 from fathom.bits import row_bytes, scan_bits
-from fathom.methods import HeadStats, Method
-from fathom.quantize import BLOCK
 from fathom.growing import GrowingRows
+from fathom.methods import HeadStats, LayerWaterfill, Method
+from fathom.quantize import BLOCK
 from fathom.scoring import DepthScorer, exact_scores, landmark_scores, landmarks
 from fathom.selection import Selection, select, union_rows
 from fathom.store import PlaneStore
@@ -60,9 +60,7 @@ class HeadIndex:
         self.stores = {"raw": PlaneStore(d)}
         if basis is not None:
             self.stores["rotated"] = PlaneStore(d, basis=basis)
-        if calibration is None:
-            calibration = {b: HeadStats(sigma2=np.ones(d), ds_rank=np.arange(d)) for b in self.stores}
-        self.stats = calibration
+        self.stats = unit_stats(d, tuple(self.stores)) if calibration is None else calibration
         self.scorers = {b: DepthScorer(s.planes(), s.scales()) for b, s in self.stores.items()}
         self._keys = GrowingRows(d)
         self._landmarks = GrowingRows(d, np.float16)
@@ -102,15 +100,36 @@ class HeadIndex:
 
     def store_variance(self, basis: str, blocks: np.ndarray) -> np.ndarray:
         """σ² from the store at each context: mean squared scale over the first ``blocks[p]`` blocks -> ``[P, d]``."""
-        scales_sq = np.square(self.stores[basis].scales().astype(np.float64))  # [d, nb]
-        cumulative = np.concatenate([np.zeros((scales_sq.shape[0], 1)), np.cumsum(scales_sq, axis=1)], axis=1)
-        return (cumulative[:, blocks] / np.maximum(blocks, 1)).T
+        return running_scale_variance(self.stores[basis].scales(), blocks)
 
 
-def method_scores(method: Method, q: np.ndarray, index: HeadIndex, blocks: np.ndarray
+def unit_stats(d: int, bases: tuple[str, ...]) -> dict[str, HeadStats]:
+    """What the policies know of a head without calibration: unit σ², Double Sparsity's rank the identity."""
+    return {b: HeadStats(sigma2=np.ones(d), ds_rank=np.arange(d)) for b in bases}
+
+
+def running_scale_variance(scales: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """The store's σ² at each context: the mean squared fp16 scale over the first ``blocks[p]`` blocks of
+    ``scales float16 [d, nb]`` -> float64 ``[P, d]`` (what :attr:`PlaneStore.scale_variance` is at that size)."""
+    scales_sq = np.square(scales.astype(np.float64))
+    cumulative = np.concatenate([np.zeros((scales_sq.shape[0], 1)), np.cumsum(scales_sq, axis=1)], axis=1)
+    return (cumulative[:, blocks] / np.maximum(blocks, 1)).T
+
+
+def plane_depths(method: Method, q_store: np.ndarray, stats: HeadStats, sigma2_store: np.ndarray,
+                 layer: int | None) -> np.ndarray:
+    """Depths ``int8 [P, d]`` a plane method reads for query groups ``q_store [P, G, d]`` (in its store's basis),
+    given the head's calibration ``stats``, the store's σ² ``[P, d]`` and the ``layer`` (per-layer plans)."""
+    if isinstance(method.policy, LayerWaterfill) and layer is None:
+        raise ValueError(f"layer must be given for the per-layer plan {method.name!r} (its budget depends on it)")
+    return method.policy.depths(q_store, replace(stats, sigma2_store=sigma2_store, layer=layer))
+
+
+def method_scores(method: Method, q: np.ndarray, index: HeadIndex, blocks: np.ndarray, layer: int | None = None
                   ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Scores of the sealed tokens for query groups ``q [P, G, d]`` (raw basis) at contexts of
     ``blocks [P]`` sealed blocks -> (scores ``[P, G, n_sealed]`` or None for dense, depths ``[P, d]`` or None).
+    ``layer``: the layer the index belongs to (required by per-layer plans).
 
     Scores past a position's sealed blocks are computed but never used by selection.
     """
@@ -125,9 +144,8 @@ def method_scores(method: Method, q: np.ndarray, index: HeadIndex, blocks: np.nd
         raise ValueError(f"method {method.name} needs the {method.basis} store; build HeadIndex with a basis")
     store = index.stores[method.basis]
     q_store = q @ store.basis if store.basis is not None else q
-    stats = index.stats[method.basis]
-    stats = replace(stats, sigma2_store=index.store_variance(method.basis, blocks))
-    depths = method.policy.depths(q_store, stats)
+    depths = plane_depths(method, q_store, index.stats[method.basis], index.store_variance(method.basis, blocks),
+                          layer)
     return index.scorers[method.basis](q_store, depths), depths
 
 
@@ -152,10 +170,11 @@ def step_bits(method: Method, depths: np.ndarray | None, d: int) -> np.ndarray |
 
 
 def decode_step(q: np.ndarray, keys: np.ndarray, values: np.ndarray, index: HeadIndex, method: Method,
-                sel: Selection, scale: float | None = None) -> DecodeStep:
+                sel: Selection, scale: float | None = None, layer: int | None = None) -> DecodeStep:
     """Decode one query group ``q [G, d]`` over the context ``keys [m, d]``, ``values [m, dv]``.
 
-    ``index`` must have been built over at least the first ``m`` keys (it may hold more).
+    ``index`` must have been built over at least the first ``m`` keys (it may hold more). ``layer``: the
+    layer of this (layer, KV head); a per-layer plan reads its budget there and is refused without it.
     """
     q = _checks.array("q", q, ndim=2, kind="f")
     keys = _checks.array("keys", keys, ndim=2, kind="f")
@@ -168,7 +187,7 @@ def decode_step(q: np.ndarray, keys: np.ndarray, values: np.ndarray, index: Head
     if m > index.keys.shape[0]:
         raise ValueError(f"keys has {m} tokens but the index holds only {index.keys.shape[0]}")
     blocks = np.array([m // 64])
-    scores, depths = method_scores(method, q[None], index, blocks)
+    scores, depths = method_scores(method, q[None], index, blocks, layer)
     if scores is None:
         mask = np.ones((q.shape[0], m), bool)
     else:

@@ -4,11 +4,14 @@ For each (layer, KV head) one :class:`~fathom.decode.HeadIndex` is built over
 the window, and every decode position ``p`` is scored at its own context
 ``positions[p] + 1`` (sealed blocks scanned, the tail always selected), so the
 numbers equal :func:`~fathom.decode.decode_step` position by position (tested).
+Besides error, bits and bytes, each method's error per (layer, KV head) and the
+overlap of its top-k with the oracle's (exact scores) say where it loses.
+:mod:`fathom.cuda.fidelity` is the torch twin (any torch device).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -21,7 +24,7 @@ from fathom.decode import HeadIndex, method_scores, step_bits
 from fathom import methods as M
 from fathom.methods import Method
 from fathom.quantize import BLOCK
-from fathom.selection import Selection, select_many
+from fathom.selection import Selection, protocol_masks, select_many
 from fathom.waterfill import per_layer_plan
 
 PLAN_BUDGETS = (16, 24, 32, 48, 64, 92, 136)  # candidate per-layer budgets of the plan
@@ -42,9 +45,66 @@ class MethodResult:
     rel_error_per_layer: list[float]
     channels_touched: float | None  # plane methods: mean #{c : b_c > 0}
     mean_depth: float | None  # plane methods: mean b_c over touched channels
+    rel_error_per_head: list[list[float]] = field(default_factory=list)  # [L][H]: mean over positions, G heads
+    oracle_overlap: float | None = None  # mean fraction of the oracle's top-k (exact scores) this method selects
+    oracle_overlap_per_head: list[list[float]] = field(default_factory=list)  # [L][H]
 
     def record(self, **extra) -> dict:
         return {**extra, **asdict(self)}
+
+
+class Tally:
+    """Per (method, layer, KV head) measurements, and the :class:`MethodResult` they add up to; shared by the
+    NumPy evaluation and its torch twin (:mod:`fathom.cuda.fidelity`), so both account bits and bytes alike."""
+
+    def __init__(self, methods: list[Method], layers: int, kv_heads: int, d: int):
+        self.methods, self.d = methods, d
+        shape = (len(methods), layers, kv_heads)
+        self.error, self.rows, self.overlap = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+        self.bits, self.scan, self.touched, self.depth = np.zeros(shape), np.zeros(shape), np.zeros(shape), \
+            np.zeros(shape)
+
+    def add_scan(self, i: int, layer: int, head: int, depths: np.ndarray | None, blocks: np.ndarray) -> None:
+        """What method ``i`` read at each position: its depths ``[P, d]`` (None: no planes) over ``blocks [P]``."""
+        step = np.broadcast_to(step_bits(self.methods[i], depths, self.d), blocks.shape)
+        self.bits[i, layer, head] = step.mean()
+        self.scan[i, layer, head] = (step * blocks * BLOCK / 8).mean()
+        if depths is not None:
+            active = depths > 0
+            self.touched[i, layer, head] = active.sum(axis=-1).mean()
+            self.depth[i, layer, head] = depths.sum() / max(active.sum(), 1)
+
+    def add_selection(self, i: int, layer: int, head: int, error: float, rows: float, overlap: float) -> None:
+        """Method ``i``'s mean relative error, union rows and oracle overlap over the positions of one head."""
+        self.error[i, layer, head], self.rows[i, layer, head], self.overlap[i, layer, head] = error, rows, overlap
+
+    def results(self) -> list[MethodResult]:
+        d = self.d
+        return [MethodResult(
+            label=m.label(d), method=m.name, bits=m.nominal_bits(d), bits_read=float(self.bits[i].mean()),
+            scan_bytes=float(self.scan[i].sum()), row_bytes=float(self.rows[i].sum() * row_bytes(d)),
+            rows_per_head=float(self.rows[i].mean()), rel_error=float(self.error[i].mean()),
+            rel_error_per_layer=[float(e) for e in self.error[i].mean(axis=1)],
+            channels_touched=float(self.touched[i].mean()) if m.scorer == "planes" else None,
+            mean_depth=float(self.depth[i].mean()) if m.scorer == "planes" else None,
+            rel_error_per_head=self.error[i].tolist(), oracle_overlap=float(self.overlap[i].mean()),
+            oracle_overlap_per_head=self.overlap[i].tolist(),
+        ) for i, m in enumerate(self.methods)]
+
+
+def needs_rotated(methods: list[Method], calibration: Calibration | None) -> bool:
+    """Whether any method scans the rotated store (refused without a calibration: it holds the basis)."""
+    rotated = any(m.basis == "rotated" and m.scorer == "planes" for m in methods)
+    if rotated and calibration is None:
+        raise ValueError("calibration is needed for rotated-basis methods (fathom-rotated, loki)")
+    return rotated
+
+
+def oracle_overlap(take: np.ndarray, oracle_take: np.ndarray) -> np.ndarray:
+    """Fraction of the oracle's top-k each head selects: ``take``, ``oracle_take`` bool ``[..., n]`` (top-k
+    parts only, no sink / local / tail) -> ``[...]`` (1 where the oracle chose nothing)."""
+    chosen = oracle_take.sum(axis=-1)
+    return np.where(chosen > 0, (take & oracle_take).sum(axis=-1) / np.maximum(chosen, 1), 1.0)
 
 
 def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Method], sel: Selection,
@@ -54,62 +114,50 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
     blocks = (capture.positions + 1) // BLOCK  # sealed blocks at each position's context
     context = capture.positions + 1
     causal = np.arange(n)[None, :] < context[:, None]  # [P, n]
-    needs_rotated = any(m.basis == "rotated" and m.scorer == "planes" for m in methods)
-    if needs_rotated and calibration is None:
-        raise ValueError("calibration is needed for rotated-basis methods (fathom-rotated, loki)")
-    err = np.zeros((len(methods), L))
-    bits = np.zeros((len(methods), L, H))
-    scan = np.zeros((len(methods), L, H))
-    rows = np.zeros((len(methods), L, H))
-    touched = np.zeros((len(methods), L, H))
-    depth = np.zeros((len(methods), L, H))
+    _, candidate = protocol_masks(context, blocks * BLOCK, sel, n)  # [P, n]
+    rotated = needs_rotated(methods, calibration)
+    tally = Tally(methods, L, H, d)
     for layer in range(L):
         for head in range(H):
             keys, values = capture.keys[layer, head], capture.values[layer, head]
             q = capture.queries[layer, head]  # [P, G, d]
             stats = None if calibration is None else \
                 {b: calibration.head_stats(layer, head, b) for b in ("raw", "rotated")}
-            basis = calibration.basis[layer, head] if needs_rotated else None
-            index = HeadIndex.build(keys, stats, basis)
+            index = HeadIndex.build(keys, stats, calibration.basis[layer, head] if rotated else None)
             exact = logits(q, keys, capture.scale)  # [P, G, n], shared by every method's softmax
             dense = attend(exact, values, np.broadcast_to(causal[:, None], q.shape[:2] + (n,)))
+            oracle_scores, _ = method_scores(M.oracle(), q, index, blocks)
+            oracle_take = select_many(oracle_scores, context, blocks * BLOCK, sel, n) & candidate[:, None]
             for i, method in enumerate(methods):
-                scores, depths = method_scores(method, q, index, blocks)
+                scores, depths = method_scores(method, q, index, blocks, layer)
                 if scores is None:
                     mask = np.broadcast_to(causal[:, None], q.shape[:2] + (n,))
                 else:
                     mask = select_many(scores, context, blocks * BLOCK, sel, n)
                 out = attend(exact, values, mask)
-                err[i, layer] += relative_error(out, dense).mean() / H
-                step = np.broadcast_to(step_bits(method, depths, d), context.shape)
-                bits[i, layer, head] = step.mean()
-                scan[i, layer, head] = (step * blocks * BLOCK / 8).mean()
-                rows[i, layer, head] = mask.any(axis=1).sum(axis=-1).mean()
-                if depths is not None:
-                    active = depths > 0
-                    touched[i, layer, head] = active.sum(axis=-1).mean()
-                    depth[i, layer, head] = depths.sum() / max(active.sum(), 1)
+                tally.add_scan(i, layer, head, depths, blocks)
+                tally.add_selection(i, layer, head, relative_error(out, dense).mean(),
+                                    mask.any(axis=1).sum(axis=-1).mean(),
+                                    oracle_overlap(mask & candidate[:, None], oracle_take).mean())
             if on_head is not None:
                 on_head()
-    return [MethodResult(
-        label=m.label(d), method=m.name, bits=m.nominal_bits(d), bits_read=float(bits[i].mean()),
-        scan_bytes=float(scan[i].sum()), row_bytes=float(rows[i].sum() * row_bytes(d)),
-        rows_per_head=float(rows[i].mean()), rel_error=float(err[i].mean()),
-        rel_error_per_layer=[float(e) for e in err[i]],
-        channels_touched=float(touched[i].mean()) if m.scorer == "planes" else None,
-        mean_depth=float(depth[i].mean()) if m.scorer == "planes" else None,
-    ) for i, m in enumerate(methods)]
+    return tally.results()
+
+
+Evaluator = Callable[..., list[MethodResult]]  # evaluate or its torch twin (same arguments)
 
 
 def plan_layers(calibration_capture: Capture, calibration: Calibration, mean_budgets: list[float], sel: Selection,
                 basis: str = "raw", candidates: tuple[float, ...] = PLAN_BUDGETS,
-                on_head: Callable[[], None] | None = None) -> list[Method]:
+                on_head: Callable[[], None] | None = None, evaluator: Evaluator = evaluate) -> list[Method]:
     """Per-layer plans at each mean budget, calibrated on ``calibration_capture`` (never the evaluation text).
 
-    Per-layer error curves come from fathom at every candidate flat budget; the
-    greedy of :func:`~fathom.waterfill.per_layer_plan` then spends each mean budget.
+    Per-layer error curves come from fathom at every candidate flat budget (by ``evaluator``: this module's
+    :func:`evaluate` or its torch twin); the greedy of :func:`~fathom.waterfill.per_layer_plan` then spends
+    each mean budget.
     """
     flat = [M.fathom(b) if basis == "raw" else M.fathom_rotated(b) for b in candidates]
-    curves = np.array([r.rel_error_per_layer for r in evaluate(calibration_capture, calibration, flat, sel, on_head)]).T
+    curves = np.array([r.rel_error_per_layer for r in evaluator(calibration_capture, calibration, flat, sel,
+                                                                on_head)]).T
     return [M.fathom_plan(tuple(per_layer_plan(curves, np.array(candidates, float), b)), b, basis)
             for b in mean_budgets]

@@ -6,8 +6,8 @@ read depths; the one scorer (:mod:`fathom.scoring`) turns depths into scores.
 ==================  ========  ==========================================================
 method              basis     depth policy
 ==================  ========  ==========================================================
-fathom              raw       water-filled depths under a budget (bits / token)
-fathom-rotated      rotated   the same on the KLT basis (nothing truncated)
+fathom              raw       water-filled depths under a budget (bits / token); σ² from the store
+fathom-rotated      rotated   the same on the KLT basis (nothing truncated); σ² from calibration
 fathom-plan         either    water-filling with a per-layer budget calibrated offline
 sparq               raw       depth 4 on the r channels with the largest Σ_h |q[h, c]|
 double-sparsity     raw       depth 4 on r channels fixed offline per KV head
@@ -39,7 +39,9 @@ from fathom.quantize import MAX_DEPTH
 from fathom.waterfill import importance, waterfill_batched
 
 VARIANCE_SOURCES = ("store", "calibration")
-DEFAULT_VARIANCE = "store"  # measured: see README "Where σ² comes from"
+# Where σ² comes from, per basis (measured: README "Where σ² comes from"). On the rotated store the calibration
+# variance is the KLT eigenvalue of the coordinate; on raw channels the store's own mean squared block scale.
+DEFAULT_VARIANCE = {"raw": "store", "rotated": "calibration"}
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,13 @@ class HeadStats:
     ``sigma2``: calibration variance ``[d]``; ``sigma2_store``: the store's own
     mean squared block scale ``[..., d]`` (None if not kept); ``ds_rank``:
     channels ordered by Double Sparsity's offline statistic ``[d]``; ``layer``:
-    the layer index (for per-layer budgets).
+    the layer index (per-layer budgets need it; None: not known).
     """
 
     sigma2: np.ndarray
     ds_rank: np.ndarray
     sigma2_store: np.ndarray | None = None
-    layer: int = 0
+    layer: int | None = None
 
 
 def _top_channels(score: np.ndarray, r: int) -> np.ndarray:
@@ -71,7 +73,7 @@ class Waterfill:
     """Reverse water-filling under ``budget`` bits/token; σ² from the store or from calibration."""
 
     budget: float
-    variance: str = DEFAULT_VARIANCE
+    variance: str
 
     def __post_init__(self):
         if self.variance not in VARIANCE_SOURCES:
@@ -95,9 +97,11 @@ class LayerWaterfill:
 
     budgets: tuple[float, ...]
     target: float
-    variance: str = DEFAULT_VARIANCE
+    variance: str
 
     def __post_init__(self):
+        if self.variance not in VARIANCE_SOURCES:
+            raise ValueError(f"variance must be one of {VARIANCE_SOURCES}, got {self.variance!r}")
         if np.mean(self.budgets) > self.target + 1e-9:
             raise ValueError(f"budgets must average at most target = {self.target}, got {np.mean(self.budgets)}")
 
@@ -105,8 +109,8 @@ class LayerWaterfill:
         return float(self.target)
 
     def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
-        if not 0 <= stats.layer < len(self.budgets):
-            raise ValueError(f"stats.layer must lie in 0..{len(self.budgets) - 1}, got {stats.layer}")
+        if stats.layer is None or not 0 <= stats.layer < len(self.budgets):
+            raise ValueError(f"layer must lie in 0..{len(self.budgets) - 1} for a per-layer plan, got {stats.layer}")
         return Waterfill(self.budgets[stats.layer], self.variance).depths(q, stats)
 
 
@@ -193,22 +197,32 @@ class Method:
         return f"{self.name}@{self.nominal_bits(d):g}"
 
 
-def fathom(budget: float, variance: str = DEFAULT_VARIANCE) -> Method:
-    name = "fathom" if variance == DEFAULT_VARIANCE else f"fathom[{variance}]"
+def _named(name: str, basis: str, variance: str | None) -> tuple[str, str]:
+    """(label name, σ² source): the basis' default source keeps the plain name, the other is named in brackets."""
+    if basis not in BASES:
+        raise ValueError(f"basis must be one of {BASES}, got {basis!r}")
+    variance = DEFAULT_VARIANCE[basis] if variance is None else variance
+    return (name if variance == DEFAULT_VARIANCE[basis] else f"{name}[{variance}]"), variance
+
+
+def fathom(budget: float, variance: str | None = None) -> Method:
+    """Fathom on the raw store; σ² from ``variance`` (default: the raw basis' default, ``store``)."""
+    name, variance = _named("fathom", "raw", variance)
     return Method(name, policy=Waterfill(budget, variance))
 
 
-def fathom_rotated(budget: float, variance: str = DEFAULT_VARIANCE) -> Method:
-    name = "fathom-rotated" if variance == DEFAULT_VARIANCE else f"fathom-rotated[{variance}]"
+def fathom_rotated(budget: float, variance: str | None = None) -> Method:
+    """Fathom on the rotated store; σ² from ``variance`` (default: the rotated basis' default, ``calibration``)."""
+    name, variance = _named("fathom-rotated", "rotated", variance)
     return Method(name, basis="rotated", policy=Waterfill(budget, variance))
 
 
 def fathom_plan(budgets: tuple[float, ...], target: float, basis: str = "raw",
-                variance: str = DEFAULT_VARIANCE) -> Method:
+                variance: str | None = None) -> Method:
     """Fathom with a per-layer plan (``budgets[layer]``, mean <= ``target``; see
-    :func:`fathom.waterfill.per_layer_plan`)."""
-    return Method("fathom-plan" if basis == "raw" else "fathom-rotated-plan", basis=basis,
-                  policy=LayerWaterfill(tuple(float(b) for b in budgets), float(target), variance))
+    :func:`fathom.waterfill.per_layer_plan`); σ² by default the basis' default."""
+    name, variance = _named("fathom-plan" if basis == "raw" else "fathom-rotated-plan", basis, variance)
+    return Method(name, basis=basis, policy=LayerWaterfill(tuple(float(b) for b in budgets), float(target), variance))
 
 
 def sparq(r: int) -> Method:

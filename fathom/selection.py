@@ -44,6 +44,14 @@ def _always_kept(contexts: np.ndarray, scored: np.ndarray, sel: Selection, width
     return keep & (token < contexts[:, None])
 
 
+def protocol_masks(contexts: np.ndarray, scored: np.ndarray, sel: Selection, width: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """What the protocol fixes before any score is read, for many decode positions -> bool ``[P, width]`` each:
+    ``keep`` (sink, local and tail: always selected) and ``candidate`` (sealed tokens top-k chooses from)."""
+    keep = _always_kept(contexts, scored, sel, width)
+    return keep, ~keep & (np.arange(width) < scored[:, None])
+
+
 def select(scores: np.ndarray, n: int, sel: Selection) -> np.ndarray:
     """Each head's selected set as a bool mask ``[G, n]``.
 
@@ -68,8 +76,8 @@ def select_many(scores: np.ndarray, contexts: np.ndarray, scored: np.ndarray, se
         scored: ``[P]`` sealed (scored) tokens of each position.
     """
     P, G, S = scores.shape
-    keep = _always_kept(contexts, scored, sel, width)  # [P, width]
-    candidate = ~keep[:, :S] & (np.arange(S) < scored[:, None])  # [P, S]
+    keep, candidate = protocol_masks(contexts, scored, sel, width)
+    candidate = candidate[:, :S]
     mask = np.broadcast_to(keep[:, None, :], (P, G, width)).copy()
     k = min(sel.k, S)
     if k == 0:

@@ -188,7 +188,7 @@ def test_contexts_below_1024_or_not_whole_k_are_named_by_tokens(monkeypatch, tmp
     monkeypatch.setattr(bench_capture, "load_capture", lambda *a, **k: (tiny, 1.0))
     args = SimpleNamespace(model=None, context=1000, text=None, corpus=None, calibration_corpus="austen",
                            positions=None, synthetic=False, quick=False, cache=tmp_path, out=tmp_path,
-                           name=None, k=None)
+                           name=None, k=None, device="cpu")
     fidelity.check_arguments(args)
     assert (args.context, args.positions, args.k) == (1000, 128, 128)
     assert fidelity._real(args)[2] == "fidelity-smollm2-135m-1000-paul-graham"
@@ -196,7 +196,8 @@ def test_contexts_below_1024_or_not_whole_k_are_named_by_tokens(monkeypatch, tmp
 
 def test_quick_results_go_to_a_folder_git_ignores(tmp_path):
     args = SimpleNamespace(model=None, context=None, text=None, corpus=None, calibration_corpus="austen",
-                           positions=None, synthetic=True, quick=True, cache=None, out=None, name=None, k=None)
+                           positions=None, synthetic=True, quick=True, cache=None, out=None, name=None, k=None,
+                           device="cpu")
     fidelity.check_arguments(args)
     assert args.out == LOCAL_RESULTS and LOCAL_RESULTS.parent == RESULTS
     if shutil.which("git") is None or not (REPO / ".git").exists():

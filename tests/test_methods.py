@@ -71,6 +71,35 @@ def test_fathom_spends_its_budget_where_variance_times_query_energy_is():
     assert by_calibration[2:].sum() == by_store[2:].sum() == 0
 
 
+def test_a_per_layer_plan_reads_the_budget_of_the_layer_it_is_given_and_needs_one():
+    k, v, q = head(3, n=512, d=16)
+    index = HeadIndex.build(k, calibration=None)  # no calibration: nothing else knows the layer
+    plan, sel = M.fathom_plan((8, 40), 24), Selection(k=32)
+    with pytest.raises(ValueError, match="^layer must be given"):
+        decode_step(q, k, v, index, plan, sel)
+    with pytest.raises(ValueError, match="^layer must lie in 0..1"):
+        decode_step(q, k, v, index, plan, sel, layer=2)
+    for layer, budget in enumerate((8, 40)):
+        step = decode_step(q, k, v, index, plan, sel, layer=layer)
+        flat = decode_step(q, k, v, index, M.fathom(budget), sel)
+        assert step.bits == flat.bits <= budget
+        np.testing.assert_array_equal(step.depths, flat.depths)
+        np.testing.assert_array_equal(step.output, flat.output)
+    assert decode_step(q, k, v, index, plan, sel, layer=1).bits > 24
+
+
+def test_each_basis_reads_its_own_default_variance_and_names_the_other():
+    assert (M.fathom(48).name, M.fathom(48).policy.variance) == ("fathom", "store")
+    assert (M.fathom_rotated(48).name, M.fathom_rotated(48).policy.variance) == ("fathom-rotated", "calibration")
+    assert M.fathom(48, "calibration").label(64) == "fathom[calibration]@48"
+    assert M.fathom_rotated(48, "store").label(64) == "fathom-rotated[store]@48"
+    assert M.fathom_rotated(48, "calibration").name == "fathom-rotated"
+    assert M.fathom_plan((48,), 48, "rotated").policy.variance == "calibration"
+    assert M.fathom_plan((48,), 48, "rotated", "store").name == "fathom-rotated-plan[store]"
+    with pytest.raises(ValueError, match="^variance"):
+        M.fathom(48, "window")
+
+
 def test_oracle_at_k_at_least_n_is_dense():
     k, v, q = head(2, n=300)
     index = HeadIndex.build(k, None)

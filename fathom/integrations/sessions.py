@@ -128,7 +128,7 @@ class ReferenceSessions:
             for h in range(self.shape.kv_heads):
                 index = self.indexes[layer][s][h]
                 step = decode_step(queries[s, h * G:(h + 1) * G], index.keys, self.values[layer][s][h].array, index,
-                                   self.method, self.selection, self.scale)
+                                   self.method, self.selection, self.scale, layer)
                 out[s, h * G:(h + 1) * G] = step.output
         return torch.from_numpy(out).to(q.device)
 

@@ -85,7 +85,7 @@ class FathomSettings:
     r: int | None = None
     sink: int = 4
     local: int = 32
-    variance: str = methods.DEFAULT_VARIANCE
+    variance: str | None = None  # None: the store basis' default σ² source (fathom.methods.DEFAULT_VARIANCE)
     plan: tuple[float, ...] | None = None
     backend: str = "auto"
     max_tokens: int | None = None
@@ -107,8 +107,8 @@ class FathomSettings:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.r is not None and self.method not in FIXED_CHANNELS:
             raise ValueError(f"r is read by {', '.join(FIXED_CHANNELS)} only; method is {self.method!r}")
-        if self.variance not in methods.VARIANCE_SOURCES:
-            raise ValueError(f"variance must be one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
+        if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:
+            raise ValueError(f"variance must be None or one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.plan is not None:
@@ -423,7 +423,8 @@ class FathomCache(Cache):
             loki, ``r·4.25`` bits for r channels (68 -> r = 16, 136 -> r = 32) unless ``r=`` is given.
             Not read by dense, oracle, thumbnail (2 planes of every channel) and landmark.
         k: top-k per query head; None: SPEC §6's k by the longest prompt (``Selection.for_context``).
-        **settings: ``r``, ``sink`` (4), ``local`` (32), ``variance`` ("store" | "calibration"),
+        **settings: ``r``, ``sink`` (4), ``local`` (32), ``variance`` ("store" | "calibration"; default the
+            store basis' own: store σ² on raw channels, calibration σ² on the rotated store),
             ``plan`` (fathom-plan's budgets per full-attention layer), ``calibration`` (a ``.calibration.npz``
             path or a :class:`~fathom.calibration.Calibration`; without one, computed from the prompt when a
             method needs it), ``backend`` ("auto": offloaded when the model is on a CUDA device, else the

@@ -56,3 +56,14 @@ def test_captured_queries_keys_values_reproduce_the_models_attention(make):
 def test_global_layers_skip_sliding_window_layers():
     assert global_layers(tiny_gemma3().config) == [1]
     assert global_layers(tiny_llama().config) == [0, 1]
+
+
+@pytest.mark.gpu
+def test_a_capture_on_the_gpu_matches_the_cpu_capture():
+    torch.manual_seed(0)
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (1, 70))
+    on_cpu = capture(model, ids, positions=5)
+    on_gpu = capture(model.to("cuda"), ids, positions=5)
+    for name in ("keys", "values", "queries"):
+        np.testing.assert_allclose(getattr(on_gpu, name), getattr(on_cpu, name), rtol=1e-4, atol=1e-5)

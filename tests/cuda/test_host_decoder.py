@@ -100,11 +100,11 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
             keys, values, qg = k[s, h, :n], v[s, h, :n], q[s, heads]
             stats = {b: methods.HeadStats(sigma2[LAYER, h], ds_rank[LAYER, h], layer=LAYER) for b in ("raw", "rotated")}
             index = HeadIndex.build(keys, stats, basis=basis[LAYER, h])
-            want = decode_step(qg, keys, values, index, method, sel)
+            want = decode_step(qg, keys, values, index, method, sel, layer=LAYER)
             want_scan_bytes += want.scan_bytes
             if want.depths is not None:
                 np.testing.assert_array_equal(decoder.depths.cpu().numpy()[g], want.depths)
-            scores, _ = method_scores(method, qg[None], index, np.array([n // 64]))
+            scores, _ = method_scores(method, qg[None], index, np.array([n // 64]), LAYER)
             got = got_masks[g, :, :n]
             assert not got_masks[g, :, n:].any()
             _assert_same_selection(got, want.mask, None if scores is None else scores[0])

@@ -123,7 +123,7 @@ def test_reference_sessions_step_equals_the_reference_decode_step(method):
                     stats = {b: calibration.head_stats(layer, h, b) for b in ("raw", "rotated")}
                     index = HeadIndex.build(keys[layer][s][h], stats, calibration.basis[layer, h])
                     step = decode_step(q[s, h * G:(h + 1) * G], keys[layer][s][h], values[layer][s][h], index,
-                                       method, sel, scale)
+                                       method, sel, scale, layer)
                     np.testing.assert_array_equal(out[s, h * G:(h + 1) * G], step.output.astype(np.float32))
     np.testing.assert_array_equal(sessions.lengths(0), [130 + steps, 70 + steps])
 
@@ -192,7 +192,7 @@ def test_every_update_call_form_of_transformers_5_is_accepted():
     ({"r": 4}, "r is read by sparq, double-sparsity, loki only"),
     ({"k": -1}, "k must be None or an integer >= 0"),
     ({"sink": -2}, "sink must be an integer >= 0"),
-    ({"variance": "prompt"}, "variance must be one of"),
+    ({"variance": "prompt"}, "variance must be None or one of"),
     ({"backend": "gpu"}, "backend must be one of"),
     ({"plan": (8, 16)}, "plan is fathom-plan's per-layer budgets"),
     ({"method": "fathom-plan", "plan": (8, 16, 8)}, "plan must have one budget per full-attention layer"),
