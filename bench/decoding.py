@@ -73,12 +73,13 @@ class MethodSpec:
             settings.channels(head_dim)  # r = bits / 4.25 must be an integer channel count <= d
         return spec
 
-    def cache(self, model, k: int | None = None, calibration: str | Path | None = None):
-        """A fresh FathomCache of this method for one ``generate`` call of ``model``."""
+    def cache(self, model, k: int | None = None, calibration: str | Path | None = None, **settings):
+        """A fresh FathomCache of this method for one ``generate`` call of ``model`` (``settings``: FathomCache's,
+        e.g. ``max_tokens``)."""
         from fathom.integrations.transformers import FathomCache
 
         budget = {} if self.budget is None else {"budget": self.budget}
-        return FathomCache(model, method=self.method, k=k, calibration=calibration, **budget)
+        return FathomCache(model, method=self.method, k=k, calibration=calibration, **budget, **settings)
 
 
 def head_dim(model) -> int:

@@ -39,15 +39,14 @@ def read_samples(path: Path) -> dict:
 
 
 def batches(samples: list[dict], size: int) -> list[list[dict]]:
-    """Samples of the same task, context and generation kwargs, longest prompt first, ``size`` at a time."""
+    """Batches of ``size`` samples of the same task, context and generation kwargs, in rounds: the first batch
+    of every group, then the second of every group, ... (a run cut short holds every task at every context)."""
     groups: dict[str, list[dict]] = {}
     for s in samples:
         groups.setdefault(json.dumps([s["task"], s["context"], s["gen_kwargs"]], sort_keys=True), []).append(s)
-    out = []
-    for group in groups.values():
-        group = sorted(group, key=lambda s: -len(s["prompt"]))
-        out += [group[i:i + size] for i in range(0, len(group), size)]
-    return out
+    ordered = [sorted(group, key=lambda s: -len(s["prompt"])) for group in groups.values()]  # as lm-eval batches
+    split = [[group[i:i + size] for i in range(0, len(group), size)] for group in ordered]
+    return [group[r] for r in range(max(map(len, split))) for group in split if r < len(group)]
 
 
 def generate_batch(model, tokenizer, batch: list[dict], spec: MethodSpec, k: int | None,
@@ -57,11 +56,12 @@ def generate_batch(model, tokenizer, batch: list[dict], spec: MethodSpec, k: int
 
     tokenizer.padding_side = "left"
     encoded = tokenizer([s["prompt"] for s in batch], padding="longest", return_tensors="pt").to(model.device)
-    cache = spec.cache(model, k=k, calibration=calibration)
+    new_tokens = batch[0]["gen_kwargs"]["max_gen_toks"]
+    # max_tokens: what the offloaded backend reserves per session (pinned host memory), not the model's context
+    cache = spec.cache(model, k=k, calibration=calibration, max_tokens=encoded.input_ids.shape[1] + new_tokens)
     with torch.inference_mode():
         out = model.generate(encoded.input_ids, attention_mask=encoded.attention_mask, past_key_values=cache,
-                             max_new_tokens=batch[0]["gen_kwargs"]["max_gen_toks"], do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     new = out[:, encoded.input_ids.shape[1]:].tolist()
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])

@@ -196,3 +196,15 @@ def test_generate_refuses_a_bad_batch_size_and_a_resume_of_another_samples_file(
     with pytest.raises(ValueError, match="--resume"):
         main(["ruler", "generate", "--samples", str(tmp_path / "s.json"), "--out", str(tmp_path / "other.json"),
               "--resume"])
+
+
+def test_batches_hold_one_task_and_context_and_come_in_rounds():
+    def sample(task, context, length):
+        return {"id": f"{task}/{context}/{length}", "task": task, "context": context, "prompt": "x" * length,
+                "gen_kwargs": {"max_gen_toks": 8}}
+
+    built = [sample(t, c, n) for t in ("a", "b") for c in (1024, 2048) for n in (3, 5, 4)]
+    got = generate.batches(built, 2)
+    assert [[s["id"] for s in b] for b in got[:4]] == [["a/1024/5", "a/1024/4"], ["a/2048/5", "a/2048/4"],
+                                                        ["b/1024/5", "b/1024/4"], ["b/2048/5", "b/2048/4"]]
+    assert [[s["id"] for s in b] for b in got[4:]] == [["a/1024/3"], ["a/2048/3"], ["b/1024/3"], ["b/2048/3"]]
