@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -371,7 +372,7 @@ def _plot(path: Path, rows: list[dict], summary: dict, title: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("scan bits per token")
     ax.set_ylabel("greedy next token = dense (95% Wilson)")
-    ax.set_title(title, fontsize=7)
+    ax.set_title(textwrap.fill(title, 120), fontsize=7)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()

@@ -19,6 +19,7 @@ with the same mean, so the interval is conservative there.
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 from bench.report import markdown_table, write_json
@@ -169,7 +170,7 @@ def _plot(path: Path, rows: list[dict], methods: list[str], title: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("lm-eval score (95% Wilson interval)")
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 40 * len(contexts) + 60), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
