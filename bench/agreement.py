@@ -310,7 +310,8 @@ def run(args: argparse.Namespace) -> Path:
                      "per_window": agree.mean(axis=1).tolist()})
     family = "fathom-rotated" if basis == "rotated" else "fathom"
     summary = {f: summarize(rows, f) for f in dict.fromkeys([family, "fathom"])}
-    name = args.name or f"agreement-{args.model}-{args.context}-T{args.steps}-w{args.windows}"
+    name = args.name or (f"agreement-{args.model}-{args.context}-T{args.steps}-w{args.windows}"
+                         + ("" if args.k is None else f"-k{args.k}"))
     title = (f"{args.model} (d = {d}) on {CORPUS} source: {args.windows} windows × {args.steps} teacher-forced "
              f"steps after {args.context} tokens, top-k = {k}, calibration "
              f"{'none' if calibration is None else calibration.name} (store basis {basis})")
