@@ -79,8 +79,9 @@ def windows(text: str, tokenizer, count: int, tokens: int) -> list[np.ndarray]:
 
 @dataclass
 class TeacherAttention:
-    """The registered attention function of the batched path: the ``queries`` new positions of each
-    full-attention layer attend sparsely with ``method``; other layers (sliding-window) run sdpa."""
+    """The registered attention function of the batched path: in each full-attention layer, every one of the
+    forward's T query positions attends sparsely with ``method`` over its own context (keys up to itself);
+    other layers (sliding-window) run sdpa."""
 
     method: object  # fathom.methods.Method
     selection: object  # fathom.selection.Selection

@@ -115,7 +115,8 @@ def default_calibration(model: str, results: Path = RESULTS) -> Path | None:
 
 
 def check_calibration(path: Path, model: str) -> None:
-    """Refuse a calibration file that is missing or not shaped for ``model``'s layers, KV heads and head dim."""
+    """Refuse a calibration file that is missing or not shaped for ``model``'s KV heads and head dim (FathomCache
+    checks its layers against the model's full-attention layers)."""
     import numpy as np
 
     if not path.is_file():
