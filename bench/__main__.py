@@ -1,13 +1,14 @@
-"""``python -m bench <command>``: fidelity (error against bits), headline (summary table), timing (the decode token
-on the GPU), soak (memory over many caches), channel-stats (real channel statistics for the timing's keys), fetch
-(models and corpora into the cache)."""
+"""``python -m bench <command>``: fidelity (error against bits), headline (summary table), ruler (RULER through
+lm-eval and FathomCache), agreement (greedy-token agreement with dense), timing (the decode token on the GPU), soak
+(memory over many caches), channel-stats (real channel statistics for the timing's keys), fetch (models and
+corpora into the cache)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench import channel_stats, cli, fetch, fidelity, headline, soak, timing
+from bench import agreement, channel_stats, cli, fetch, fidelity, headline, ruler, soak, timing
 from bench.report import command_line
 
 
@@ -31,6 +32,9 @@ def _run(argv: list[str]) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     fidelity.add_arguments(commands.add_parser("fidelity", help="attention error against scan bits, every method"))
     headline.add_arguments(commands.add_parser("headline", help="one table of the real-model fidelity summaries"))
+    ruler.add_arguments(commands.add_parser("ruler", help="lm-eval's RULER tasks decoded through FathomCache"))
+    agreement.add_arguments(commands.add_parser("agreement", help="greedy next-token agreement with dense, "
+                                                                  "teacher-forced on real source code"))
     timing.add_arguments(commands.add_parser("timing", help="the whole decode token on the GPU, every method, eager "
                                                           "and CUDA graph"))
     soak.add_arguments(commands.add_parser("soak", help="create / use / close an offloaded cache many times: memory "
@@ -40,8 +44,8 @@ def _run(argv: list[str]) -> None:
     commands.add_parser("fetch", help="download, check and convert models and corpora (see fetch --help)")
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
-    run = {"fidelity": fidelity.run, "headline": headline.run, "timing": timing.run, "soak": soak.run,
-           "channel-stats": channel_stats.run}[args.command]
+    run = {"fidelity": fidelity.run, "headline": headline.run, "ruler": ruler.run, "agreement": agreement.run,
+           "timing": timing.run, "soak": soak.run, "channel-stats": channel_stats.run}[args.command]
     written = run(args)
     # the result and its siblings (a fidelity run's .md, .png, .calibration.npz): the last thing printed
     print(f"\nwrote {', '.join(str(p) for p in sorted(written.parent.glob(written.stem + '.*')))}")

@@ -29,6 +29,7 @@ from fathom.decode import HeadIndex, decode_step
 from fathom.quantize import dequantize, pack_planes, quantize
 from fathom.selection import Selection
 from fathom.waterfill import per_layer_plan, waterfill
+from tests.cli import refused
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,16 +49,6 @@ def nothing_loads(monkeypatch, tmp_path):
         monkeypatch.setattr(module, name, reached)
     monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / "cache"))
     return tmp_path
-
-
-def refused(argv: list[str], capsys) -> str:
-    """Run the command; it must exit 2 with one ``error: …`` line and no traceback. Returns that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,0 +1,136 @@
+"""Which Fathom method a decoding bench runs: ``name@bits`` specs, their FathomCache, the model's calibration.
+
+A spec names a method of :data:`fathom.integrations.transformers.METHODS` and,
+where the method reads a budget, its bits per token (SPEC §4): ``fathom@48``,
+``sparq@68`` (r = 16 channels at 4.25 bits), ``double-sparsity@136``; the
+methods without a budget are bare: ``dense``, ``oracle``, ``thumbnail``,
+``landmark``. Specs are checked against a model's head dim before anything is
+loaded (:func:`parse_specs`), and one :class:`~fathom.integrations.transformers.
+FathomCache` is made per ``generate`` call (:meth:`MethodSpec.cache`).
+
+Example::
+
+    >>> from bench.decoding import MethodSpec
+    >>> MethodSpec.parse("double-sparsity@136", head_dim=64)
+    MethodSpec(method='double-sparsity', budget=136.0)
+    >>> MethodSpec.parse("oracle", head_dim=64).label
+    'oracle'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.cli import UsageError
+from bench import models
+from bench.report import RESULTS
+from fathom.bits import fixed_channel_bits
+
+# Methods of FathomCache that read no budget (dense, oracle and landmark read none; thumbnail is 2 planes of all).
+NO_BUDGET = ("dense", "oracle", "thumbnail", "landmark")
+BUDGETED = ("fathom", "fathom-rotated", "fathom-plan", "sparq", "double-sparsity", "loki")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method of FathomCache at one budget (None for the methods that read none)."""
+
+    method: str
+    budget: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.method if self.budget is None else f"{self.method}@{self.budget:g}"
+
+    def settings(self):
+        """FathomCache's settings of this spec (:class:`fathom.integrations.transformers.FathomSettings`)."""
+        from fathom.integrations.transformers import FathomSettings
+
+        return FathomSettings(self.method, **({} if self.budget is None else {"budget": self.budget}))
+
+    def method_at(self, head_dim: int):
+        """The :class:`fathom.methods.Method` FathomCache decodes with at head dim ``head_dim``."""
+        return self.settings().method_at(head_dim)
+
+    @classmethod
+    def parse(cls, text: str, head_dim: int) -> MethodSpec:
+        """``name`` or ``name@bits``, checked for a model of head dim ``head_dim`` (UsageError names the spec)."""
+        name, _, bits = text.partition("@")
+        if name in NO_BUDGET:
+            if bits:
+                raise UsageError(f"method {text!r}: {name} reads no budget; write it bare ({name!r})")
+            return cls(name)
+        if name not in BUDGETED:
+            raise UsageError(f"method {text!r}: the name must be one of {', '.join(NO_BUDGET + BUDGETED)}")
+        try:
+            budget = float(bits)
+        except ValueError:
+            raise UsageError(f"method {text!r}: write {name}@BITS with BITS a number of bits per token, "
+                             f"e.g. {name}@68") from None
+        spec = cls(name, budget)
+        try:
+            settings = spec.settings()  # validates the budget
+            if name in ("sparq", "double-sparsity", "loki"):
+                settings.channels(head_dim)  # r = bits / 4.25 must be an integer channel count <= d
+        except ValueError as error:
+            raise UsageError(f"method {text!r}: {error}") from None
+        return spec
+
+    def cache(self, model, k: int | None = None, calibration: str | Path | None = None, **settings):
+        """A fresh FathomCache of this method for one ``generate`` call of ``model`` (``settings``: FathomCache's,
+        e.g. ``max_tokens``)."""
+        from fathom.integrations.transformers import FathomCache
+
+        budget = {} if self.budget is None else {"budget": self.budget}
+        return FathomCache(model, method=self.method, k=k, calibration=calibration, **budget, **settings)
+
+
+def head_dim(model) -> int:
+    """The attention head dim of a loaded transformers model."""
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def parse_specs(texts: list[str], head_dim: int) -> list[MethodSpec]:
+    """Every spec checked, none twice."""
+    specs = [MethodSpec.parse(t, head_dim) for t in texts]
+    labels = [s.label for s in specs]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise UsageError(f"methods name {', '.join(repeated)} more than once")
+    return specs
+
+
+def fixed_channel_budget(r: int) -> str:
+    """The bits of r channels at 4 bits, as a spec's budget (``68`` for r = 16)."""
+    return f"{fixed_channel_bits(r):g}"
+
+
+def default_calibration(model: str, results: Path = RESULTS) -> Path | None:
+    """The committed calibration of ``model`` from the fidelity bench (calibrated on Jane Austen), the one of
+    the longest context when there are several; None when there is none."""
+    found = []
+    for path in results.glob(f"fidelity-{model}-*k-*.calibration.npz"):
+        context = path.name.removeprefix(f"fidelity-{model}-").split("k-", 1)[0]
+        if context.isdigit() and not path.name.endswith("-quick.calibration.npz"):
+            found.append((int(context), path.name, path))
+    return max(found)[2] if found else None
+
+
+def check_calibration(path: Path, model: str) -> None:
+    """Refuse a calibration file that is missing or not shaped for ``model``'s KV heads and head dim (FathomCache
+    checks its layers against the model's full-attention layers)."""
+    import numpy as np
+
+    if not path.is_file():
+        raise UsageError(f"--calibration {path}: no such file")
+    info = models.info(model)
+    try:
+        with np.load(path) as f:
+            shape = f["sigma2_raw"].shape
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"--calibration {path}: not a .calibration.npz of the fidelity bench ({error})") from None
+    if shape[1:] != (info.kv_heads, info.head_dim):
+        raise UsageError(f"--calibration {path}: holds [layers, KV heads, d] = {shape}, {model} has "
+                         f"{info.kv_heads} KV heads of d = {info.head_dim}")

@@ -1,0 +1,264 @@
+"""``python -m bench ruler``: lm-eval's RULER tasks decoded through FathomCache, every method on the same samples.
+
+Two ways, both real (README "RULER through lm-eval"):
+
+* ``lm-eval``: end to end through lm-eval on this machine — lm-eval builds the
+  samples, generates through :class:`bench.ruler.harness.FathomLM` (lm-eval's
+  ``HFLM`` with a fresh FathomCache per batch) and scores them.
+* ``samples`` → ``generate`` → ``score``: lm-eval builds the samples here and
+  writes them to a JSON; ``generate`` (no lm-eval import: the GPU machine has
+  none) decodes them through FathomCache for every method; ``score`` scores the
+  generations here with lm-eval's own functions.
+
+Both write ``ruler-<model>-<contexts>[-lm-eval].{json,md,png}``: per task ×
+context × method the mean score, the sample count and a 95% Wilson interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from bench.cli import UsageError
+from bench import decoding, models
+from bench.report import RESULTS
+
+METHODS_AT_ANY_D = ("dense", "oracle", "fathom@48", "sparq@68", "double-sparsity@136")
+DEFAULT_CONTEXTS = (4096,)
+DEFAULT_LIMIT = 2
+
+
+def default_methods(head_dim: int) -> list[str]:
+    """dense, oracle, fathom-48, sparq-68, DS-136, and Double Sparsity at r = d/4 where d != 128 (issue 8)."""
+    quarter = f"double-sparsity@{decoding.fixed_channel_budget(head_dim // 4)}"
+    return list(METHODS_AT_ANY_D) + ([quarter] if quarter not in METHODS_AT_ANY_D else [])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    steps = parser.add_subparsers(dest="ruler_command", required=True)
+
+    def common(p, model=True):
+        if model:
+            p.add_argument("--model", default="qwen2.5-coder-0.5b", help=f"one of {', '.join(models.MODELS)}")
+        p.add_argument("--cache", type=Path, default=None, help="model cache folder (default ~/.cache/fathom)")
+
+    def decoding_args(p):
+        p.add_argument("--methods", nargs="+", default=None,
+                       help="method specs, name or name@bits (default: dense oracle fathom@48 sparq@68 "
+                            "double-sparsity@136, and double-sparsity at r = d/4 where d != 128)")
+        p.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, SPEC §6)")
+        p.add_argument("--calibration", type=Path, default=None,
+                       help="a .calibration.npz (default: the model's committed one under bench/results)")
+
+    def selection_args(p):
+        p.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS),
+                       help="prompt lengths in tokens (lm-eval's max_seq_lengths), e.g. 4096 8192")
+        p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="samples per task and context")
+        p.add_argument("--tasks", nargs="+", default=None, help="a subset of the five tasks (default all)")
+
+    p = steps.add_parser("lm-eval", help="end to end through lm-eval (HFLM + FathomCache) on this machine")
+    common(p), selection_args(p), decoding_args(p)
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+    p.add_argument("--name", default=None, help="file name stem")
+
+    p = steps.add_parser("samples", help="build the samples with lm-eval's task code -> a JSON")
+    common(p), selection_args(p)
+    p.add_argument("--out", type=Path, default=None, help="samples JSON (default bench/results/ruler-samples-...)")
+
+    p = steps.add_parser("generate", help="generations through FathomCache for every method (no lm-eval)")
+    common(p, model=False), decoding_args(p)
+    p.add_argument("--samples", type=Path, required=True, help="a JSON written by ruler samples")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs")
+    p.add_argument("--batch-size", type=int, default=1, help="samples per generate call (same task and context)")
+    p.add_argument("--out", type=Path, default=None, help="generations JSON (default beside the samples)")
+    p.add_argument("--resume", action="store_true", help="keep the generations already in --out, do the rest")
+
+    p = steps.add_parser("score", help="score generations with lm-eval's own functions -> table, JSON, PNG")
+    p.add_argument("--generations", type=Path, required=True, help="a JSON written by ruler generate")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+    p.add_argument("--name", default=None, help="file name stem")
+
+
+def _check_model(name: str) -> models.ModelInfo:
+    if name not in models.MODELS:
+        raise UsageError(f"--model must be one of {', '.join(models.MODELS)}, got {name!r}")
+    return models.info(name)
+
+
+def _check_selection(args) -> list[str]:
+    from bench.ruler.samples import MIN_CONTEXT, TASKS
+
+    _check_model(args.model)
+    if args.limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {args.limit}")
+    info = models.info(args.model)
+    for context in args.contexts:
+        if not MIN_CONTEXT <= context <= info.context:
+            raise UsageError(f"--contexts must lie in {MIN_CONTEXT}..{info.context} ({args.model}'s context), "
+                             f"got {context}")
+    if len(set(args.contexts)) != len(args.contexts):
+        raise UsageError(f"--contexts names a context more than once: {args.contexts}")
+    tasks = args.tasks or list(TASKS)
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise UsageError(f"--tasks must be among {', '.join(TASKS)}, got {', '.join(unknown)}")
+    return tasks
+
+
+def _check_decoding(args, model: str) -> tuple[list[decoding.MethodSpec], Path | None]:
+    info = models.info(model)
+    specs = decoding.parse_specs(args.methods or default_methods(info.head_dim), info.head_dim)
+    if args.k is not None and args.k < 1:
+        raise UsageError(f"-k must be >= 1, got {args.k}")
+    calibration = args.calibration or decoding.default_calibration(model)
+    if calibration is None:
+        needs = [s.label for s in specs if s.method in ("double-sparsity", "loki", "fathom-rotated")]
+        if needs:
+            raise UsageError(f"--calibration is needed by {', '.join(needs)} and {model} has none under "
+                             f"bench/results (python -m bench fidelity --model {model} writes one)")
+    else:
+        decoding.check_calibration(calibration, model)
+    return specs, calibration
+
+
+def _contexts_tag(contexts) -> str:
+    return "-".join(f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in sorted(contexts))
+
+
+def _title(model: str, contexts, limit, calibration: Path | None) -> str:
+    info = models.info(model)
+    calibrated = "no calibration" if calibration is None else f"calibration {Path(calibration).name}"
+    return (f"{model} (d = {info.head_dim}), contexts {', '.join(map(str, sorted(contexts)))}, "
+            f"limit {limit} per task, {calibrated}")
+
+
+def run(args: argparse.Namespace) -> Path:
+    return {"lm-eval": _lm_eval, "samples": _samples, "generate": _generate, "score": _score}[args.ruler_command](args)
+
+
+def _lm_eval(args) -> Path:
+    tasks = _check_selection(args)
+    specs, calibration = _check_decoding(args, args.model)
+    from tqdm import tqdm
+
+    from bench.ruler import harness, score
+
+    start = time.perf_counter()
+    model, tokenizer = models.load(args.model, args.cache)
+    with tqdm(total=len(args.contexts) * len(specs), desc="ruler through lm-eval", unit="run") as bar:
+        scored, aggregates = harness.evaluate(model, tokenizer, models.ensure(args.model, args.cache), specs, tasks,
+                                              args.contexts, args.limit, args.k, calibration, on_run=bar.update)
+    rows = score.aggregate(scored, score.lm_eval_aggregation(tasks))
+    ks = sorted({a["k"] for a in aggregates})
+    name = args.name or f"ruler-{args.model}-{_contexts_tag(args.contexts)}-lm-eval"
+    info = {"title": _title(args.model, args.contexts, args.limit, calibration) + ", end to end through lm-eval",
+            "model": args.model, "contexts": args.contexts, "limit": args.limit, "tasks": tasks,
+            "methods": [s.label for s in specs], "k": "/".join(map(str, ks)),
+            "calibration": None if calibration is None else str(calibration),
+            "lm_eval_version": _version("lm_eval"), "transformers_version": _version("transformers"),
+            "scoring": "lm-eval's own evaluate(): the task's process_results and aggregation",
+            "lm_eval_aggregates": aggregates, "wall_s": round(time.perf_counter() - start, 1), "per_sample": scored}
+    path = score.write(args.out, name, args.command_line, rows, info["methods"], info)
+    print((args.out / f"{name}.md").read_text())
+    return path
+
+
+def _samples(args) -> Path:
+    tasks = _check_selection(args)
+    from tqdm import tqdm
+
+    from bench.report import write_json
+    from bench.ruler import samples
+
+    out = args.out or RESULTS / f"ruler-samples-{args.model}-{_contexts_tag(args.contexts)}-limit{args.limit}.json"
+    tokenizer_path = models.ensure(args.model, args.cache)
+    with tqdm(total=len(tasks) * len(args.contexts), desc="ruler samples (lm-eval task code)", unit="task") as bar:
+        built = samples.build(tasks, args.contexts, args.limit, tokenizer_path, on_task=bar.update)
+    write_json(out, args.command_line, {"model": args.model, "contexts": args.contexts, "limit": args.limit,
+                                        "tasks": tasks, "lm_eval_version": samples.lm_eval_version(),
+                                        "built_by": "lm-eval's TaskManager and Task.build_all_requests, seeded as "
+                                                    "lm_eval.simple_evaluate", "samples": built})
+    print(f"{len(built)} samples of {', '.join(tasks)} at {args.contexts} -> {out}")
+    return out
+
+
+def _generate(args) -> Path:
+    from bench.ruler import generate
+
+    payload = generate.read_samples(args.samples)
+    model_name = payload["model"]
+    _check_model(model_name)
+    specs, calibration = _check_decoding(args, model_name)
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    out = args.out or args.samples.with_name(args.samples.name.replace("ruler-samples-", "ruler-generations-", 1)
+                                             if args.samples.name.startswith("ruler-samples-")
+                                             else f"ruler-generations-{args.samples.name}")
+    done = []
+    if args.resume and out.exists():
+        previous = json.loads(out.read_text(encoding="utf-8"))
+        if previous.get("samples_file") != str(args.samples):
+            raise UsageError(f"--resume: {out} holds generations of {previous.get('samples_file')}, not {args.samples}")
+        done = previous["generations"]
+    import torch
+    import transformers
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device")
+    model, tokenizer = models.load(model_name, args.cache)
+    model.to(args.device)
+    header = {"command": args.command_line, "samples_file": str(args.samples), "model": model_name,
+              "methods": [s.label for s in specs], "device": args.device,
+              "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "batch_size": args.batch_size, "k_requested": args.k,
+              "calibration": None if calibration is None else str(calibration),
+              "eos_text": tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False),
+              "torch_version": torch.__version__, "transformers_version": transformers.__version__}
+    result = generate.run(model, tokenizer, payload["samples"], specs, out, header, args.k, calibration,
+                          args.batch_size, done)
+    print(f"{len(result['generations'])} generations -> {out}")
+    return out
+
+
+def _score(args) -> Path:
+    from bench.ruler import score
+    from bench.ruler.generate import read_samples
+
+    try:
+        generations = json.loads(args.generations.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"--generations {args.generations}: not a readable generations JSON ({error})") from None
+    if not isinstance(generations, dict) or "generations" not in generations or "samples_file" not in generations:
+        raise UsageError(f"--generations {args.generations}: not written by python -m bench ruler generate")
+    samples_path = Path(generations["samples_file"])
+    if not samples_path.is_absolute() and not samples_path.exists():
+        samples_path = args.generations.parent / samples_path.name  # the two files travel together
+    payload = read_samples(samples_path)
+    scored, functions = score.score_generations(payload["samples"], generations["generations"],
+                                                generations.get("eos_text"))
+    tasks = sorted({s["task"] for s in scored})
+    rows = score.aggregate(scored, score.lm_eval_aggregation(tasks))
+    contexts = sorted({s["context"] for s in scored})
+    ks = sorted({g["k"] for g in generations["generations"]})
+    name = args.name or f"ruler-{payload['model']}-{_contexts_tag(contexts)}"
+    title = (_title(payload["model"], contexts, payload["limit"], generations.get("calibration"))
+             + f", generated on {generations['device_name']}")
+    info = {"title": title, "model": payload["model"], "contexts": contexts, "limit": payload["limit"],
+            "tasks": tasks, "methods": generations["methods"], "k": "/".join(map(str, ks)),
+            "calibration": generations.get("calibration"), "generations_file": str(args.generations),
+            "generate_command": generations["command"], "samples_command": payload["command"],
+            "lm_eval_version": _version("lm_eval"), "scoring": functions,
+            "generation": {k: generations.get(k) for k in ("device", "device_name", "batch_size", "torch_version",
+                                                           "transformers_version", "seconds_by_method", "wall_s")},
+            "per_sample": scored}
+    path = score.write(args.out, name, args.command_line, rows, generations["methods"], info)
+    print((args.out / f"{name}.md").read_text())
+    return path
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)

@@ -1,0 +1,110 @@
+"""RULER generations through FathomCache, every method on every sample, with no lm-eval import.
+
+This is the half of ``python -m bench ruler`` that runs where lm-eval is not
+installed (the GPU machine): it reads the samples JSON written by
+``python -m bench ruler samples``, tokenizes each prompt as lm-eval's ``HFLM``
+does (the tokenizer's own special tokens, left padding in a batch) and decodes
+greedily with the real ``model.generate`` and a fresh
+:class:`~fathom.integrations.transformers.FathomCache` per batch and method, up
+to the task's ``max_gen_toks`` or the model's end-of-sequence token. The text
+is decoded as ``HFLM`` decodes it (special tokens skipped); cutting at stop
+sequences and scoring happen in ``python -m bench ruler score``, with lm-eval.
+
+Each method prefills the prompt itself (FathomCache runs the model's dense
+attention over the prompt and fills its store): a cache cannot yet be filled
+from another's prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.cli import UsageError
+from bench.decoding import MethodSpec
+
+
+def read_samples(path: Path) -> dict:
+    """The samples JSON; refuses a file that is not one (ValueError names ``--samples``)."""
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"--samples {path}: not a readable samples JSON ({error})") from None
+    if not isinstance(payload, dict) or not payload.get("samples") or "model" not in payload:
+        raise UsageError(f"--samples {path}: has no samples (write it with python -m bench ruler samples)")
+    return payload
+
+
+def batches(samples: list[dict], size: int) -> list[list[dict]]:
+    """Batches of ``size`` samples of the same task, context and generation kwargs, in rounds: the first batch
+    of every group, then the second of every group, ... (a run cut short holds every task at every context)."""
+    groups: dict[str, list[dict]] = {}
+    for s in samples:
+        groups.setdefault(json.dumps([s["task"], s["context"], s["gen_kwargs"]], sort_keys=True), []).append(s)
+    ordered = [sorted(group, key=lambda s: -len(s["prompt"])) for group in groups.values()]  # as lm-eval batches
+    split = [[group[i:i + size] for i in range(0, len(group), size)] for group in ordered]
+    return [group[r] for r in range(max(map(len, split))) for group in split if r < len(group)]
+
+
+def generate_batch(model, tokenizer, batch: list[dict], spec: MethodSpec, k: int | None,
+                   calibration: Path | None) -> tuple[list[dict], int]:
+    """Greedy generations of one batch with one method -> (per sample: text and new tokens, the top-k used)."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    encoded = tokenizer([s["prompt"] for s in batch], padding="longest", return_tensors="pt").to(model.device)
+    new_tokens = batch[0]["gen_kwargs"]["max_gen_toks"]
+    # max_tokens: what the offloaded backend reserves per session (pinned host memory), not the model's context
+    cache = spec.cache(model, k=k, calibration=calibration, max_tokens=encoded.input_ids.shape[1] + new_tokens)
+    with torch.inference_mode():
+        out = model.generate(encoded.input_ids, attention_mask=encoded.attention_mask, past_key_values=cache,
+                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    new = out[:, encoded.input_ids.shape[1]:].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    results = []
+    for tokens in new:
+        length = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        results.append({"text": tokenizer.decode(tokens[:length], skip_special_tokens=True), "new_tokens": length})
+    top_k = cache.selection.k
+    cache.close()
+    return results, top_k
+
+
+def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Path, header: dict,
+        k: int | None = None, calibration: Path | None = None, batch_size: int = 1,
+        done: list[dict] | None = None) -> dict:
+    """Every method on every sample; the JSON at ``out`` is rewritten after each batch (a cut run keeps what
+    it finished, and ``done`` generations from such a run are not redone)."""
+    generations = list(done or [])
+    finished = {(g["id"], g["method"]) for g in generations}
+    todo = [(b, spec) for b in batches(samples, batch_size) for spec in specs
+            if any((s["id"], spec.label) not in finished for s in b)]
+    seconds: dict[str, float] = {}
+    payload = {**header, "generations": generations}
+    started = time.perf_counter()
+    with tqdm(total=len(todo), desc="ruler generate", unit="batch") as bar:
+        for batch, spec in todo:
+            bar.set_postfix_str(f"{batch[0]['task']} {batch[0]['context']} {spec.label}")
+            start = time.perf_counter()
+            results, top_k = generate_batch(model, tokenizer, batch, spec, k, calibration)
+            elapsed = time.perf_counter() - start
+            seconds[spec.label] = seconds.get(spec.label, 0.0) + elapsed
+            for sample, result in zip(batch, results, strict=True):
+                generations.append({"id": sample["id"], "method": spec.label, "k": top_k, **result,
+                                    "batch_seconds": round(elapsed, 2)})
+            payload["seconds_by_method"] = {m: round(s, 1) for m, s in seconds.items()}
+            payload["wall_s"] = round(time.perf_counter() - started, 1)
+            _write_atomically(out, payload)
+            bar.update()
+    return payload
+
+
+def _write_atomically(path: Path, payload: dict) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    partial.replace(path)
