@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from bench.cli import UsageError
 from bench import corpora, decoding, models
-from bench.capture import global_layers
+from bench.capture import attention_implementation, global_layers
 from bench.decoding import MethodSpec
 from bench.report import RESULTS, markdown_table, write_json
 from bench.ruler.score import wilson
@@ -152,19 +152,10 @@ def batched_logits(model, prefix, last: int, teacher: np.ndarray, attention: Tea
     """Next-token logits ``[T, vocab]`` of one method at every teacher-forced step, in one forward (the
     batched path)."""
     import torch
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     inputs = torch.as_tensor(np.concatenate([[last], teacher[:-1]]))[None]
-    AttentionInterface.register(ATTENTION, attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION)
-    try:
-        with torch.inference_mode():
-            logits = model(inputs, past_key_values=copy.deepcopy(prefix), use_cache=True).logits[0]
-    finally:
-        model.set_attn_implementation(previous)
+    with attention_implementation(model, ATTENTION, attention), torch.inference_mode():
+        logits = model(inputs, past_key_values=copy.deepcopy(prefix), use_cache=True).logits[0]
     return logits.float().numpy()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,23 @@ def window(tokenizer, text: str, n: int, name: str = "text"):
     return ids
 
 
+@contextmanager
+def attention_implementation(model, name: str, function):
+    """Within the block ``model`` runs ``function`` as its attention (registered with transformers under ``name``,
+    with sdpa's mask); its own implementation is restored after, also on an error."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def capture(model, ids, positions: int | None = None, meta: dict | None = None) -> Capture:
     """Run ``model`` densely over token ids ``[1, n]`` (on the model's device) and record every global layer.
 
@@ -78,23 +96,14 @@ def capture(model, ids, positions: int | None = None, meta: dict | None = None) 
     positions ``[L, H, P, G, d]`` (query head ``h`` belongs to KV head ``h // G``).
     """
     import torch
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     n = ids.shape[1]
     positions = positions or decode_positions(n)
     layers = global_layers(model.config)
     with tqdm(total=model.config.num_hidden_layers, desc=f"prefill {n} tokens", unit="layer") as bar:
         recorder = _Recorder(positions, set(layers), bar)
-        AttentionInterface.register(ATTENTION_NAME, recorder)
-        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-        previous = model.config._attn_implementation
-        model.set_attn_implementation(ATTENTION_NAME)
-        try:
-            with torch.inference_mode():
-                model(ids.to(model.device), use_cache=False, logits_to_keep=1)
-        finally:
-            model.set_attn_implementation(previous)
+        with attention_implementation(model, ATTENTION_NAME, recorder), torch.inference_mode():
+            model(ids.to(model.device), use_cache=False, logits_to_keep=1)
     scales = {recorder.scales[i] for i in layers}
     if len(scales) != 1:
         raise ValueError(f"layers use different softmax scales {scales}; a Capture holds one")

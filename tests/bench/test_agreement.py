@@ -2,8 +2,6 @@
 path through FathomCache for every method, dense against dense and methods that read everything agree on every
 step, the crossing is interpolated as documented, and bad arguments are refused before any model is loaded."""
 
-import warnings
-
 import numpy as np
 import pytest
 
@@ -17,24 +15,17 @@ from bench.decoding import MethodSpec  # noqa: E402
 from fathom.calibration import calibrate  # noqa: E402
 from fathom.selection import Selection  # noqa: E402
 from tests.cli import refused  # noqa: E402
+from tests.tiny_models import tiny_llama  # noqa: E402
 
-CONTEXT, STEPS, K, VOCAB = 160, 24, 8, 97
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # 5.24 renames generate's past_key_values to cache
 
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # 5.24 renames generate's past_key_values to cache
-        yield
+CONTEXT, STEPS, K, VOCAB = 160, 24, 8, 97  # VOCAB: tiny_llama's
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny Llama (d = 16, GQA 2:1), a prompt, its dense continuation, and a calibration on another prompt."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100.0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama()
     rng = np.random.default_rng(0)
     ids = rng.integers(1, VOCAB, CONTEXT)
     calibration_ids = torch.as_tensor(rng.integers(1, VOCAB, 256))[None]

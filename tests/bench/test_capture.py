@@ -9,21 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from bench.capture import capture, global_layers  # noqa: E402
 from fathom.attention import attention  # noqa: E402
-
-
-def tiny_llama():
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100.0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def tiny_gemma3():
-    config = transformers.Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                           num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                                           sliding_window=16, layer_types=["sliding_attention", "full_attention",
-                                                                           "sliding_attention"],
-                                           query_pre_attn_scalar=32)
-    return transformers.Gemma3ForCausalLM(config).eval()
+from tests.tiny_models import tiny_gemma3, tiny_llama  # noqa: E402
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])

@@ -3,7 +3,6 @@ here), lm-eval's metric on a hand-made generations file, the lm-eval path and th
 the same generations on a tiny random model, and bad arguments refused before any model load."""
 
 import json
-import warnings
 
 import numpy as np
 import pytest
@@ -19,14 +18,9 @@ from bench.ruler import generate, samples  # noqa: E402
 from bench.ruler.score import wilson  # noqa: E402
 from tests.cli import refused  # noqa: E402
 
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # 5.24 renames generate's past_key_values to cache
+
 CONTEXT = 1024  # the smallest context every task can fill (samples.MIN_CONTEXT)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # 5.24 renames generate's past_key_values to cache
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from fathom.integrations.sessions import ReferenceSessions, SessionShape
 from fathom.integrations.transformers import ATTENTION, CALIBRATION_QUERIES, FathomCache
 from fathom.methods import HeadStats
 from fathom.selection import Selection
+from tests.tiny_models import tiny_gemma3, tiny_llama
 
 PROMPT, NEW, PAD = 150, 12, 37  # row 1 is left-padded by PAD positions
 
@@ -31,23 +32,6 @@ def _quiet_and_single_threaded():
         warnings.simplefilter("ignore", FutureWarning)  # 5.24 renames generate's past_key_values to cache
         yield
     torch.set_num_threads(threads)
-
-
-def tiny_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100.0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def tiny_gemma3():
-    torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                           num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                                           sliding_window=16, layer_types=["sliding_attention", "full_attention",
-                                                                           "sliding_attention"],
-                                           query_pre_attn_scalar=32)
-    return transformers.Gemma3ForCausalLM(config).eval()
 
 
 def batch(vocab: int = 97, n: int = PROMPT, pad: int = PAD):

@@ -1,0 +1,24 @@
+"""Tiny randomly initialised transformers models (no download), seeded: a GQA Llama and a Gemma-3 with QK-norm
+and sliding-window layers."""
+
+import torch
+import transformers
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    """d = 16, 4 query heads over 2 KV heads, 2 layers, vocabulary 97."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100.0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def tiny_gemma3() -> transformers.Gemma3ForCausalLM:
+    """d = 32, 4 query heads over 1 KV head, a full-attention layer between two 16-token sliding layers."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                           num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                           sliding_window=16, layer_types=["sliding_attention", "full_attention",
+                                                                           "sliding_attention"],
+                                           query_pre_attn_scalar=32)
+    return transformers.Gemma3ForCausalLM(config).eval()
