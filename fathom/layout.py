@@ -77,10 +77,6 @@ class StoreLayout:
     def record(self, group: int, segment: int, channel: int) -> int:
         return record_offset(group, segment, channel, self.segments, self.d, self.record_words)
 
-    def run_words(self, depth: int) -> int:
-        """Words of the contiguous run that reads ``depth`` planes of a channel in a full segment (0 for depth 0)."""
-        return self.scale_words + depth * self.cap if depth else 0
-
     def read(self, records: np.ndarray, group: int, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
         """One group's first ``n_blocks`` blocks, from a host copy of the store ``uint64 [words]``: planes
         ``uint64 [d, 4, n_blocks]`` and scales ``float16 [d, n_blocks]``, the reference store's arrays."""

@@ -26,8 +26,6 @@ from pathlib import Path
 
 TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe")
 MIN_CONTEXT = 1024  # ruler_vt cannot fit its few-shot example below this and loops forever in lm-eval
-# The random seeds lm_eval.simple_evaluate sets before it builds tasks (lm_eval.defaults).
-RANDOM_SEED, OTHER_SEED = 0, 1234
 
 
 def seed_as_simple_evaluate() -> None:

@@ -63,11 +63,6 @@ class MappedBuffer:
         self._alive()
         return self._device_ptr
 
-    @property
-    def host_ptr(self) -> int:
-        self._alive()
-        return self._ptr
-
     def tensor(self) -> torch.Tensor:
         """A torch tensor on :data:`~fathom.cuda.interop.DEVICE` viewing the mapping (kernels read host memory over
         PCIe). It does not own the memory: unusable after :meth:`close`."""

@@ -9,7 +9,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from bench import agreement, models  # noqa: E402
-from bench.__main__ import main  # noqa: E402
 from bench.capture import capture  # noqa: E402
 from bench.decoding import MethodSpec  # noqa: E402
 from fathom.calibration import calibrate  # noqa: E402

@@ -266,7 +266,7 @@ def test_bad_keys_are_refused_and_leave_the_cache_unchanged():
 
 def test_bad_input_raises_before_any_kernel():
     shape = SHAPES[3]
-    k, v, q, *_ = data = _setup(shape)
+    k, v, q, *_ = _setup(shape)
     cache = OffloadedCache(shape)
     _append(cache, k, v, 0, 100)
     decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), Selection(k=20)), GROUP)

@@ -17,7 +17,6 @@ from fathom.calibration import Calibration, calibrate
 from fathom.decode import HeadIndex, decode_step
 from fathom.integrations.sessions import ReferenceSessions, SessionShape
 from fathom.integrations.transformers import ATTENTION, CALIBRATION_QUERIES, FathomCache
-from fathom.methods import HeadStats
 from fathom.selection import Selection
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
