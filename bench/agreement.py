@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from bench.cli import UsageError
 from bench import corpora, decoding, models
-from bench.capture import attention_implementation, global_layers
+from bench.capture import global_layers
 from bench.decoding import MethodSpec
 from bench.report import RESULTS, markdown_table, write_json
 from bench.ruler.score import wilson
@@ -152,6 +152,8 @@ def batched_logits(model, prefix, last: int, teacher: np.ndarray, attention: Tea
     """Next-token logits ``[T, vocab]`` of one method at every teacher-forced step, in one forward (the
     batched path)."""
     import torch
+
+    from fathom.integrations.transformers import attention_implementation
 
     inputs = torch.as_tensor(np.concatenate([[last], teacher[:-1]]))[None]
     with attention_implementation(model, ATTENTION, attention), torch.inference_mode():

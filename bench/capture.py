@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -72,23 +71,6 @@ def window(tokenizer, text: str, n: int, name: str = "text"):
     return ids
 
 
-@contextmanager
-def attention_implementation(model, name: str, function):
-    """Within the block ``model`` runs ``function`` as its attention (registered with transformers under ``name``,
-    with sdpa's mask); its own implementation is restored after, also on an error."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(name, function)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
 def capture(model, ids, positions: int | None = None, meta: dict | None = None) -> Capture:
     """Run ``model`` densely over token ids ``[1, n]`` (on the model's device) and record every global layer.
 
@@ -96,6 +78,8 @@ def capture(model, ids, positions: int | None = None, meta: dict | None = None) 
     positions ``[L, H, P, G, d]`` (query head ``h`` belongs to KV head ``h // G``).
     """
     import torch
+
+    from fathom.integrations.transformers import attention_implementation
 
     n = ids.shape[1]
     positions = positions or decode_positions(n)

@@ -24,6 +24,9 @@ How it plugs in, through transformers' own extension points (nothing is patched)
 * Every decoded token: ``FathomLayer.update`` hands the token's K/V to the
   attention function, which appends them to every session and runs the
   method's sparse step over the store (:mod:`fathom.integrations.sessions`).
+* One prefill for several methods: :func:`prefill` runs it once and keeps what
+  a cache's prefill records (a :class:`Prompt`); ``FathomCache(..., prompt=)``
+  starts from it, and ``generate`` continues from its greedy next token.
 
 Calibration: methods that need it (fathom-rotated and loki: the basis;
 double-sparsity: its channels; ``variance="calibration"``: σ²) take
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,9 +230,10 @@ class _Decoding:
         self.prompt: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # slot -> row 0's k, v, q
         self.closed = False
 
-    def prefill(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+    def prefill(self, slot: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                 scale: float) -> None:
-        """Record the prompt of one layer: ``q [B, H·G, n, d]``, ``k, v [B, H, n, d]``, ``valid bool [B, n]``."""
+        """Record the prompt of one layer: ``k, v [B, H, n, d]``, ``valid bool [B, n]`` and ``queries
+        [H·G, m, d]``, row 0's last queries (:func:`_calibration_queries`)."""
         self._check_scale(scale)
         if self.selection is None:
             longest = int(valid.sum(dim=1).max())
@@ -237,7 +242,7 @@ class _Decoding:
         if self.from_prompt:
             rows = valid[0].nonzero()[:, 0]
             H, G, d = self.shape.kv_heads, self.shape.group, self.shape.head_dim
-            queries = q[0][:, rows[-CALIBRATION_QUERIES:]].reshape(H, G, -1, d).transpose(1, 2)
+            queries = queries.reshape(H, G, -1, d).transpose(1, 2)
             self.prompt[slot] = tuple(x.detach().to("cpu", torch.float32).numpy()
                                       for x in (k[0][:, rows], v[0][:, rows], queries))
             self.waiting[slot] = (k, v, valid)
@@ -356,7 +361,8 @@ class FathomLayer(CacheLayerMixin):
             raise ValueError(f"Fathom's attention does not support {', '.join(unsupported)}")
         if self.length == query.shape[2]:  # the prefill
             dense = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-            self.decoding.prefill(self.slot, query, key, value, _valid_keys(attention_mask, key), scale)
+            valid = _valid_keys(attention_mask, key)
+            self.decoding.prefill(self.slot, _calibration_queries(query, valid), key, value, valid, scale)
             return dense
         out = self.decoding.step(self.slot, query[:, :, 0], key[:, :, 0], value[:, :, 0], scale)
         return out.to(query.dtype)[:, None], None  # [B, 1, H·G, dv], as sdpa's output
@@ -397,6 +403,12 @@ def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch
     return last if last.dtype == torch.bool else last == 0
 
 
+def _calibration_queries(query: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Row 0's queries at its last :data:`CALIBRATION_QUERIES` non-pad positions: ``[H·G, m, d]`` of
+    ``query [B, H·G, n, d]`` (what a calibration or plan from the prompt reads)."""
+    return query[0][:, valid[0].nonzero()[:, 0][-CALIBRATION_QUERIES:]]
+
+
 def fathom_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, **kwargs):
     """The registered attention function: a :class:`FathomLayer`'s step, else transformers' sdpa attention."""
@@ -412,6 +424,89 @@ AttentionInterface.register(ATTENTION, fathom_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
+@contextmanager
+def attention_implementation(model, name: str, function):
+    """Within the block ``model`` runs ``function`` as its attention (registered with transformers under ``name``,
+    with sdpa's mask); its own implementation is restored after, also on an error."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One dense prefill of a batch of prompts, to fill the FathomCaches of several methods without running it
+    again (:func:`prefill`; ``FathomCache(model, ..., prompt=prompt)``).
+
+    ``keys``, ``values``: per decoder layer ``[B, H, n, d]``; ``queries``: per full-attention layer row 0's
+    calibration queries ``[H·G, m, d]`` (None for sliding-window layers); ``valid bool [B, n]``: the non-pad
+    positions; ``scale``: the softmax scale; ``next_token int64 [B]``: the greedy token after each prompt.
+    """
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    queries: tuple[torch.Tensor | None, ...]
+    valid: torch.Tensor
+    scale: float
+    next_token: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        """Prompt positions, padding included."""
+        return self.keys[0].shape[2]
+
+
+class _PromptRecorder:
+    """The attention function of :func:`prefill`: the model's sdpa attention, recording what a FathomCache's
+    prefill would record."""
+
+    def __init__(self, layer_types: tuple[str, ...]):
+        self.layer_types = layer_types
+        self.keys, self.values, self.queries, self.valid, self.scales = {}, {}, {}, None, set()
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        i = module.layer_idx
+        self.keys[i], self.values[i] = key, value
+        if self.layer_types[i] == "full_attention":
+            valid = _valid_keys(attention_mask, key)
+            self.valid = valid if self.valid is None else self.valid
+            self.queries[i] = _calibration_queries(query, valid)
+            self.scales.add(kwargs.get("scaling") or module.scaling)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Prompt:
+    """Run the model's dense sdpa prefill over ``input_ids [B, n]`` (left-padded where ``attention_mask`` says)
+    once, for FathomCaches of several methods to start from.
+
+    A cache made with ``prompt=`` holds the prompt as if it had run this prefill itself; generate then continues
+    from ``prompt.next_token`` (the greedy token the prefill's logits give), which it decodes as its first step:
+    ``generate(cat([input_ids, next_token]), ..., max_new_tokens=N - 1)`` generates exactly what
+    ``generate(input_ids, ..., max_new_tokens=N)`` with a fresh cache would (tested).
+    """
+    shape = _ModelShape.of(model)
+    if model.config._attn_implementation not in ("sdpa", ATTENTION):
+        raise ValueError(f"model must use sdpa attention, got {model.config._attn_implementation!r}")
+    recorder = _PromptRecorder(shape.layer_types)
+    positions = None
+    if attention_mask is not None:  # as generate places left-padded rows: the first real token at position 0
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    with attention_implementation(model, "fathom_prompt", recorder), torch.inference_mode():
+        logits = model(input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                       logits_to_keep=1).logits
+    if len(recorder.scales) != 1:
+        raise ValueError(f"layers use different softmax scales {recorder.scales}; FathomCache decodes with one")
+    layers = range(len(shape.layer_types))
+    return Prompt(tuple(recorder.keys[i] for i in layers), tuple(recorder.values[i] for i in layers),
+                  tuple(recorder.queries.get(i) for i in layers), recorder.valid, recorder.scales.pop(),
+                  logits[:, -1].argmax(dim=-1))
+
+
 class FathomCache(Cache):
     """A ``transformers.Cache`` that decodes every generated token with a Fathom method over the Fathom store.
 
@@ -423,6 +518,8 @@ class FathomCache(Cache):
             loki, ``r·4.25`` bits for r channels (68 -> r = 16, 136 -> r = 32) unless ``r=`` is given.
             Not read by dense, oracle, thumbnail (2 planes of every channel) and landmark.
         k: top-k per query head; None: SPEC §6's k by the longest prompt (``Selection.for_context``).
+        prompt: a :func:`prefill` of this model: the cache starts holding it (one dense prefill shared by the
+            caches of several methods); generate then continues from ``prompt.next_token``.
         **settings: ``r``, ``sink`` (4), ``local`` (32), ``variance`` ("store" | "calibration"; default the
             store basis' own: store σ² on raw channels, calibration σ² on the rotated store),
             ``plan`` (fathom-plan's budgets per full-attention layer), ``calibration`` (a ``.calibration.npz``
@@ -435,7 +532,8 @@ class FathomCache(Cache):
     backend's pinned memory (also done when the cache is garbage collected).
     """
 
-    def __init__(self, model, method: str = "fathom", budget: float = 48, k: int | None = None, **settings):
+    def __init__(self, model, method: str = "fathom", budget: float = 48, k: int | None = None,
+                 prompt: Prompt | None = None, **settings):
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
             raise ValueError(f"unknown settings {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
@@ -462,9 +560,23 @@ class FathomCache(Cache):
         layers = [FathomLayer(self.decoding, i, slots[i]) if t == "full_attention"
                   else DynamicSlidingWindowLayer(sliding_window=shape.sliding_window)
                   for i, t in enumerate(shape.layer_types)]
+        if prompt is not None and len(prompt.keys) != len(layers):
+            raise ValueError(f"prompt holds {len(prompt.keys)} layers, the model has {len(layers)}")
         super().__init__(layers=layers)
         model.set_attn_implementation(ATTENTION)
         weakref.finalize(self, _Decoding.close_sessions, self.decoding)
+        if prompt is not None:
+            self._fill(prompt)
+
+    def _fill(self, prompt: Prompt) -> None:
+        """Hold ``prompt`` as this cache's own prefill would have left it."""
+        for layer, k, v, queries in zip(self.layers, prompt.keys, prompt.values, prompt.queries, strict=True):
+            if isinstance(layer, FathomLayer):
+                layer.lazy_initialization(k, v)
+                layer.length = k.shape[2]
+                self.decoding.prefill(layer.slot, queries, k, v, prompt.valid, prompt.scale)
+            else:
+                layer.update(k, v)
 
     @property
     def selection(self) -> Selection | None:

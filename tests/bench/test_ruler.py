@@ -135,8 +135,9 @@ def tiny_model(vocab):
 
 
 def test_lm_eval_path_and_the_split_path_generate_the_same_text(tokenizer_dir, tmp_path):
-    """lm-eval's HFLM with FathomCache (registered as "fathom") and the samples -> generate path see the same
-    documents and produce the same generations; oracle with k over the context equals dense."""
+    """lm-eval's HFLM with FathomCache (registered as "fathom") and the samples -> generate path (one shared
+    prefill) see the same documents and produce the same generations; oracle with k over the context equals
+    dense."""
     import lm_eval.api.registry
 
     from bench.ruler import harness
@@ -154,9 +155,9 @@ def test_lm_eval_path_and_the_split_path_generate_the_same_text(tokenizer_dir, t
     built = samples.build(["niah_multikey_2"], [CONTEXT], 1, tokenizer_dir)
     assert samples.doc_digest({**built[0]["doc"], "input": None}) != built[0]["doc_digest"]  # input was stripped
     assert built[0]["doc_digest"] == by_method["dense"]["doc_digest"]
-    result = generate.run(model, tokenizer, built, specs[:1], tmp_path / "g.json", {"model": "tiny"},
-                          k=2 * CONTEXT)
-    assert result["generations"][0]["text"] == by_method["dense"]["text"]
+    result = generate.run(model, tokenizer, built, specs, tmp_path / "g.json", {"model": "tiny"}, k=2 * CONTEXT)
+    assert {g["method"]: g["text"] for g in result["generations"]} == {m: by_method[m]["text"] for m in by_method}
+    assert set(result["seconds_by_method"]) == {"prefill", "dense", "oracle"}  # one prefill for both methods
     assert json.loads((tmp_path / "g.json").read_text())["generations"] == result["generations"]
 
 

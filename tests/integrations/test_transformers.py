@@ -16,7 +16,7 @@ from fathom import methods as M
 from fathom.calibration import Calibration, calibrate
 from fathom.decode import HeadIndex, decode_step
 from fathom.integrations.sessions import ReferenceSessions, SessionShape
-from fathom.integrations.transformers import ATTENTION, CALIBRATION_QUERIES, FathomCache
+from fathom.integrations.transformers import ATTENTION, CALIBRATION_QUERIES, FathomCache, Prompt, prefill
 from fathom.selection import Selection
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
@@ -66,6 +66,30 @@ def test_oracle_with_k_over_the_context_and_fathom_reading_everything_equal_dens
     for cache in (FathomCache(model, "oracle", k=PROMPT + NEW), FathomCache(model, "fathom", budget=4.25 * d,
                                                                              k=PROMPT + NEW)):
         torch.testing.assert_close(generate(model, ids, mask, cache), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_one_shared_prefill_generates_what_each_cache_prefilling_itself_does(make):
+    """prefill() once, then a cache per method holding it and generate from the prefill's next token: the same
+    tokens as a fresh cache that runs the prefill itself (left padding, sliding layers, a calibration and a
+    per-layer plan computed from the prompt)."""
+    model = make()
+    ids, mask = batch()
+    prompt = prefill(model, ids, mask)
+    torch.testing.assert_close(prompt.next_token, generate(model, ids, mask, new=1)[:, -1], rtol=0, atol=0)
+    grown_ids, grown_mask = torch.cat([ids, prompt.next_token[:, None]], 1), torch.cat([mask, mask[:, -1:]], 1)
+    for method, settings in [("dense", {}), ("oracle", {"k": 8}), ("fathom", {"budget": 12, "k": 8}),
+                             ("fathom-rotated", {"budget": 12, "k": 8}), ("fathom-plan", {"budget": 24, "k": 8}),
+                             ("sparq", {"r": 2, "k": 8}), ("landmark", {"k": 8})]:
+        fresh, shared = FathomCache(model, method, **settings), FathomCache(model, method, prompt=prompt, **settings)
+        expected = generate(model, ids, mask, fresh)
+        got = generate(model, grown_ids, grown_mask, shared, new=NEW - 1)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=method)
+        assert shared.selection == fresh.selection and shared.method == fresh.method
+        np.testing.assert_array_equal(shared.lengths(), fresh.lengths())
+    with pytest.raises(ValueError, match="prompt holds"):
+        FathomCache(model, "dense", prompt=Prompt(prompt.keys[:1], prompt.values[:1], prompt.queries[:1],
+                                                  prompt.valid, prompt.scale, prompt.next_token))
 
 
 def _calibration(rng, L: int, H: int, d: int) -> Calibration:
