@@ -455,11 +455,6 @@ class Prompt:
     scale: float
     next_token: torch.Tensor
 
-    @property
-    def length(self) -> int:
-        """Prompt positions, padding included."""
-        return self.keys[0].shape[2]
-
 
 class _PromptRecorder:
     """The attention function of :func:`prefill`: the model's sdpa attention, recording what a FathomCache's
@@ -505,6 +500,17 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     return Prompt(tuple(recorder.keys[i] for i in layers), tuple(recorder.values[i] for i in layers),
                   tuple(recorder.queries.get(i) for i in layers), recorder.valid, recorder.scales.pop(),
                   logits[:, -1].argmax(dim=-1))
+
+
+def _check_prompt(prompt: Prompt, shape: _ModelShape) -> None:
+    """A :class:`Prompt` of another model is refused before the cache holds any of it."""
+    if len(prompt.keys) != len(shape.layer_types):
+        raise ValueError(f"prompt holds {len(prompt.keys)} layers, the model has {len(shape.layer_types)}")
+    for i in shape.fathom_layers:
+        B, H, n, d = prompt.keys[i].shape
+        if (H, d) != (shape.kv_heads, shape.head_dim) or prompt.valid.shape != (B, n):
+            raise ValueError(f"prompt layer {i} holds keys [B, H, n, d] = {[B, H, n, d]}, the model has "
+                             f"H = {shape.kv_heads}, d = {shape.head_dim}")
 
 
 class FathomCache(Cache):
@@ -560,8 +566,8 @@ class FathomCache(Cache):
         layers = [FathomLayer(self.decoding, i, slots[i]) if t == "full_attention"
                   else DynamicSlidingWindowLayer(sliding_window=shape.sliding_window)
                   for i, t in enumerate(shape.layer_types)]
-        if prompt is not None and len(prompt.keys) != len(layers):
-            raise ValueError(f"prompt holds {len(prompt.keys)} layers, the model has {len(layers)}")
+        if prompt is not None:
+            _check_prompt(prompt, shape)
         super().__init__(layers=layers)
         model.set_attn_implementation(ATTENTION)
         weakref.finalize(self, _Decoding.close_sessions, self.decoding)

@@ -90,6 +90,10 @@ def test_one_shared_prefill_generates_what_each_cache_prefilling_itself_does(mak
     with pytest.raises(ValueError, match="prompt holds"):
         FathomCache(model, "dense", prompt=Prompt(prompt.keys[:1], prompt.values[:1], prompt.queries[:1],
                                                   prompt.valid, prompt.scale, prompt.next_token))
+    narrow = tuple(k[..., :8] for k in prompt.keys)
+    with pytest.raises(ValueError, match="prompt layer"):
+        FathomCache(model, "dense", prompt=Prompt(narrow, narrow, prompt.queries, prompt.valid, prompt.scale,
+                                                  prompt.next_token))
 
 
 def _calibration(rng, L: int, H: int, d: int) -> Calibration:
