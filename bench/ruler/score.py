@@ -32,12 +32,15 @@ def wilson(mean: float, n: int, z: float = Z95) -> tuple[float, float]:
 
     >>> [round(x, 4) for x in wilson(0.5, 10)]
     [0.2366, 0.7634]
+    >>> wilson(0.0, 10)[0], wilson(1.0, 10)[1]
+    (0.0, 1.0)
     """
     if n == 0:
         return 0.0, 1.0
     centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # the interval holds the mean; min / max keep it so where rounding at 0 or 1 would not
+    return max(0.0, min(mean, centre - half)), min(1.0, max(mean, centre + half))
 
 
 def task_functions(tasks: list[str]) -> dict[str, dict]:

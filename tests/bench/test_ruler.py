@@ -118,6 +118,7 @@ def test_scoring_a_hand_made_generations_file_through_lm_evals_metric(tmp_path):
     assert (rows[("niah_single_1", "fathom@48")]["lo"], rows[("niah_single_1", "fathom@48")]["hi"]) == \
         pytest.approx((0.5 - half, 0.5 + half))
     assert wilson(1.0, 2)[1] == 1.0 and wilson(0.0, 2)[0] == 0.0
+    assert all(wilson(m, n)[0] <= m <= wilson(m, n)[1] for m in (0.0, 0.1, 1.0) for n in range(1, 300))  # rounding
     scoring = payload["scoring"]
     assert scoring["tasks"]["ruler_cwe"]["process_results"] == "lm_eval.tasks.ruler.common_utils.process_results"
     assert scoring["postprocess"] == "lm_eval.models.utils.postprocess_generated_text"
