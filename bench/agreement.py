@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from bench import cli, corpora, decoding, models
 from bench.cli import UsageError
-from bench import corpora, decoding, models
 from bench.capture import global_layers
 from bench.decoding import MethodSpec
 from bench.report import RESULTS, markdown_table, write_json
@@ -197,18 +197,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args) -> tuple[list[MethodSpec], Path | None, str]:
     """Everything checked before a model is loaded (ValueError names the argument)."""
-    if args.model not in models.MODELS:
-        raise UsageError(f"--model must be one of {', '.join(models.MODELS)}, got {args.model!r}")
-    info = models.info(args.model)
+    info = models.model_argument(args.model)
     if not 128 <= args.context <= info.context - 1:
         raise UsageError(f"--context must lie in 128..{info.context - 1} ({args.model}), got {args.context}")
     if not 1 <= args.steps <= info.context - args.context:
         raise UsageError(f"--steps must lie in 1..{info.context - args.context} (context + steps <= "
                          f"{info.context}), got {args.steps}")
-    if args.windows < 1:
-        raise UsageError(f"--windows must be >= 1, got {args.windows}")
-    if args.k is not None and args.k < 1:
-        raise UsageError(f"-k must be >= 1, got {args.k}")
+    cli.at_least("--windows", args.windows, 1)
+    if args.k is not None:
+        cli.at_least("-k", args.k, 1)
     calibration = args.calibration or decoding.default_calibration(args.model)
     basis = "raw"
     if calibration is not None:
@@ -217,10 +214,7 @@ def check_args(args) -> tuple[list[MethodSpec], Path | None, str]:
     specs = decoding.parse_specs(args.methods or method_grid(info.head_dim, basis), info.head_dim)
     if any(s.method == "fathom-plan" for s in specs):
         raise UsageError("--methods: fathom-plan needs per-layer budgets the agreement bench does not plan")
-    if calibration is None:
-        needs = [s.label for s in specs if s.method in ("double-sparsity", "loki", "fathom-rotated")]
-        if needs:
-            raise UsageError(f"--calibration is needed by {', '.join(needs)} and {args.model} has none")
+    decoding.require_calibration(specs, calibration, args.model)
     return specs, calibration, basis
 
 

@@ -118,6 +118,15 @@ def default_calibration(model: str, results: Path = RESULTS) -> Path | None:
     return max(found)[2] if found else None
 
 
+def require_calibration(specs: list[MethodSpec], calibration: Path | None, model: str) -> None:
+    """Refuse specs that read calibration statistics (a basis, DS channels, calibration σ²) when ``model`` has
+    no calibration file."""
+    needs = [s.label for s in specs if s.settings().needs_calibration()]
+    if calibration is None and needs:
+        raise UsageError(f"--calibration is needed by {', '.join(needs)} and {model} has none under bench/results "
+                         f"(python -m bench fidelity --model {model} writes one)")
+
+
 def check_calibration(path: Path, model: str) -> None:
     """Refuse a calibration file that is missing or not shaped for ``model``'s KV heads and head dim (FathomCache
     checks its layers against the model's full-attention layers)."""

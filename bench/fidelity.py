@@ -142,12 +142,10 @@ def _check_real(args: argparse.Namespace) -> tuple[int, int]:
     """The real-model arguments' checks (see :func:`check_arguments`) -> (context, positions)."""
     from bench.capture import decode_positions
     from bench.corpora import AUSTEN_NOVELS, CORPORA, is_corpus
-    from bench.models import MODELS
+    from bench.models import model_argument
 
     args.model = args.model or QUICK_MODEL
-    if args.model not in MODELS:
-        raise cli.UsageError(f"--model must be one of {', '.join(MODELS)}, got {args.model!r}")
-    longest = MODELS[args.model].context
+    longest = model_argument(args.model).context
     if args.context is None:
         args.context = QUICK_CONTEXT if args.quick else longest
     if not 1 <= args.context <= longest:

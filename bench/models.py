@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from bench import fetch
+from bench.cli import UsageError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -126,6 +127,13 @@ SOURCES: dict[str, GgufSource] = {
 def _check_name(name: str) -> None:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+def model_argument(name: str) -> ModelInfo:
+    """``--model``'s value checked: its shapes, or a :class:`~bench.cli.UsageError` naming the known models."""
+    if name not in MODELS:
+        raise UsageError(f"--model must be one of {', '.join(MODELS)}, got {name!r}")
+    return MODELS[name]
 
 
 def info(name: str) -> ModelInfo:

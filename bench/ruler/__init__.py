@@ -21,8 +21,8 @@ import json
 import time
 from pathlib import Path
 
+from bench import cli, decoding, models
 from bench.cli import UsageError
-from bench import decoding, models
 from bench.report import RESULTS
 
 METHODS_AT_ANY_D = ("dense", "oracle", "fathom@48", "sparq@68", "double-sparsity@136")
@@ -81,19 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="file name stem")
 
 
-def _check_model(name: str) -> models.ModelInfo:
-    if name not in models.MODELS:
-        raise UsageError(f"--model must be one of {', '.join(models.MODELS)}, got {name!r}")
-    return models.info(name)
-
-
 def _check_selection(args) -> list[str]:
     from bench.ruler.samples import MIN_CONTEXT, TASKS
 
-    _check_model(args.model)
-    if args.limit < 1:
-        raise UsageError(f"--limit must be >= 1, got {args.limit}")
-    info = models.info(args.model)
+    info = models.model_argument(args.model)
+    cli.at_least("--limit", args.limit, 1)
     for context in args.contexts:
         if not MIN_CONTEXT <= context <= info.context:
             raise UsageError(f"--contexts must lie in {MIN_CONTEXT}..{info.context} ({args.model}'s context), "
@@ -110,16 +102,12 @@ def _check_selection(args) -> list[str]:
 def _check_decoding(args, model: str) -> tuple[list[decoding.MethodSpec], Path | None]:
     info = models.info(model)
     specs = decoding.parse_specs(args.methods or default_methods(info.head_dim), info.head_dim)
-    if args.k is not None and args.k < 1:
-        raise UsageError(f"-k must be >= 1, got {args.k}")
+    if args.k is not None:
+        cli.at_least("-k", args.k, 1)
     calibration = args.calibration or decoding.default_calibration(model)
-    if calibration is None:
-        needs = [s.label for s in specs if s.method in ("double-sparsity", "loki", "fathom-rotated")]
-        if needs:
-            raise UsageError(f"--calibration is needed by {', '.join(needs)} and {model} has none under "
-                             f"bench/results (python -m bench fidelity --model {model} writes one)")
-    else:
+    if calibration is not None:
         decoding.check_calibration(calibration, model)
+    decoding.require_calibration(specs, calibration, model)
     return specs, calibration
 
 
@@ -177,7 +165,7 @@ def _samples(args) -> Path:
     with tqdm(total=len(tasks) * len(args.contexts), desc="ruler samples (lm-eval task code)", unit="task") as bar:
         built = samples.build(tasks, args.contexts, args.limit, tokenizer_path, on_task=bar.update)
     write_json(out, args.command_line, {"model": args.model, "contexts": args.contexts, "limit": args.limit,
-                                        "tasks": tasks, "lm_eval_version": samples.lm_eval_version(),
+                                        "tasks": tasks, "lm_eval_version": _version("lm_eval"),
                                         "built_by": "lm-eval's TaskManager and Task.build_all_requests, seeded as "
                                                     "lm_eval.simple_evaluate", "samples": built})
     print(f"{len(built)} samples of {', '.join(tasks)} at {args.contexts} -> {out}")
@@ -189,10 +177,9 @@ def _generate(args) -> Path:
 
     payload = generate.read_samples(args.samples)
     model_name = payload["model"]
-    _check_model(model_name)
+    models.model_argument(model_name)
     specs, calibration = _check_decoding(args, model_name)
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    cli.at_least("--batch-size", args.batch_size, 1)
     out = args.out or args.samples.with_name(args.samples.name.replace("ruler-samples-", "ruler-generations-", 1)
                                              if args.samples.name.startswith("ruler-samples-")
                                              else f"ruler-generations-{args.samples.name}")
@@ -205,8 +192,8 @@ def _generate(args) -> Path:
     import torch
     import transformers
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch sees no CUDA device")
+    if args.device == "cuda":
+        cli.require_cuda("ruler generate --device cuda")
     model, tokenizer = models.load(model_name, args.cache)
     model.to(args.device)
     header = {"command": args.command_line, "samples_file": str(args.samples), "model": model_name,

@@ -39,14 +39,19 @@ def seed_as_simple_evaluate() -> None:
     torch.manual_seed(DEFAULT_OTHER_SEED)
 
 
+def ruler_folder() -> Path:
+    """lm-eval's own ``ruler`` task folder (the YAMLs and code of the tasks)."""
+    import lm_eval.tasks
+
+    return Path(lm_eval.tasks.__file__).parent / "ruler"
+
+
 def task_manager(context: int, tokenizer: str | Path):
     """lm-eval's TaskManager over its own ``ruler`` task folder, with the metadata RULER reads
     (``max_seq_lengths`` and the tokenizer that sizes the prompts)."""
-    import lm_eval.tasks
     from lm_eval.tasks import TaskManager
 
-    ruler = Path(lm_eval.tasks.__file__).parent / "ruler"
-    return TaskManager(include_path=str(ruler), include_defaults=False,
+    return TaskManager(include_path=str(ruler_folder()), include_defaults=False,
                        metadata={"max_seq_lengths": [context], "tokenizer": str(tokenizer)})
 
 
@@ -83,9 +88,3 @@ def build(tasks: list[str], contexts: list[int], limit: int, tokenizer: str | Pa
             if on_task is not None:
                 on_task()
     return samples
-
-
-def lm_eval_version() -> str:
-    from importlib.metadata import version
-
-    return version("lm_eval")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from functools import lru_cache
 from pathlib import Path
 
 from bench.report import markdown_table, write_json
@@ -43,14 +44,16 @@ def wilson(mean: float, n: int, z: float = Z95) -> tuple[float, float]:
     return max(0.0, min(mean, centre - half)), min(1.0, max(mean, centre + half))
 
 
-def task_functions(tasks: list[str]) -> dict[str, dict]:
-    """Per task: lm-eval's ``process_results`` and its aggregation per metric, from the task's own YAML."""
-    import lm_eval.tasks
+@lru_cache(maxsize=None)
+def task_functions(tasks: tuple[str, ...]) -> dict[str, dict]:
+    """Per task: lm-eval's ``process_results`` and its aggregation per metric, from the task's own YAML (loaded
+    once per process: scoring and aggregating read the same)."""
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    ruler = Path(lm_eval.tasks.__file__).parent / "ruler"
-    index = TaskManager(include_path=str(ruler), include_defaults=False).task_index
+    from bench.ruler.samples import ruler_folder
+
+    index = TaskManager(include_path=str(ruler_folder()), include_defaults=False).task_index
     functions = {}
     for name in tasks:
         config = load_yaml(index[name].yaml_path, resolve_func=True)
@@ -72,7 +75,7 @@ def score_generations(samples: list[dict], generations: list[dict], eos_text: st
     unknown = sorted({g["id"] for g in generations} - set(by_id))
     if unknown:
         raise ValueError(f"generations name samples the samples file does not hold: {', '.join(unknown[:5])}")
-    functions = task_functions(sorted({by_id[g["id"]]["task"] for g in generations}))
+    functions = task_functions(tuple(sorted({by_id[g["id"]]["task"] for g in generations})))
     scored, used = [], {}
     for g in generations:
         sample = by_id[g["id"]]
@@ -106,7 +109,7 @@ def aggregate(scored: list[dict], aggregation_of=None) -> list[dict]:
 def lm_eval_aggregation(tasks: list[str]):
     """``aggregation_of(task, context)``: the task's aggregation of that context's metric (lm-eval lists
     4k-128k; a context it does not list, e.g. a tiny test context, uses the one function all its metrics share)."""
-    functions = task_functions(tasks)
+    functions = task_functions(tuple(sorted(tasks)))
 
     def aggregation_of(task: str, context: int):
         per_metric = functions[task]["aggregation"]
