@@ -198,6 +198,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args) -> tuple[list[MethodSpec], Path | None, str]:
     """Everything checked before a model is loaded (ValueError names the argument)."""
     info = models.model_argument(args.model)
+    args.out = cli.writable_folder("--out", args.out)
+    cli.file_stem("--name", args.name)
     if not 128 <= args.context <= info.context - 1:
         raise UsageError(f"--context must lie in 128..{info.context - 1} ({args.model}), got {args.context}")
     if not 1 <= args.steps <= info.context - args.context:

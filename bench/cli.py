@@ -54,6 +54,12 @@ def writable_folder(name: str, folder: Path) -> Path:
     return folder
 
 
+def file_stem(name: str, value: str | None) -> None:
+    """Refuse a file name stem (``--name``) that is empty or would leave the results folder."""
+    if value is not None and (not value or "/" in value or value in (".", "..")):
+        raise UsageError(f"{name} must be a file name stem (no '/'), got {value!r}")
+
+
 def utf8_text(name: str, path: Path) -> str:
     """The contents of a UTF-8 text file; a missing, unreadable or non-UTF-8 file is refused, naming it."""
     try:

@@ -109,8 +109,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.device == "cuda":
         cli.require_cuda("fidelity --device cuda")
     args.out = cli.writable_folder("--out", args.out or (LOCAL_RESULTS if args.quick else RESULTS))
-    if args.name is not None and (not args.name or "/" in args.name or args.name in (".", "..")):
-        raise cli.UsageError(f"--name must be a file name stem (no '/'), got {args.name!r}")
+    cli.file_stem("--name", args.name)
     if args.k is not None:
         cli.at_least("-k", args.k, 1)
     if args.synthetic:

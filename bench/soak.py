@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from bench.cli import UsageError, require_cuda
+from bench.cli import UsageError, require_cuda, writable_folder
 from bench.report import RESULTS, markdown_table, write_json
 
 
@@ -32,6 +32,7 @@ def _rss_mb() -> float:
 def run(args: argparse.Namespace) -> Path:
     if not 1 <= args.cycles <= 100_000 or not 1 <= args.every <= args.cycles:
         raise UsageError(f"--cycles must lie in 1..100000 and --every in 1..cycles, got {args.cycles}, {args.every}")
+    writable_folder("--out", args.out)
     require_cuda("soak")
     import torch
     from tqdm import tqdm

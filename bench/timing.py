@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cli import UsageError, require_cuda
+from bench.cli import UsageError, file_stem, require_cuda, writable_folder
 from bench.report import RESULTS, markdown_table, write_json
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 36, 8, 4, 128  # Qwen3-8B
@@ -370,6 +370,8 @@ def validate(args) -> None:
         raise UsageError(f"--readme needs --replot and a file with the marker {README_START!r}")
     if args.replot is None and not args.stats.is_file():
         raise UsageError(f"--stats: no file {args.stats} (make it with python -m bench channel-stats)")
+    writable_folder("--out", args.out)
+    file_stem("--name", args.name)
 
 
 def run(args: argparse.Namespace) -> Path:

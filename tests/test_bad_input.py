@@ -93,6 +93,27 @@ def test_an_unwritable_out_is_refused_first(nothing_loads, capsys):
     assert err.startswith(f"error: --out {blocker / 'results'}: cannot write there")  # before -k's own error
 
 
+@pytest.mark.parametrize("command", [["agreement"], ["ruler", "lm-eval"], ["ruler", "score", "--generations", "g"],
+                                     ["timing"], ["soak"]], ids=" ".join)
+def test_every_command_refuses_an_unwritable_out_and_a_name_outside_it_first(tmp_path, capsys, command):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    err = refused([*command, "--out", str(blocker / "results")], capsys)
+    assert err.startswith(f"error: --out {blocker / 'results'}: cannot write there")
+    if command[0] != "soak":  # soak writes soak.*
+        assert "--name must be a file name stem" in refused([*command, "--out", str(tmp_path), "--name", "../x"],
+                                                            capsys)
+
+
+def test_ruler_samples_and_generate_refuse_an_unwritable_folder_for_their_json_first(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    (tmp_path / "s.json").write_text('{"model": "smollm2-135m", "samples": [{"id": "x"}]}')
+    for argv in (["samples"], ["generate", "--samples", str(tmp_path / "s.json")]):
+        err = refused(["ruler", *argv, "--out", str(blocker / "out.json")], capsys)
+        assert err.startswith(f"error: --out {blocker}: cannot write there"), err
+
+
 @pytest.mark.parametrize("contents, message", [
     (b"\x7fELF\x02\x01\x01\x00\xff\xfe binary", "not UTF-8 text (invalid start byte at byte 8)"),
     (None, "cannot read it (No such file or directory)"),

@@ -126,7 +126,14 @@ def run(args: argparse.Namespace) -> Path:
     return {"lm-eval": _lm_eval, "samples": _samples, "generate": _generate, "score": _score}[args.ruler_command](args)
 
 
+def _check_out(args) -> None:
+    """A results folder (``--out``) writable and a ``--name`` that stays in it, checked first."""
+    args.out = cli.writable_folder("--out", args.out)
+    cli.file_stem("--name", args.name)
+
+
 def _lm_eval(args) -> Path:
+    _check_out(args)
     tasks = _check_selection(args)
     specs, calibration = _check_decoding(args, args.model)
     from tqdm import tqdm
@@ -161,6 +168,7 @@ def _samples(args) -> Path:
     from bench.ruler import samples
 
     out = args.out or RESULTS / f"ruler-samples-{args.model}-{_contexts_tag(args.contexts)}-limit{args.limit}.json"
+    cli.writable_folder("--out", out.parent)
     tokenizer_path = models.ensure(args.model, args.cache)
     with tqdm(total=len(tasks) * len(args.contexts), desc="ruler samples (lm-eval task code)", unit="task") as bar:
         built = samples.build(tasks, args.contexts, args.limit, tokenizer_path, on_task=bar.update)
@@ -183,6 +191,7 @@ def _generate(args) -> Path:
     out = args.out or args.samples.with_name(args.samples.name.replace("ruler-samples-", "ruler-generations-", 1)
                                              if args.samples.name.startswith("ruler-samples-")
                                              else f"ruler-generations-{args.samples.name}")
+    cli.writable_folder("--out", out.parent)
     done = []
     if args.resume and out.exists():
         previous = json.loads(out.read_text(encoding="utf-8"))
@@ -210,6 +219,7 @@ def _generate(args) -> Path:
 
 
 def _score(args) -> Path:
+    _check_out(args)
     from bench.ruler import score
     from bench.ruler.generate import read_samples
 
