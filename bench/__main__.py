@@ -1,5 +1,6 @@
 """``python -m bench <command>``: fidelity (error against bits), headline (summary table), ruler (RULER through
-lm-eval and FathomCache), agreement (greedy-token agreement with dense), timing (the decode token on the GPU), soak
+lm-eval and FathomCache), agreement (greedy-token agreement with dense), timing (the decode token on the GPU), generate (a model through
+transformers' generate, HF's caches and FathomCache side by side), soak
 (memory over many caches), channel-stats (real channel statistics for the timing's keys), fetch (models and
 corpora into the cache)."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import agreement, channel_stats, cli, fetch, fidelity, headline, ruler, soak, timing
+from bench import agreement, channel_stats, cli, fetch, fidelity, generate, headline, ruler, soak, timing
 from bench.report import command_line
 
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
 def _run(argv: list[str]) -> None:
     if argv[:1] == ["fetch"]:  # fetch parses its own arguments
         raise SystemExit(fetch.main(argv[1:]))
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench", description=cli.plain(__doc__))  # no reST in --help
     commands = parser.add_subparsers(dest="command", required=True)
     fidelity.add_arguments(commands.add_parser("fidelity", help="attention error against scan bits, every method"))
     headline.add_arguments(commands.add_parser("headline", help="one table of the real-model fidelity summaries"))
@@ -37,6 +38,8 @@ def _run(argv: list[str]) -> None:
                                                                   "teacher-forced on real source code"))
     timing.add_arguments(commands.add_parser("timing", help="the whole decode token on the GPU, every method, eager "
                                                           "and CUDA graph"))
+    generate.add_arguments(commands.add_parser("generate", help="a model decoding through transformers' generate: "
+                                                              "HF's caches and FathomCache side by side"))
     soak.add_arguments(commands.add_parser("soak", help="create / use / close an offloaded cache many times: memory "
                                                       "stays flat"))
     channel_stats.add_arguments(commands.add_parser("channel-stats", help="per-channel key/query statistics of a "
@@ -45,7 +48,8 @@ def _run(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
     run = {"fidelity": fidelity.run, "headline": headline.run, "ruler": ruler.run, "agreement": agreement.run,
-           "timing": timing.run, "soak": soak.run, "channel-stats": channel_stats.run}[args.command]
+           "timing": timing.run, "generate": generate.run, "soak": soak.run,
+           "channel-stats": channel_stats.run}[args.command]
     written = run(args)
     # the result and its siblings (a fidelity run's .md, .png, .calibration.npz): the last thing printed
     print(f"\nwrote {', '.join(str(p) for p in sorted(written.parent.glob(written.stem + '.*')))}")

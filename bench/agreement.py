@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench import cli, corpora, decoding, models
+from bench import cli, corpora, decoding, fetch, models
 from bench.cli import UsageError
 from bench.capture import global_layers
 from bench.decoding import MethodSpec
@@ -179,20 +179,30 @@ def step_logits(model, ids: np.ndarray, teacher: np.ndarray, spec: MethodSpec, k
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help=f"one of {', '.join(models.MODELS)}")
-    parser.add_argument("--context", type=int, default=2048, help="window length in tokens before the steps")
-    parser.add_argument("--steps", type=int, default=64, help="teacher-forced greedy steps per window (T)")
-    parser.add_argument("--windows", type=int, default=4, help="windows at evenly spaced corpus offsets")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help=f"one of {', '.join(models.MODELS)} (default %(default)s)")
+    parser.add_argument("--context", type=int, default=2048,
+                        help="window length in tokens before the steps (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=64,
+                        help="teacher-forced greedy steps per window, T (default %(default)s)")
+    parser.add_argument("--windows", type=int, default=4,
+                        help=f"windows at evenly spaced offsets of the {CORPUS} corpus (default %(default)s)")
     parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, SPEC §6)")
-    parser.add_argument("--methods", nargs="+", default=None, help="method specs (default: the full grid)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help=f"{decoding.spec_help(exclude=('fathom-plan',))}. Default: the full grid: dense, "
+                             f"oracle, fathom at {', '.join(map(str, FATHOM_BUDGETS))} bits (and fathom-rotated "
+                             "when the calibration chose the rotated store), sparq, double-sparsity and loki at "
+                             "r = d/8, d/4, 16 and 32 channels, thumbnail, landmark")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="a .calibration.npz (default: the model's committed one, calibrated on Jane Austen)")
     parser.add_argument("--path", choices=("batched", "step"), default="batched",
                         help="batched: one shared prefill, one forward per method (default); step: FathomCache "
                              "token by token")
-    parser.add_argument("--cache", type=Path, default=None, help="model / corpus cache folder")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help=f"model / corpus cache folder (default ${fetch.CACHE_ENV} or ~/.cache/fathom)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
-    parser.add_argument("--name", default=None, help="file name stem")
+    parser.add_argument("--name", default=None,
+                        help="file name stem (default agreement-<model>-<context>-T<steps>-w<windows>[-k<k>])")
 
 
 def check_args(args) -> tuple[list[MethodSpec], Path | None, str]:

@@ -5,7 +5,8 @@ message that names the argument and what it allows; ``bench.__main__.main``
 prints ``error: <message>`` to stderr and exits with status 2, without a
 traceback (argparse's own errors exit 2 the same way). Any other exception is
 a bug and keeps its traceback. The helpers below are the checks more than one
-command needs.
+command needs, argparse types whose refusal says what a value should be
+(:func:`int_list`), and :func:`plain`, a docstring as ``--help`` text.
 
 Example (a command's first lines)::
 
@@ -20,7 +21,9 @@ Example (a command's first lines)::
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 from pathlib import Path
 
 
@@ -43,7 +46,23 @@ def require_cuda(command: str) -> None:
 
 
 def writable_folder(name: str, folder: Path) -> Path:
-    """Create ``folder`` if needed and prove it writable by writing and removing a probe file."""
+    """Create ``folder`` if needed and prove it writable by writing and removing a probe file; an existing file
+    there is refused as such."""
+    if folder.exists() and not folder.is_dir():  # mkdir would only say "File exists"
+        raise UsageError(f"{name} {folder} names an existing file; {name} must be a folder")
+    return _probe(name, folder)
+
+
+def writable_file(name: str, path: Path) -> Path:
+    """A file to write (a JSON named by ``--out``): not an existing folder; its folder created if needed and
+    proved writable as :func:`writable_folder` does."""
+    if path.is_dir():
+        raise UsageError(f"{name} {path} names an existing folder; {name} must name the file to write")
+    _probe(name, path.parent)
+    return path
+
+
+def _probe(name: str, folder: Path) -> Path:
     probe = folder / f".write-probe-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -70,3 +89,29 @@ def utf8_text(name: str, path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise UsageError(f"{name} {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated integers (``32768,131072``); argparse names the option."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers, got {text!r}") from None
+
+
+def name_list(text: str) -> list[str]:
+    """An argparse ``type``: comma-separated names (``host,hbm``)."""
+    return text.split(",")
+
+
+def plain(text: str) -> str:
+    """A docstring as plain text for ``--help``: reST markup (double backquotes, roles such as ``:func:``, bold)
+    dropped, the words kept.
+
+    >>> plain("``python -m bench``: see :func:`~bench.cli.plain` and **this**")
+    'python -m bench: see plain and this'
+    """
+    text = re.sub(r":[a-z]+:`~[\w.]*?(\w+)`", r"\1", text)  # :func:`~a.b.c` -> c
+    text = re.sub(r":[a-z]+:`([^`]+)`", r"\1", text)
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    return re.sub(r"\*\*([^*]+)\*\*", r"\1", text)

@@ -1,11 +1,12 @@
 """Which Fathom method a decoding bench runs: ``name@bits`` specs, their FathomCache, the model's calibration.
 
 A spec names a method of :data:`fathom.integrations.transformers.METHODS` and,
-where the method reads a budget, its bits per token (SPEC §4): ``fathom@48``,
-``sparq@68`` (r = 16 channels at 4.25 bits), ``double-sparsity@136``; the
-methods without a budget are bare: ``dense``, ``oracle``, ``thumbnail``,
-``landmark``. Specs are checked against a model's head dim before anything is
-loaded (:func:`parse_specs`), and one :class:`~fathom.integrations.transformers.
+where the method reads a budget, its bits per token, always written (SPEC §4):
+``fathom@48``, ``sparq@68`` (r = 16 channels at 4.25 bits: a fixed-channel
+method's bits are 4.25·r), ``double-sparsity@136``; the methods without a
+budget are bare: ``dense``, ``oracle``, ``thumbnail``, ``landmark``. Specs
+are checked against a model's head dim before anything is loaded
+(:func:`parse_specs`), and one :class:`~fathom.integrations.transformers.
 FathomCache` is made per ``generate`` call (:meth:`MethodSpec.cache`).
 
 Example::
@@ -30,6 +31,24 @@ from fathom.bits import fixed_channel_bits
 # Methods of FathomCache that read no budget (dense, oracle and landmark read none; thumbnail is 2 planes of all).
 NO_BUDGET = ("dense", "oracle", "thumbnail", "landmark")
 BUDGETED = ("fathom", "fathom-rotated", "fathom-plan", "sparq", "double-sparsity", "loki")
+# of BUDGETED, the methods whose budget names r channels at 4 bits: BITS = 4.25·r (FathomSettings' FIXED_CHANNELS)
+FIXED_CHANNELS = ("sparq", "double-sparsity", "loki")
+
+
+def _budget_form(name: str) -> str:
+    """How a budgeted method's spec is written, with an example that parses."""
+    if name in FIXED_CHANNELS:
+        return f"{name}@BITS with BITS = 4.25·r for r channels, e.g. {name}@68 (r = 16)"
+    return f"{name}@BITS with BITS the scan bits per token, e.g. {name}@48"
+
+
+def spec_help(exclude: tuple[str, ...] = ()) -> str:
+    """The ``--methods`` help of a decoding bench: which methods take bits and how (``exclude``: refused there)."""
+    bare = [m for m in NO_BUDGET if m not in exclude]
+    flat = [m for m in BUDGETED if m not in FIXED_CHANNELS and m not in exclude]
+    return (f"method specs: {', '.join(bare)} bare (they read no budget); {', '.join(flat)} need @BITS, the scan "
+            f"bits per token (e.g. fathom@48); the fixed-channel methods {', '.join(FIXED_CHANNELS)} need @BITS = "
+            f"4.25·r for r channels (e.g. sparq@68 is r = 16)")
 
 
 @dataclass(frozen=True)
@@ -66,12 +85,11 @@ class MethodSpec:
         try:
             budget = float(bits)
         except ValueError:
-            raise UsageError(f"method {text!r}: write {name}@BITS with BITS a number of bits per token, "
-                             f"e.g. {name}@68") from None
+            raise UsageError(f"method {text!r}: {name} takes a budget: write {_budget_form(name)}") from None
         spec = cls(name, budget)
         try:
             settings = spec.settings()  # validates the budget
-            if name in ("sparq", "double-sparsity", "loki"):
+            if name in FIXED_CHANNELS:
                 settings.channels(head_dim)  # r = bits / 4.25 must be an integer channel count <= d
         except ValueError as error:
             raise UsageError(f"method {text!r}: {error}") from None

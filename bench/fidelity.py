@@ -66,18 +66,29 @@ def method_grid(d: int, basis: str) -> list[M.Method]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help=f"real model (default {QUICK_MODEL}; see bench fetch)")
+    from bench.corpora import AUSTEN_NOVELS, CORPORA
+    from bench.fetch import CACHE_ENV
+    from bench.models import MODELS
+
+    corpora = f"{', '.join(CORPORA)} or austen:NOVEL, one of {', '.join(AUSTEN_NOVELS)}"
+    parser.add_argument("--model", default=None, help=f"real model: one of {', '.join(MODELS)} (default "
+                                                      f"{QUICK_MODEL}; fetched on first use, see bench fetch)")
     parser.add_argument("--context", type=int, default=None,
-                        help="window length n in tokens (default the model's context; 4096 with --quick)")
+                        help=f"window length n in tokens (default the model's context; {QUICK_CONTEXT} with --quick)")
     parser.add_argument("--text", type=Path, default=None, help="evaluation text: any UTF-8 file")
-    parser.add_argument("--corpus", default=None, help=f"evaluation corpus when no --text is given "
+    parser.add_argument("--corpus", default=None, help=f"evaluation corpus when no --text is given: {corpora} "
                                                        f"(default {EVALUATION_CORPUS})")
-    parser.add_argument("--calibration-corpus", default="austen", help="calibration corpus (not the evaluation one)")
+    parser.add_argument("--calibration-corpus", default="austen",
+                        help="calibration corpus, not the evaluation one: the same choices as --corpus "
+                             "(default %(default)s)")
     parser.add_argument("--positions", type=int, default=None, help="decode positions P (default 128; 64 at >= 64k)")
     parser.add_argument("--synthetic", action="store_true", help="synthetic keys instead of a real model")
     parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK_MODEL} at {QUICK_CONTEXT} tokens, {QUICK_POSITIONS} positions (a few minutes)")
-    parser.add_argument("--cache", type=Path, default=None, help="model / corpus / capture cache folder")
+                        help=f"{QUICK_MODEL} at {QUICK_CONTEXT} tokens, {QUICK_POSITIONS} positions (README: about a "
+                             "minute on 2 CPU cores with the captures cached, about another minute on the first run; "
+                             "~20 s with --synthetic)")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help=f"model / corpus / capture cache folder (default ${CACHE_ENV} or ~/.cache/fathom)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default bench/results; bench/results/local, which git ignores, "
                              "with --quick)")

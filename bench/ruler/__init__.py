@@ -21,13 +21,14 @@ import json
 import time
 from pathlib import Path
 
-from bench import cli, decoding, models
+from bench import cli, decoding, fetch, models
 from bench.cli import UsageError
 from bench.report import RESULTS
 
 METHODS_AT_ANY_D = ("dense", "oracle", "fathom@48", "sparq@68", "double-sparsity@136")
 DEFAULT_CONTEXTS = (4096,)
 DEFAULT_LIMIT = 2
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
 
 def default_methods(head_dim: int) -> list[str]:
@@ -37,31 +38,38 @@ def default_methods(head_dim: int) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.ruler.samples import TASKS
+
     steps = parser.add_subparsers(dest="ruler_command", required=True)
 
     def common(p, model=True):
         if model:
-            p.add_argument("--model", default="qwen2.5-coder-0.5b", help=f"one of {', '.join(models.MODELS)}")
-        p.add_argument("--cache", type=Path, default=None, help="model cache folder (default ~/.cache/fathom)")
+            p.add_argument("--model", default=DEFAULT_MODEL,
+                           help=f"one of {', '.join(models.MODELS)} (default {DEFAULT_MODEL})")
+        p.add_argument("--cache", type=Path, default=None,
+                       help=f"model cache folder (default ${fetch.CACHE_ENV} or ~/.cache/fathom)")
 
     def decoding_args(p):
         p.add_argument("--methods", nargs="+", default=None,
-                       help="method specs, name or name@bits (default: dense oracle fathom@48 sparq@68 "
-                            "double-sparsity@136, and double-sparsity at r = d/4 where d != 128)")
+                       help=f"{decoding.spec_help()}. Default: {' '.join(METHODS_AT_ANY_D)}, and "
+                            "double-sparsity at r = d/4 where d != 128")
         p.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, SPEC §6)")
         p.add_argument("--calibration", type=Path, default=None,
                        help="a .calibration.npz (default: the model's committed one under bench/results)")
 
     def selection_args(p):
         p.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS),
-                       help="prompt lengths in tokens (lm-eval's max_seq_lengths), e.g. 4096 8192")
-        p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="samples per task and context")
-        p.add_argument("--tasks", nargs="+", default=None, help="a subset of the five tasks (default all)")
+                       help="prompt lengths in tokens (lm-eval's max_seq_lengths), e.g. 4096 8192 (default "
+                            f"{' '.join(map(str, DEFAULT_CONTEXTS))})")
+        p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
+                       help=f"samples per task and context (default {DEFAULT_LIMIT})")
+        p.add_argument("--tasks", nargs="+", default=None, help=f"a subset of the five tasks, {', '.join(TASKS)} "
+                                                                "(default all)")
 
     p = steps.add_parser("lm-eval", help="end to end through lm-eval (HFLM + FathomCache) on this machine")
     common(p), selection_args(p), decoding_args(p)
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
-    p.add_argument("--name", default=None, help="file name stem")
+    p.add_argument("--name", default=None, help="file name stem (default ruler-<model>-<contexts>-lm-eval)")
 
     p = steps.add_parser("samples", help="build the samples with lm-eval's task code -> a JSON")
     common(p), selection_args(p)
@@ -70,15 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = steps.add_parser("generate", help="generations through FathomCache for every method (no lm-eval)")
     common(p, model=False), decoding_args(p)
     p.add_argument("--samples", type=Path, required=True, help="a JSON written by ruler samples")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs")
-    p.add_argument("--batch-size", type=int, default=1, help="samples per generate call (same task and context)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs (default cpu)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="samples per generate call, of one task and context (default 1)")
     p.add_argument("--out", type=Path, default=None, help="generations JSON (default beside the samples)")
     p.add_argument("--resume", action="store_true", help="keep the generations already in --out, do the rest")
 
     p = steps.add_parser("score", help="score generations with lm-eval's own functions -> table, JSON, PNG")
     p.add_argument("--generations", type=Path, required=True, help="a JSON written by ruler generate")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
-    p.add_argument("--name", default=None, help="file name stem")
+    p.add_argument("--name", default=None, help="file name stem (default ruler-<model>-<contexts>)")
 
 
 def _check_selection(args) -> list[str]:
@@ -168,7 +177,7 @@ def _samples(args) -> Path:
     from bench.ruler import samples
 
     out = args.out or RESULTS / f"ruler-samples-{args.model}-{_contexts_tag(args.contexts)}-limit{args.limit}.json"
-    cli.writable_folder("--out", out.parent)
+    cli.writable_file("--out", out)
     tokenizer_path = models.ensure(args.model, args.cache)
     with tqdm(total=len(tasks) * len(args.contexts), desc="ruler samples (lm-eval task code)", unit="task") as bar:
         built = samples.build(tasks, args.contexts, args.limit, tokenizer_path, on_task=bar.update)
@@ -186,12 +195,12 @@ def _generate(args) -> Path:
     payload = generate.read_samples(args.samples)
     model_name = payload["model"]
     models.model_argument(model_name)
-    specs, calibration = _check_decoding(args, model_name)
-    cli.at_least("--batch-size", args.batch_size, 1)
     out = args.out or args.samples.with_name(args.samples.name.replace("ruler-samples-", "ruler-generations-", 1)
                                              if args.samples.name.startswith("ruler-samples-")
                                              else f"ruler-generations-{args.samples.name}")
-    cli.writable_folder("--out", out.parent)
+    cli.writable_file("--out", out)  # before the specs' check, which imports transformers
+    specs, calibration = _check_decoding(args, model_name)
+    cli.at_least("--batch-size", args.batch_size, 1)
     done = []
     if args.resume and out.exists():
         previous = json.loads(out.read_text(encoding="utf-8"))

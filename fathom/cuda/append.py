@@ -40,7 +40,7 @@ def _bad_key(x):
     return not (abs(x) < FP16_LIMIT)  # NaN compares false
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _append_rows_kernel(k, k_store, v, k_words, v_words, lengths, sessions, heads, status, kv):
     x = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     groups, m, d = k.shape
@@ -63,7 +63,7 @@ def _append_rows_kernel(k, k_store, v, k_words, v_words, lengths, sessions, head
         kv[g, p, 1, w] = v_words[gi, i, w]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _finish_kernel(new, new_store, tail, tail_store, lengths, sessions, heads, status):
     """One block per appended session: the open block's tokens into the tail, then the length."""
     s = sessions[cuda.blockIdx.x]

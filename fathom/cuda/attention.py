@@ -28,7 +28,7 @@ def _row_count(n_rows, lengths, heads_per_session, dense, g):
     return lengths[g // heads_per_session] if dense else n_rows[g]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, staged):
     """1-D grid over every group's row slots in order (slot = g · max_rows + r): thread x moves word
     x % (row words) of ROWS_IN_FLIGHT consecutive slots at a time, so the CTAs in flight read a window of about
@@ -151,7 +151,7 @@ def _softmax_kernel(heads: int, words: int):
     return kernel
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, part_o, out):
     """CTA per group, thread per (head, channel): the chunks' partial softmaxes combined."""
     g = cuda.blockIdx.x

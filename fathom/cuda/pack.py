@@ -36,7 +36,7 @@ def _key(tail, new, g, gi, p, n0, c):
     return new[gi, p - n0, c]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _seal_kernel(new, tail, lengths, sessions, heads, m, status, records, scales16, n_seg, cap, scale_words,
                  record_words, scale_sq_sum, marks16, write_marks):
     c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x

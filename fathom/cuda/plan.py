@@ -34,7 +34,7 @@ THREADS = 32
 MAX_D = 512  # shared-memory size of one group's importances
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _waterfill_kernel(q, sigma2, lengths, heads_per_session, from_store, budget_quarters, depths):
     """q float32 [groups, G, d], sigma2 float64 [groups, d] -> depths int8 [groups, d].
 
@@ -152,7 +152,7 @@ def waterfill(q, sigma2, budget: float, depths, lengths, heads_per_session: int 
                                                    4.0 * float(budget), depths)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _top_channels_kernel(q, r, depths):
     """One block per group: depth 4 on the r channels with the largest Σ_h |q[h, c]| (ties to the lower channel)."""
     g = cuda.blockIdx.x

@@ -79,7 +79,7 @@ def _add_run(hist, digit, last, run):
     return digit, 1
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, wide_bin, top_hist,
                        hist2, winners, any_rows, cand_key, cand_idx, cand_count):
     """Grid (chunks, G, groups), one pass over the scores of a chunk for head h (``level`` 0 or 1, see the module).
@@ -202,7 +202,7 @@ def _choose_digit(hist, remaining, descending, state, t):
     cuda.syncthreads()
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _ties_kernel(lengths, heads_per_session, k, sink, local, wide_bin, top_hist, hist2, cand_key, cand_idx, cand_count,
                  winners, any_rows):
     """One CTA per (head, group): the remaining key bytes over the candidate list, then ties at the threshold by
@@ -279,7 +279,7 @@ def _thread_words(any_rows, g, n, t):
     return first, stop, kept
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _count_rows_kernel(any_rows, lengths, heads_per_session, block_rows):
     """Rows kept in each CTA's range of the bitmap: block_rows int32 [groups, CTAs]."""
     g = cuda.blockIdx.y
@@ -292,7 +292,7 @@ def _count_rows_kernel(any_rows, lengths, heads_per_session, block_rows):
         block_rows[g, cuda.blockIdx.x] = total
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _write_rows_kernel(any_rows, winners, lengths, heads_per_session, block_rows, row_index, head_mask, n_rows):
     """Compact the kept tokens into row_index / head_mask in ascending order; clear winners and the bitmap."""
     g = cuda.blockIdx.y

@@ -1,7 +1,20 @@
-"""Host side of the offloaded decode step (SPEC §8).
+"""Host side of the offloaded decode step (SPEC §8): what the host allocates, resolves and launches; the kernels are
+``fathom.cuda``'s.
 
-``pinned``: page-locked, device-mapped host memory with an explicit lifetime (cuda-python);
-``cache``: the offloaded K/V rows, landmarks and growing bit-plane segments (raw or rotated basis, in host memory
-or HBM) of S sessions × L layers × H KV heads, appended on a side stream;
-``decoder``: the per-layer step, ``Decoder(cache, DecoderSettings(...), group).run(layer, q)``.
+============  ==========================================================================================
+module        what it holds or does
+============  ==========================================================================================
+``pinned``    page-locked, device-mapped host memory with an explicit lifetime (cuda-python)
+``cache``     ``OffloadedCache``: the K/V rows, landmarks and growing bit-plane stores (raw or rotated
+              basis, in pinned host memory or HBM) of S sessions × L layers × H KV heads; appends run on
+              the caller's current torch stream, with no host synchronisation
+``strategy``  a method resolved once into the device work that scores the sealed tokens (plane scan,
+              row scan, or none for dense)
+``decoder``   the per-layer step as a fixed list of launches on the caller's current torch stream:
+              ``Decoder(cache, DecoderSettings(...), group).run(layer, q)``
+``graph``     ``StepGraph``: the appends and steps of a decode token as one CUDA graph, captured once and
+              replayed per token (or enqueued into a larger capture)
+============  ==========================================================================================
+
+``tests/test_module_tables.py`` checks that this table names every module here and nothing else.
 """

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -149,7 +149,7 @@ class OffloadedCache:
             store, planes of ``k @ R``.
     """
 
-    def __init__(self, shape: CacheShape, basis: np.ndarray | None = None):
+    def __init__(self, shape: CacheShape, basis: np.ndarray | None = None, rotated: bool = False):
         if not isinstance(shape, CacheShape):
             raise ValueError(f"shape must be a CacheShape, got {type(shape).__name__}")
         self.shape = s = shape
@@ -159,18 +159,20 @@ class OffloadedCache:
                 raise ValueError(f"basis must have shape {(s.layers, s.kv_heads, s.head_dim, s.head_dim)}, "
                                  f"got {basis.shape}")
             for layer in range(s.layers):
-                for head in range(s.kv_heads):
-                    _checks.orthonormal(f"basis[{layer}, {head}]", basis[layer, head], s.head_dim)
-            basis = np.repeat(basis.astype(np.float32)[:, None], s.sessions, 1).reshape(
-                s.layers, s.groups, s.head_dim, s.head_dim)
-        self.rotated = basis is not None
+                self._check_basis(layer, basis[layer])
+        self.rotated = basis is not None or bool(rotated)
         self.closed = False
         self.status = MappedBuffer((s.layers, 4), np.int32)  # error flags, read by the host without a sync
         self._status = as_array(self.status.tensor())
-        self.layers = [LayerStore(s, None if basis is None else torch.as_tensor(basis[i], device=DEVICE))
-                       for i in range(s.layers)]
+        identity = torch.eye(s.head_dim, dtype=torch.float32, device=DEVICE).expand(s.groups, -1, -1)
+        self.layers = [LayerStore(s, identity.clone() if self.rotated else None) for _ in range(s.layers)]
+        if basis is not None:
+            for layer in range(s.layers):
+                self._set_basis(layer, basis[layer])
         self._lengths = np.zeros((s.layers, s.sessions), np.int64)  # host mirror of every layer's lengths
         self._all_sessions = torch.arange(s.sessions, dtype=torch.int32, device=DEVICE)
+        # one index tensor per session, made once: appending to one session then copies nothing to the GPU
+        self._one_session = [self._all_sessions[i:i + 1] for i in range(s.sessions)]
 
     # -- what the host knows --------------------------------------------------------------------------------
 
@@ -178,6 +180,16 @@ class OffloadedCache:
         """Tokens held per session of ``layer``, int64 ``[S]`` (the host's mirror: no sync)."""
         self.check(layer)
         return self._lengths[layer].copy()
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned host memory the cache holds (rows, landmarks, host-resident stores, flags)."""
+        return self.status.nbytes + sum(buffer.nbytes for store in self.layers for buffer in store._pinned)
+
+    def most_held(self) -> int:
+        """Tokens of the fullest session of any layer (the host's mirror: no sync)."""
+        self.check()
+        return int(self._lengths.max())
 
     def layer(self, layer: int) -> LayerStore:
         self.check(layer)
@@ -204,6 +216,46 @@ class OffloadedCache:
     def stream(self):
         """The caller's current torch stream, as Numba launches take it (0 under the simulator)."""
         return 0 if SIMULATED else cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+    @property
+    def all_sessions(self) -> torch.Tensor:
+        """int32 ``[S]`` on the GPU: every session, the ``sessions`` argument of :meth:`enqueue_append`."""
+        return self._all_sessions
+
+    def status_flags(self, layer: int):
+        """The error flags of ``layer`` (int32 ``[4]``, pinned and mapped) that its kernels raise."""
+        return self._status[layer]
+
+    def advance(self, tokens: np.ndarray) -> None:
+        """Record in the host's mirror that every session of layer ``l`` gained ``tokens[l]`` tokens through GPU
+        work enqueued without it (:meth:`enqueue_append` in a replayed CUDA graph)."""
+        self._lengths += np.asarray(tokens, np.int64).reshape(-1, 1)
+
+    # -- the rotated store's basis ---------------------------------------------------------------------------
+
+    def set_basis(self, layer: int, basis: np.ndarray | torch.Tensor) -> None:
+        """The rotated store's basis of ``layer``, ``[H, d, d]`` orthonormal per KV head (every session the
+        same), copied into place: set it before the layer holds a token (its planes are of ``k @ R``)."""
+        self.check(layer)
+        if not self.rotated:
+            raise ValueError("this cache holds only the raw store: make it with rotated=True to set a basis")
+        if self._lengths[layer].any():
+            raise ValueError(f"layer {layer} already holds tokens: its basis is fixed")
+        self._check_basis(layer, basis)
+        self._set_basis(layer, basis)
+
+    def _check_basis(self, layer: int, basis) -> None:
+        s = self.shape
+        host = basis.detach().cpu().numpy() if isinstance(basis, torch.Tensor) else np.asarray(basis)
+        if host.shape != (s.kv_heads, s.head_dim, s.head_dim):
+            raise ValueError(f"basis of layer {layer} must have shape {(s.kv_heads, s.head_dim, s.head_dim)}, "
+                             f"got {host.shape}")
+        for head in range(s.kv_heads):
+            _checks.orthonormal(f"basis[{layer}, {head}]", host[head], s.head_dim)
+
+    def _set_basis(self, layer: int, basis) -> None:
+        per_head = torch.as_tensor(basis, dtype=torch.float32).to(DEVICE)
+        self.layers[layer].basis.copy_(per_head.repeat(self.shape.sessions, 1, 1))
 
     # -- appends --------------------------------------------------------------------------------------------
 
@@ -232,8 +284,12 @@ class OffloadedCache:
                              f"exceeds max_tokens = {s.max_tokens} ({int(held.max())} held)")
         if m == 0:
             return
-        index = self._all_sessions if len(sessions) == s.sessions and (sessions == np.arange(s.sessions)).all() \
-            else torch.as_tensor(sessions.astype(np.int32), device=DEVICE)
+        if len(sessions) == s.sessions and (sessions == np.arange(s.sessions)).all():
+            index = self._all_sessions
+        elif len(sessions) == 1:
+            index = self._one_session[int(sessions[0])]
+        else:
+            index = torch.as_tensor(sessions.astype(np.int32), device=DEVICE)
         groups = len(sessions) * s.kv_heads
         self.enqueue_append(layer, k.reshape(groups, m, s.head_dim), v.reshape(groups, m, s.head_dim), index,
                             self.stream())
@@ -290,6 +346,46 @@ class OffloadedCache:
             for st in store.stores.values():
                 st.scale_sq_sum[heads] = 0
         self._lengths[:, session] = 0
+
+    def clear(self) -> None:
+        """Empty every session of every layer, flags included (the memory is kept: a pooled cache's reuse)."""
+        self.check()
+        for store in self.layers:
+            store.lengths.zero_()
+            for st in store.stores.values():
+                st.scale_sq_sum.zero_()
+        self._lengths[...] = 0
+        self.status.host[...] = 0
+
+    def grown(self, max_tokens: int) -> OffloadedCache:
+        """A cache of the same sessions, layers and stores holding ``max_tokens`` per session, with everything this
+        one holds copied in (rows, landmarks, records, tails, σ² sums, lengths, bases); this one is closed.
+        The records keep their addresses per (group, segment): a segment count grown at the end."""
+        self.check()
+        s = self.shape
+        if not isinstance(max_tokens, (int, np.integer)) or max_tokens < s.max_tokens:
+            raise ValueError(f"max_tokens must be an integer >= the current {s.max_tokens}, got {max_tokens!r}")
+        bigger = OffloadedCache(replace(s, max_tokens=int(max_tokens)), rotated=self.rotated)
+        if not SIMULATED:
+            torch.cuda.synchronize()  # host-side copies below: every kernel writing the old memory is done
+        T, segments = s.max_tokens, s.segments
+        for old, new in zip(self.layers, bigger.layers):
+            new.kv.host[:, :T] = old.kv.host
+            new.marks.host[:, :old.marks.shape[1]] = old.marks.host
+            new.lengths.copy_(old.lengths)
+            if old.basis is not None:
+                new.basis.copy_(old.basis)
+            for name, st in old.stores.items():
+                target = new.stores[name]
+                per_segment = s.head_dim * s.layout.record_words
+                target.records.view(s.groups, -1, per_segment)[:, :segments].copy_(
+                    st.records.view(s.groups, segments, per_segment))
+                target.scale_sq_sum.copy_(st.scale_sq_sum)
+                target.tail.copy_(st.tail)
+        bigger.status.host[...] = self.status.host
+        bigger._lengths[...] = self._lengths
+        self.close()
+        return bigger
 
     def _sessions(self, sessions) -> np.ndarray:
         n = self.shape.sessions

@@ -6,7 +6,7 @@ list of launches whose arguments never change: static buffers, and sizes that va
 session's context, sealed blocks, rows kept) read from device memory by the kernels, which launch at grids fixed
 by the cache's capacity and exit early where there is nothing to do. So a step needs no host synchronisation and
 no allocation, every launch goes to the caller's current torch stream, and the same list is what a CUDA graph
-captures (``fathom.host.graph``). The stages, in order (each can be timed, :meth:`Decoder.stages`):
+captures (``fathom.host.graph``). The stages, in order (each can be timed: :meth:`Decoder.run`'s ``on_stage``):
 
 =============  ===================================================================================================
 ``plan``       the query in the store's basis (rotated store) and the read depths: water-filling, SparQ's top
@@ -81,7 +81,13 @@ class DecoderSettings:
             raise ValueError(f"threads must lie in 32..1024, got {self.threads}")
 
 
-Launch = Callable[[object], None]
+Launch = Callable[[object], None]  # fn(stream): one kernel launch (or torch op) with every argument bound
+
+
+def run_launches(launches, stream) -> None:
+    """Enqueue ``launches`` in order on ``stream`` (what a step, a warm-up and a CUDA graph capture all do)."""
+    for launch in launches:
+        launch(stream)
 
 
 class Decoder:
@@ -142,16 +148,33 @@ class Decoder:
 
     # -- the step -------------------------------------------------------------------------------------------
 
-    def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def run(self, layer: int, q: torch.Tensor, on_stage: Callable[[str, Callable[[], None]], None] | None = None
+            ) -> torch.Tensor:
         """One decode step of ``layer``: ``q [S, H·G, d]`` (float32 / bf16 / fp16, on the GPU) -> float32 attention
-        output ``[S, H·G, d]``. The output is the decoder's buffer for the layer, overwritten by its next step."""
+        output ``[S, H·G, d]``. The output is the decoder's buffer for the layer, overwritten by its next step.
+        ``on_stage(name, enqueue)``, if given, is called per stage and must call ``enqueue()`` once (e.g. between
+        two CUDA events, to time the stages)."""
         self.check(layer, q)
         self.q_in[layer].copy_(q)
         stream = self.cache.stream()
-        for _, launches in self._steps[layer]:
-            for launch in launches:
-                launch(stream)
+        if on_stage is None:
+            run_launches(self.launches(layer), stream)
+            return self.out[layer]
+        for name, launches in self._steps[layer]:
+            on_stage(name, lambda launches=launches: run_launches(launches, stream))
         return self.out[layer]
+
+    def launches(self, layer: int) -> list[Launch]:
+        """Every launch of ``layer``'s step, in order; the step reads its query from ``q_in[layer]`` and writes
+        ``out[layer]``."""
+        return [launch for _, stage in self._steps[layer] for launch in stage]
+
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None) -> None:
+        """Replace ``layer``'s calibration (``sigma2``, ``ds_rank`` ``[H, d]``, where the method reads them) in the
+        tensors the step reads, so steps already captured in a CUDA graph read the new values."""
+        self.cache.check(layer)
+        if self.strategy is not None and hasattr(self.strategy, "set_calibration"):
+            self.strategy.set_calibration(layer, sigma2, ds_rank)
 
     def check(self, layer: int, q: torch.Tensor | None = None) -> None:
         """Validate a step's input before any kernel runs (no sync): the cache open, no error flagged since the
@@ -170,14 +193,10 @@ class Decoder:
         if len(empty):
             raise ValueError(f"session {int(empty[0])} of layer {layer} holds no tokens: nothing to attend to")
 
-    def stages(self, layer: int) -> list[tuple[str, list[Launch]]]:
-        """The step's launches by stage (for timing each stage); :meth:`run` runs them in order."""
-        return self._steps[layer]
-
     def _build(self, layer: int) -> list[tuple[str, list[Launch]]]:
         s, sel = self.cache.shape, self.settings.selection
         store = self.cache.layers[layer]
-        heads, lengths, status = s.kv_heads, store.arrays["lengths"], self.cache._status[layer]
+        heads, lengths, status = s.kv_heads, store.arrays["lengths"], self.cache.status_flags(layer)
         q = self.q_in[layer].view(s.groups, self.group, s.head_dim)
         out = as_array(self.out[layer].view(s.groups, self.group, s.head_dim))
         a = {name: as_array(getattr(self, name)) for name in
@@ -215,10 +234,7 @@ class Decoder:
         early; on a filled one they compute an output nobody reads). The simulator compiles nothing."""
         if SIMULATED:
             return
-        stream = self.cache.stream()
-        for _, launches in self._steps[0]:
-            for launch in launches:
-                launch(stream)
+        run_launches(self.launches(0), self.cache.stream())
         torch.cuda.synchronize()
 
     # -- what the last step read (host syncs) ---------------------------------------------------------------

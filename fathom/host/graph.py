@@ -7,18 +7,27 @@ append of the new token's K/V and then the step, as one ``torch.cuda.CUDAGraph``
 the static buffers and launches the whole graph at once: the host cost of a decode token no longer grows with the
 number of kernel launches. Outputs equal the eager :meth:`Decoder.run` (tested).
 
+Capturing costs milliseconds: no garbage collection is forced (the launches hold no reference cycles, so a graph
+is freed when its last reference goes; the collector is only kept off during the capture, where a finalizer
+freeing GPU memory would invalidate it) and torch's cache of GPU memory is not emptied.
+
+:meth:`StepGraph.enqueue` puts the same launches on the current stream without a graph, for a larger capture that
+contains them (a whole model's decode token, ``fathom.integrations.transformers``).
+
 Under the CUDA simulator there are no graphs: a "replay" runs the same recorded launches, which still checks the
 property a graph needs (nothing in them depends on host state that changes between steps).
 
 Example::
 
-    token = StepGraph(decoder, layers=range(36), append=True)   # captured once
-    out = token(q, k, v)   # q [L', S, H·G, d], k, v [L', S, H, 1, d] -> float32 [L', S, H·G, d]
+    token = StepGraph(decoder, layers=range(36), append=True)
+    out = token(q, k, v)   # captured at this first call, replayed at every later one
+    # q [L', S, H·G, d], k, v [L', S, H, 1, d] -> float32 [L', S, H·G, d]
 """
 
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from typing import Sequence
 
 import numpy as np
@@ -26,7 +35,7 @@ import torch
 from numba import cuda
 
 from fathom.cuda.interop import DEVICE, SIMULATED
-from fathom.host.decoder import Decoder
+from fathom.host.decoder import Decoder, Launch, run_launches
 
 
 class StepGraph:
@@ -37,9 +46,10 @@ class StepGraph:
         decoder: the :class:`Decoder` whose steps are captured (its buffers become the graph's inputs/outputs).
         layers: the layers, in order (default: every layer of the cache).
         append: capture the append of one token per session before each layer's step.
+        pool: a ``torch.cuda.graph_pool_handle()`` shared with other graphs replayed in capture order (None: own).
     """
 
-    def __init__(self, decoder: Decoder, layers: Sequence[int] | None = None, append: bool = False):
+    def __init__(self, decoder: Decoder, layers: Sequence[int] | None = None, append: bool = False, pool=None):
         if not isinstance(decoder, Decoder):
             raise ValueError(f"decoder must be a Decoder, got {type(decoder).__name__}")
         cache, s = decoder.cache, decoder.cache.shape
@@ -53,65 +63,37 @@ class StepGraph:
         n = len(self.layers)
         self.q_in = torch.zeros((n, s.sessions, s.kv_heads * decoder.group, s.head_dim), dtype=torch.float32,
                                 device=DEVICE)
-        shape = (n, s.groups, 1, s.head_dim)
         self.out = torch.zeros_like(self.q_in)
+        shape = (n, s.groups, 1, s.head_dim)
         self.k_in = torch.zeros(shape, dtype=torch.float32, device=DEVICE) if append else None
         self.v_in = torch.zeros(shape, dtype=torch.float32, device=DEVICE) if append else None
-        sessions = cache._all_sessions
-        launches = []
-        for i, layer in enumerate(self.layers):  # one host copy per input at replay: the per-layer copies are inside
-            if append:
-                launches.append(lambda stream, i=i, layer=layer: cache.enqueue_append(
-                    layer, self.k_in[i], self.v_in[i], sessions, stream))
-            launches.append(lambda stream, i=i, layer=layer: decoder.q_in[layer].copy_(self.q_in[i]))
-            for _, stage in decoder.stages(layer):
-                launches += stage
-            launches.append(lambda stream, i=i, layer=layer: self.out[i].copy_(decoder.out[layer]))
-        self._launches = launches
-        self._graph = None
-        if SIMULATED:
-            return
-        # Warm up on the capture stream first (kernels compiled, cuBLAS's workspace for that stream made: neither
-        # may happen inside a capture), with the appends dry: the cache does not change.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with cache.dry_run(), torch.cuda.stream(side):
-            stream = cache.stream()
-            for launch in launches:
-                launch(stream)
-        self._graph = torch.cuda.CUDAGraph()
-        # No finalizer may run inside the capture: one that frees GPU memory (an earlier graph's pool, found by the
-        # cycle collector) would invalidate it. Collect now, keep the collector off while capturing, and let Numba
-        # defer its own frees.
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with cuda.defer_cleanup(), torch.cuda.graph(self._graph, stream=side):
-                stream = cache.stream()  # the capture stream, which torch makes current
-                for launch in launches:
-                    launch(stream)
-        finally:
-            if collecting:
-                gc.enable()
-        torch.cuda.synchronize()
+        self._launches = _token_launches(decoder, self.layers, self.q_in, self.k_in, self.v_in, self.out)
+        self._pool = pool
+        self._graph = None  # captured at the first replay: a graph used only through enqueue() never is
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
         """Replay: ``q [L', S, H·G, d]`` (``[S, H·G, d]`` for one layer) and, with appends, the new token's
         ``k, v [L', S, H, 1, d]`` (``[S, H, 1, d]``) -> float32 outputs of the same leading shape (the graph's
         output buffer, overwritten by the next replay)."""
+        self.check(q, k, v)
+        out = self.replay(q, k, v)
+        return out[0] if q.ndim == 3 else out
+
+    def check(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> None:
+        """Refuse what :meth:`replay` would get wrong, before any copy: shapes, devices, the cache open with no
+        error flagged, room for the appends, tokens to attend to."""
         decoder, cache, s = self.decoder, self.decoder.cache, self.decoder.cache.shape
         n = len(self.layers)
-        one = q.ndim == 3 if isinstance(q, torch.Tensor) else False
-        q = q[None] if one else q
+        one = isinstance(q, torch.Tensor) and q.ndim == 3
         qs = (n, s.sessions, s.kv_heads * decoder.group, s.head_dim)
-        if not isinstance(q, torch.Tensor) or tuple(q.shape) != qs or q.device.type != DEVICE.type:
+        if not isinstance(q, torch.Tensor) or tuple(q[None].shape if one else q.shape) != qs \
+                or q.device.type != DEVICE.type:
             raise ValueError(f"q must be a tensor on {DEVICE.type} of shape {qs[1:] if n == 1 else qs}")
         if self.append:
             ks = (n, s.sessions, s.kv_heads, 1, s.head_dim)
-            k, v = (None if x is None else x[None] if one else x for x in (k, v))
             for name, x in (("k", k), ("v", v)):
-                if not isinstance(x, torch.Tensor) or tuple(x.shape) != ks or x.device.type != DEVICE.type:
+                if not isinstance(x, torch.Tensor) or tuple(x[None].shape if one else x.shape) != ks \
+                        or x.device.type != DEVICE.type:
                     raise ValueError(f"{name} must be a tensor on {DEVICE.type} of shape {ks[1:] if n == 1 else ks}")
         elif k is not None or v is not None:
             raise ValueError("this graph appends nothing: pass q only (capture with append=True to append)")
@@ -122,16 +104,78 @@ class StepGraph:
                                  f"({int(held.max())} held)")
             if not self.append and held.min() == 0:
                 raise ValueError(f"a session of layer {layer} holds no tokens: nothing to attend to")
-        self.q_in.copy_(q)
-        if self.append:
-            self.k_in.copy_(k.reshape(self.k_in.shape))
-            self.v_in.copy_(v.reshape(self.v_in.shape))
+
+    def replay(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`__call__` without its checks (the caller made them, e.g. once per decode token for every layer):
+        copy the inputs in, replay, record the appends in the cache's host mirror. Returns ``out`` ``[L', ...]``."""
+        if self._graph is None and not SIMULATED:
+            self._graph = capture(self.decoder.cache, self._launches, self._pool)
+        self._copy_inputs(q, k, v)
         if self._graph is not None:
             self._graph.replay()
         else:
-            stream = cache.stream()
-            for launch in self._launches:
-                launch(stream)
+            run_launches(self._launches, self.decoder.cache.stream())
         if self.append:
-            cache._lengths += self._appends[:, None]
-        return self.out[0] if one else self.out
+            self.decoder.cache.advance(self._appends)
+        return self.out
+
+    def enqueue(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """The same work as :meth:`replay`, launched one by one on the current stream and **not** recorded in the
+        host mirror: for a larger CUDA graph that contains it, whose replays then advance the cache
+        (``cache.advance``). Returns ``out``."""
+        self._copy_inputs(q, k, v)
+        run_launches(self._launches, self.decoder.cache.stream())
+        return self.out
+
+    def _copy_inputs(self, q, k, v) -> None:
+        self.q_in.copy_(q.reshape(self.q_in.shape))
+        if self.append:
+            self.k_in.copy_(k.reshape(self.k_in.shape))
+            self.v_in.copy_(v.reshape(self.v_in.shape))
+
+
+def _token_launches(decoder: Decoder, layers: list[int], q_in, k_in, v_in, out) -> list[Launch]:
+    """The launches of one replay. They close over the buffers, never over a StepGraph: no reference cycle keeps a
+    dropped graph (and its memory) alive until the next garbage collection."""
+    cache = decoder.cache
+    sessions = cache.all_sessions
+    launches: list[Launch] = []
+    for i, layer in enumerate(layers):  # one host copy per input at replay: the per-layer copies are inside
+        if k_in is not None:
+            launches.append(lambda stream, i=i, layer=layer: cache.enqueue_append(layer, k_in[i], v_in[i], sessions,
+                                                                                   stream))
+        launches.append(lambda stream, i=i, layer=layer: decoder.q_in[layer].copy_(q_in[i]))
+        launches += decoder.launches(layer)
+        launches.append(lambda stream, i=i, layer=layer: out[i].copy_(decoder.out[layer]))
+    return launches
+
+
+@contextmanager
+def collector_off():
+    """Python's cycle collector off inside (restored after): no finalizer may free GPU memory during a capture."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def capture(cache, launches: list[Launch], pool=None) -> torch.cuda.CUDAGraph:
+    """``launches`` as one CUDA graph. They are first run once on the capture stream with the cache's appends dry
+    (kernels compiled, cuBLAS's workspace made for that stream: neither may happen inside a capture; the cache
+    does not change), then captured with Numba's frees deferred and the collector off."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with cache.dry_run(), torch.cuda.stream(side):
+        run_launches(launches, cache.stream())
+    graph = torch.cuda.CUDAGraph()
+    with collector_off(), cuda.defer_cleanup(), torch.cuda.stream(side):
+        graph.capture_begin(pool=pool)
+        try:
+            run_launches(launches, cache.stream())  # the capture stream, which torch makes current
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph

@@ -16,7 +16,7 @@ the decoder runs eagerly or captures into a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -52,19 +52,31 @@ class PlaneScan:
         self.cache, self.basis, self.warps = cache, method.basis, warps
         policy, shape = method.policy, cache.shape
         self.policy = policy
+        self.group = group
         if isinstance(policy, (methods.Waterfill, methods.LayerWaterfill)):
             budgets = [policy.budget] * shape.layers if isinstance(policy, methods.Waterfill) else list(policy.budgets)
             if len(budgets) != shape.layers:
                 raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "
                                  f"{shape.layers} layers")
             self.budgets = budgets
-            self.sigma2 = None if policy.variance == "store" else _per_group(cache, "sigma2", sigma2, torch.float64)
+            self.sigma2 = None if policy.variance == "store" else _per_group(shape, "sigma2", sigma2, torch.float64)
         elif isinstance(policy, (methods.FixedChannels, methods.UniformDepth)):
-            self.fixed = torch.as_tensor(np.repeat(_fixed_depths(policy, cache, group, ds_rank)[:, None],
+            self.fixed = torch.as_tensor(np.repeat(_fixed_depths(policy, shape, group, ds_rank)[:, None],
                                                    shape.sessions, 1).reshape(shape.layers, shape.groups, -1),
                                          device=DEVICE)
         elif not isinstance(policy, methods.QueryTopChannels):
             raise ValueError(f"no plane scan for the policy of {method.name!r}")
+
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
+        """Copy one layer's calibration (``[H, d]`` each; what the policy reads of it) into the tensors the
+        captured launches read: a CUDA graph of the step stays valid."""
+        one_layer = replace(self.cache.shape, layers=1)
+        if getattr(self, "sigma2", None) is not None and sigma2 is not None:
+            self.sigma2[layer].copy_(_per_group(one_layer, "sigma2", np.asarray(sigma2)[None], torch.float64)[0])
+        if hasattr(self, "fixed") and ds_rank is not None:
+            depths = _fixed_depths(self.policy, one_layer, self.group, np.asarray(ds_rank)[None])[0]
+            self.fixed[layer].copy_(torch.as_tensor(np.repeat(depths[None], one_layer.sessions, 0).reshape(
+                one_layer.groups, -1), device=DEVICE))
 
     def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
         """The query into the store's basis, then the depths."""
@@ -133,9 +145,8 @@ def resolve(method: methods.Method, cache, group: int, sigma2: np.ndarray | None
     return PlaneScan(method, cache, group, sigma2, ds_rank, warps)
 
 
-def _per_group(cache, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
-    """``x [L, H, d]`` repeated per session -> ``[L, groups, d]`` on the device."""
-    s = cache.shape
+def _per_group(s, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
+    """``x [L, H, d]`` repeated per session of the cache shape ``s`` -> ``[L, groups, d]`` on the device."""
     if x is None or np.shape(x) != (s.layers, s.kv_heads, s.head_dim):
         raise ValueError(f"{name} must have shape {(s.layers, s.kv_heads, s.head_dim)} for this method")
     x = np.asarray(x, np.float64)
@@ -145,9 +156,9 @@ def _per_group(cache, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
     return torch.as_tensor(per_group, dtype=dtype, device=DEVICE)
 
 
-def _fixed_depths(policy, cache, group: int, ds_rank: np.ndarray | None) -> np.ndarray:
-    """Depths ``int8 [L, H, d]`` of a query-independent policy (double-sparsity, loki, thumbnail)."""
-    s = cache.shape
+def _fixed_depths(policy, s, group: int, ds_rank: np.ndarray | None) -> np.ndarray:
+    """Depths ``int8 [L, H, d]`` of a query-independent policy (double-sparsity, loki, thumbnail) over the layers
+    of the cache shape ``s``."""
     shape = (s.layers, s.kv_heads, s.head_dim)
     ranked = isinstance(policy, methods.FixedChannels) and policy.ranking == "double-sparsity"
     if ranked:

@@ -1,7 +1,7 @@
 """Where a decoding loop keeps its sessions' K/V: the NumPy reference or the offloaded GPU cache.
 
-Both hold S ragged sessions × L layers × H KV heads (every session at its own
-length), take torch tensors and give the attention output back as float32 torch:
+Both hold S ragged sessions × L layers × H KV heads (every session at its own length), take torch tensors and give
+the attention output back as float32 torch:
 
 * :class:`ReferenceSessions` (CPU): per (layer, session, KV head) a growing
   :class:`~fathom.decode.HeadIndex` — raw bit-plane store, the rotated one when
@@ -11,11 +11,15 @@ length), take torch tensors and give the attention output back as float32 torch:
   sealed is re-quantized, and only new blocks are dequantized for the scorer.
 * :class:`OffloadedSessions` (GPU): :class:`fathom.host.cache.OffloadedCache`
   (bf16 rows and bit planes in pinned host memory) and
-  :class:`fathom.host.decoder.Decoder`; full K/V never come back to the GPU.
+  :class:`fathom.host.decoder.Decoder`; full K/V never come back to the GPU, except for the dense attention of a
+  continuation chunk (:meth:`~OffloadedSessions.extend`). Each layer's step is one captured CUDA graph; idle
+  sessions go back to :data:`POOL` for the next cache of the same key, graphs and pinned memory included.
 
-``append(layer, session, k, v)`` adds ``m`` tokens to one session
-(``k, v [H, m, d]``); ``step(layer, q, k, v)`` appends one token to every
-session (``k, v [S, H, d]``) and decodes ``q [S, H·G, d] -> [S, H·G, d]``.
+``calibrate(layer, stats)`` gives a layer its calibration before the layer holds a token (a calibration from the
+prompt arrives layer by layer during the prefill); ``append(layer, session, k, v)`` adds ``m`` tokens to one session
+(``k, v [H, m, d]``); ``extend(layer, q, k, v)`` adds a chunk of ``m`` tokens to every session, attending densely
+over what each holds and causally within the chunk (a conversation's next turn); ``step(layer, q, k, v)`` appends one
+token to every session (``k, v [S, H, d]``) and decodes ``q [S, H·G, d] -> [S, H·G, d]``.
 
 Example (the reference at its most faithful: dense is exact attention)::
 
@@ -37,22 +41,26 @@ Example (the reference at its most faithful: dense is exact attention)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from fathom.calibration import Calibration
 from fathom.decode import HeadIndex, decode_step
-from fathom.methods import HeadStats, Method
 from fathom.growing import GrowingRows
+from fathom.methods import HeadStats, Method
+from fathom.quantize import BLOCK
 from fathom.selection import Selection
 
 
 @dataclass(frozen=True)
 class SessionShape:
     """``sessions`` × ``layers`` × ``kv_heads`` streams of ``head_dim``; ``group`` query heads per KV head;
-    ``max_tokens`` per session (the offloaded cache reserves it up front; the reference grows)."""
+    ``max_tokens`` per session (the offloaded cache reserves it up front and grows it when a session needs more;
+    the reference grows as it goes)."""
 
     sessions: int
     layers: int
@@ -69,9 +77,50 @@ class SessionShape:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
 
 
+@dataclass(frozen=True)
+class LayerStats:
+    """One layer's calibration as the sessions read it: NumPy ``[H, d]`` (``basis [H, d, d]``)."""
+
+    sigma2_raw: np.ndarray
+    basis: np.ndarray
+    sigma2_rotated: np.ndarray
+    ds_rank: np.ndarray
+
+    @classmethod
+    def of(cls, calibration: Calibration, layer: int) -> LayerStats:
+        return cls(calibration.sigma2_raw[layer], calibration.basis[layer], calibration.sigma2_rotated[layer],
+                   calibration.ds_rank[layer])
+
+    def head(self, head: int, basis: str, layer: int) -> HeadStats:
+        """The stats of one KV head in the ``basis`` ("raw" or "rotated") store."""
+        sigma2 = self.sigma2_rotated if basis == "rotated" else self.sigma2_raw
+        return HeadStats(sigma2=sigma2[head], ds_rank=self.ds_rank[head], layer=layer)
+
+
 def scans_rotated(method: Method) -> bool:
     """Whether ``method`` scans the rotated store (fathom-rotated, loki): the store then needs a basis."""
     return method.scorer == "planes" and method.basis == "rotated"
+
+
+def capacity(tokens: int) -> int:
+    """The per-session capacity reserved for ``tokens``: rounded up to a coarse bucket (1/8 of its power of two, at
+    least one 64-token block), so that caches of similar lengths share a pool key and growth is rare."""
+    step = max(BLOCK, 2 ** max(0, math.floor(math.log2(max(tokens, 1))) - 3))
+    return -(-tokens // step) * step
+
+
+def dense_chunk_attention(q: torch.Tensor, held_k: torch.Tensor, held_v: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk's attention over a session's held tokens (all visible) and the chunk itself (causal).
+
+    ``q [H·G, m, d]``, ``held_k, held_v [H, n, d]``, ``k, v [H, m, d]`` -> ``[H·G, m, d]`` in ``q``'s dtype
+    (sdpa with grouped query heads: query head ``h·G + g`` reads KV head ``h``)."""
+    m, n = q.shape[1], held_k.shape[1]
+    keys, values = torch.cat([held_k.to(q.dtype), k.to(q.dtype)], 1), torch.cat([held_v.to(q.dtype), v.to(q.dtype)], 1)
+    visible = torch.ones((m, n + m), dtype=torch.bool, device=q.device)
+    visible[:, n:] = torch.ones((m, m), dtype=torch.bool, device=q.device).tril()
+    return torch.nn.functional.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=visible,
+                                                            scale=scale, enable_gqa=True)[0]
 
 
 class ReferenceSessions:
@@ -81,41 +130,56 @@ class ReferenceSessions:
         shape: sizes (``max_tokens`` unused: the reference grows).
         method, selection, scale: the decode step (``scale``: the model's softmax scale).
         calibration: per (layer, KV head) stats over the ``shape.layers`` layers; needed by rotated-store
-            methods (their basis), double-sparsity (its channels) and ``variance="calibration"``.
+            methods (their basis), double-sparsity (its channels) and ``variance="calibration"``. Without one,
+            such a method takes each layer's from :meth:`calibrate` before the layer's first append.
     """
 
     def __init__(self, shape: SessionShape, method: Method, selection: Selection, scale: float,
-                 calibration: Calibration | None = None):
-        if scans_rotated(method) and calibration is None:
-            raise ValueError(f"method {method.name!r} scans the rotated store: a calibration (its basis) is needed")
+                 calibration: Calibration | None = None, needs_calibration: bool = False):
         self.shape, self.method, self.selection, self.scale = shape, method, selection, scale
-        d = shape.head_dim
+        self.stats: list[LayerStats | None] = [None] * shape.layers
+        if calibration is not None:
+            self.stats = [LayerStats.of(calibration, layer) for layer in range(shape.layers)]
+        elif not (needs_calibration or scans_rotated(method)):
+            self.stats = [_unit_stats(shape) for _ in range(shape.layers)]
+        self.indexes: list[list[list[HeadIndex]] | None] = [None] * shape.layers  # made on the layer's first append
+        self.values: list[list[list[GrowingRows]] | None] = [None] * shape.layers
 
-        def head_index(layer: int, head: int) -> HeadIndex:
-            if calibration is None:  # HeadStats.layer still names the layer (per-layer plans read it)
-                stats = {b: HeadStats(np.ones(d), np.arange(d), layer=layer) for b in ("raw", "rotated")}
-            else:
-                stats = {b: calibration.head_stats(layer, head, b) for b in ("raw", "rotated")}
-            basis = calibration.basis[layer, head] if scans_rotated(method) else None
-            return HeadIndex(d, stats, basis)
-
-        self.indexes = [[[head_index(layer, h) for h in range(shape.kv_heads)] for _ in range(shape.sessions)]
-                        for layer in range(shape.layers)]
-        self.values: list[list[list[GrowingRows]]] | None = None  # made on the first append (the value width)
+    def calibrate(self, layer: int, stats: LayerStats) -> None:
+        """``layer``'s calibration, before it holds a token."""
+        if self.indexes[layer] is not None:
+            raise ValueError(f"layer {layer} already holds tokens: its calibration is fixed")
+        self.stats[layer] = stats
 
     def lengths(self, layer: int) -> np.ndarray:
         """Tokens held by each session of ``layer``, int64 ``[S]``."""
+        if self.indexes[layer] is None:
+            return np.zeros(self.shape.sessions, np.int64)
         return np.array([len(heads[0].keys) for heads in self.indexes[layer]], np.int64)
 
     def append(self, layer: int, session: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``m`` tokens to one session: ``k [H, m, d]``, ``v [H, m, dv]`` (kept as float32)."""
-        if self.values is None:
-            self.values = [[[GrowingRows(v.shape[-1]) for _ in range(self.shape.kv_heads)]
-                            for _ in range(self.shape.sessions)] for _ in range(self.shape.layers)]
+        self._open_layer(layer, v.shape[-1])
         k, v = _numpy(k), _numpy(v)
         for h in range(self.shape.kv_heads):
             self.indexes[layer][session][h].append(k[h])
             self.values[layer][session][h].append(v[h])
+
+    def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A chunk of ``m`` tokens for every session: ``q [S, H·G, m, d]``, ``k, v [S, H, m, d]`` -> float32
+        ``[S, H·G, m, dv]``, each token attending densely (exact float32) over what its session holds and causally
+        within the chunk; then the chunk is appended."""
+        out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float32)
+        for s in range(self.shape.sessions):
+            held = self.indexes[layer][s] if self.indexes[layer] is not None else None
+            held_k = torch.from_numpy(np.stack([index.keys for index in held])) if held \
+                else torch.zeros((self.shape.kv_heads, 0, k.shape[-1]))
+            held_v = torch.from_numpy(np.stack([rows.array for rows in self.values[layer][s]])) if held \
+                else torch.zeros((self.shape.kv_heads, 0, v.shape[-1]))
+            out[s] = dense_chunk_attention(q[s].float().cpu(), held_k, held_v, k[s].float().cpu(), v[s].float().cpu(),
+                                           self.scale)
+            self.append(layer, s, k[s], v[s])
+        return out.to(q.device)
 
     def step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Append ``k, v [S, H, d]`` to every session, then decode ``q [S, H·G, d]`` -> float32 ``[S, H·G, dv]``."""
@@ -135,54 +199,209 @@ class ReferenceSessions:
     def close(self) -> None:
         """Nothing to release (host memory is garbage collected)."""
 
+    def _open_layer(self, layer: int, value_dim: int) -> None:
+        if self.indexes[layer] is not None:
+            return
+        stats = self.stats[layer]
+        if stats is None:
+            raise ValueError(f"layer {layer} has no calibration: method {self.method.name!r} needs one "
+                             "(calibrate the layer before its first append)")
+        S, H, d = self.shape.sessions, self.shape.kv_heads, self.shape.head_dim
+        rotated = scans_rotated(self.method)
+
+        def head_index(h: int) -> HeadIndex:
+            head_stats = {b: stats.head(h, b, layer) for b in ("raw", "rotated")}
+            return HeadIndex(d, head_stats, stats.basis[h] if rotated else None)
+
+        self.indexes[layer] = [[head_index(h) for h in range(H)] for _ in range(S)]
+        self.values[layer] = [[GrowingRows(value_dim) for _ in range(H)] for _ in range(S)]
+
 
 class OffloadedSessions:
     """The GPU path: :class:`fathom.host.cache.OffloadedCache` and :class:`fathom.host.decoder.Decoder`, each
     layer's step (with the append of its token) captured once as a :class:`fathom.host.graph.StepGraph`.
 
-    Arguments as :class:`ReferenceSessions`; ``shape.max_tokens`` is required (pinned memory is reserved up front).
-    A step's output is the graph's buffer, valid until the layer's next step. Call :meth:`close` to release the
-    pinned memory.
+    Arguments as :class:`ReferenceSessions`; ``shape.max_tokens`` is required (pinned memory is reserved up front;
+    :meth:`reserve` grows it). A step's output is the graph's buffer, valid until the layer's next step.
+    :meth:`close` releases the pinned memory; :data:`POOL` keeps idle sessions for reuse instead.
     """
 
     def __init__(self, shape: SessionShape, method: Method, selection: Selection, scale: float,
-                 calibration: Calibration | None = None):
+                 calibration: Calibration | None = None, needs_calibration: bool = False):
         from fathom.host.cache import CacheShape, OffloadedCache
-        from fathom.host.decoder import Decoder, DecoderSettings
 
         if shape.max_tokens is None:
             raise ValueError("shape.max_tokens is needed: the offloaded cache reserves its memory up front")
-        rotated = scans_rotated(method)
-        if rotated and calibration is None:
-            raise ValueError(f"method {method.name!r} scans the rotated store: a calibration (its basis) is needed")
-        self.shape = shape
+        self.shape, self.method, self.selection, self.scale = shape, method, selection, scale
+        self.needs_calibration = needs_calibration or scans_rotated(method)
         cache_shape = CacheShape(sessions=shape.sessions, layers=shape.layers, kv_heads=shape.kv_heads,
                                  head_dim=shape.head_dim, max_tokens=shape.max_tokens)
-        self.cache = OffloadedCache(cache_shape, basis=calibration.basis if rotated else None)
-        sigma2 = ds_rank = None
+        self.cache = OffloadedCache(cache_shape, rotated=scans_rotated(method))
+        self.stats: list[LayerStats | None] = [None] * shape.layers
+        self._make_decoder()
         if calibration is not None:
-            sigma2 = calibration.sigma2_rotated if rotated else calibration.sigma2_raw
-            ds_rank = calibration.ds_rank
-        self.decoder = Decoder(self.cache, DecoderSettings(method, selection, scale=scale), group=shape.group,
-                               sigma2=sigma2, ds_rank=ds_rank)
-        self.graphs: dict = {}  # layer -> its captured step (a StepGraph), made on the layer's first step
+            for layer in range(shape.layers):
+                self.calibrate(layer, LayerStats.of(calibration, layer))
+
+    @property
+    def key(self) -> tuple:
+        """What the captured graphs depend on: sessions with the same key are interchangeable (:data:`POOL`)."""
+        return (self.shape, self.method, self.selection, self.scale)
+
+    def calibrate(self, layer: int, stats: LayerStats) -> None:
+        """``layer``'s calibration, copied into the tensors its step reads, before the layer holds a token."""
+        if self.cache.lengths(layer).any():
+            raise ValueError(f"layer {layer} already holds tokens: its calibration is fixed")
+        if self.cache.rotated:
+            self.cache.set_basis(layer, stats.basis)
+        sigma2 = stats.sigma2_rotated if scans_rotated(self.method) else stats.sigma2_raw
+        self.decoder.set_calibration(layer, sigma2, stats.ds_rank)
+        self.stats[layer] = stats
 
     def lengths(self, layer: int) -> np.ndarray:
         return self.cache.lengths(layer)
 
     def append(self, layer: int, session: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._check_calibrated(layer)
+        self._room(int(self.cache.lengths(layer)[session]) + k.shape[1])
         self.cache.append(layer, k[None], v[None], sessions=[session])
 
+    def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """As :meth:`ReferenceSessions.extend`, in ``q``'s dtype on the GPU: each session's bf16 K/V rows are
+        read from pinned memory for the chunk's dense attention, then the chunk is appended."""
+        self._check_calibrated(layer)
+        m = k.shape[2]
+        self.reserve(m)
+        held = self.cache.lengths(layer)
+        rows = self.cache.layer(layer).kv.tensor().view(torch.bfloat16)  # [S·H, T, 2, d]
+        H = self.shape.kv_heads
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for s in range(self.shape.sessions):
+            session_rows = rows[s * H:(s + 1) * H, :int(held[s])]
+            out[s] = dense_chunk_attention(q[s], session_rows[:, :, 0], session_rows[:, :, 1], k[s], v[s], self.scale)
+        self.cache.append(layer, k, v)
+        return out
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more in the fullest session of every layer: the cache grows (to the next
+        :func:`capacity` bucket) when it has not; the graphs are captured anew at their next step."""
+        self._room(self.cache.most_held() + tokens)
+
+    def _room(self, tokens: int) -> None:
+        """A capacity of at least ``tokens`` per session."""
+        if tokens <= self.cache.shape.max_tokens:
+            return
+        self.cache = self.cache.grown(capacity(tokens))
+        self.shape = replace(self.shape, max_tokens=self.cache.shape.max_tokens)
+        self._make_decoder()
+        for layer, stats in enumerate(self.stats):
+            if stats is not None:
+                sigma2 = stats.sigma2_rotated if scans_rotated(self.method) else stats.sigma2_raw
+                self.decoder.set_calibration(layer, sigma2, stats.ds_rank)
+
+    def begin_token(self) -> None:
+        """Once per decode token, before its first layer's :meth:`step`: a flag raised by any kernel since the last
+        token is reported, and every layer has room for the token (grown if not)."""
+        self.cache.check()
+        self.reserve(1)
+
     def step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Replay ``layer``'s graph (checked once per token by :meth:`begin_token`, not here)."""
+        return self.graph(layer).replay(q, k[:, :, None], v[:, :, None])[0]
+
+    def enqueue_step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``layer``'s step launched on the current stream, for a larger capture (the host mirror is not advanced:
+        the caller advances it per replay, :meth:`advance`)."""
+        return self.graph(layer).enqueue(q, k[:, :, None], v[:, :, None])[0]
+
+    def advance(self) -> None:
+        """Every session of every layer gained one token through replayed work (:meth:`enqueue_step`)."""
+        self.cache.advance(np.ones(self.shape.layers, np.int64))
+
+    def graph(self, layer: int):
         if layer not in self.graphs:
             from fathom.host.graph import StepGraph
 
-            self.graphs[layer] = StepGraph(self.decoder, layers=[layer], append=True)
-        return self.graphs[layer](q, k[:, :, None], v[:, :, None])
+            self._check_calibrated(layer)
+            self.graphs[layer] = StepGraph(self.decoder, layers=[layer], append=True, pool=self._pool)
+        return self.graphs[layer]
+
+    def clear(self) -> None:
+        """Empty every session (memory, decoder and graphs kept) and forget the calibration: ready for reuse."""
+        self.cache.clear()
+        self.stats = [None] * self.shape.layers
 
     def close(self) -> None:
         """Release the pinned host memory."""
+        self.graphs.clear()
+        self.token_graphs.clear()
         self.cache.close()
+
+    def _make_decoder(self) -> None:
+        from fathom.cuda.interop import SIMULATED
+        from fathom.host.decoder import Decoder, DecoderSettings
+
+        s = self.shape
+        # Neutral until :meth:`calibrate` copies a layer's own in (every layer is calibrated before it holds tokens)
+        sigma2 = np.ones((s.layers, s.kv_heads, s.head_dim))
+        ds_rank = np.broadcast_to(np.arange(s.head_dim), (s.layers, s.kv_heads, s.head_dim))
+        self.decoder = Decoder(self.cache, DecoderSettings(self.method, self.selection, scale=self.scale),
+                               group=s.group, sigma2=sigma2, ds_rank=ds_rank)
+        self.graphs: dict = {}  # layer -> its captured step (a StepGraph), made on the layer's first step
+        # (id(model), batch) -> a whole decode token captured over these sessions (fathom.integrations.token_graph)
+        self.token_graphs: dict = {}
+        self._pool = None if SIMULATED else torch.cuda.graph_pool_handle()  # the layers replay in capture order
+
+    def _check_calibrated(self, layer: int) -> None:
+        if self.needs_calibration and self.stats[layer] is None:
+            raise ValueError(f"layer {layer} has no calibration: method {self.method.name!r} needs one "
+                             "(calibrate the layer before its first append)")
+
+
+class SessionPool:
+    """Idle :class:`OffloadedSessions` by key (:attr:`OffloadedSessions.key`), so that the next cache of the same
+    key starts with its pinned memory reserved, its kernels compiled and its graphs captured.
+
+    At most ``limit`` idle sessions are kept (the least recently returned are closed first): each holds its pinned
+    memory. :meth:`clear` releases them all.
+    """
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self._idle: OrderedDict[tuple, OffloadedSessions] = OrderedDict()
+
+    def take(self, key: tuple) -> OffloadedSessions | None:
+        """Idle sessions of ``key`` (emptied, uncalibrated), or None."""
+        return self._idle.pop(key, None)
+
+    def give(self, sessions: OffloadedSessions) -> None:
+        """Keep ``sessions`` for reuse (emptied now); an idle one of the same key, or the oldest beyond the limit,
+        is closed."""
+        sessions.clear()
+        previous = self._idle.pop(sessions.key, None)
+        if previous is not None:
+            previous.close()
+        self._idle[sessions.key] = sessions
+        while len(self._idle) > self.limit:
+            self._idle.popitem(last=False)[1].close()
+
+    def clear(self) -> None:
+        """Close every idle session (their pinned memory is freed)."""
+        while self._idle:
+            self._idle.popitem()[1].close()
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+
+POOL = SessionPool()
+
+
+def _unit_stats(shape: SessionShape) -> LayerStats:
+    """Unit σ², identity basis and channel order: what a method that reads no calibration is given."""
+    H, d = shape.kv_heads, shape.head_dim
+    return LayerStats(np.ones((H, d)), np.broadcast_to(np.eye(d, dtype=np.float32), (H, d, d)), np.ones((H, d)),
+                      np.broadcast_to(np.arange(d), (H, d)))
 
 
 def _numpy(x: torch.Tensor) -> np.ndarray:

@@ -15,15 +15,20 @@ How it plugs in, through transformers' own extension points (nothing is patched)
   their window, so there is nothing to offload or scan).
 * Making a cache switches the model's attention implementation to ``"fathom"``,
   registered with ``AttentionInterface`` (its mask function, sdpa's, with
-  ``AttentionMaskInterface``). The function runs the stock sdpa attention for any
-  layer whose cache is not a :class:`FathomLayer`, so a later ``generate``
-  without a FathomCache is plain sdpa, unchanged (tested).
+  ``AttentionMaskInterface``); closing the last cache on the model (or its garbage
+  collection) switches it back. The function runs the stock sdpa attention for any
+  layer whose cache is not a :class:`FathomLayer`, so a ``generate`` without a
+  FathomCache is plain sdpa, unchanged (tested).
 * Prefill (the first forward) runs the model's own sdpa attention over the
   prompt; each batch row's non-pad keys and values are appended to its session
   in the store (left padding: every row is its own ragged session).
 * Every decoded token: ``FathomLayer.update`` hands the token's K/V to the
   attention function, which appends them to every session and runs the
-  method's sparse step over the store (:mod:`fathom.integrations.sessions`).
+  method's sparse step over the store (:mod:`fathom.integrations.sessions`; on the
+  GPU one captured CUDA graph per layer, checked once per token).
+* A later forward of several tokens (a conversation's next turn, when ``generate``
+  is called again with the conversation so far) attends densely over what the
+  store holds and causally within its chunk, then appends the chunk.
 * One prefill for several methods: :func:`prefill` runs it once and keeps what
   a cache's prefill records (a :class:`Prompt`); ``FathomCache(..., prompt=)``
   starts from it, and ``generate`` continues from its greedy next token.
@@ -33,10 +38,10 @@ double-sparsity: its channels; ``variance="calibration"``: σ²) take
 ``calibration=`` — a ``.calibration.npz`` written by ``python -m bench fidelity``
 or a :class:`~fathom.calibration.Calibration` (e.g. ``calibrate(capture(model,
 ids))`` on a calibration text, with :func:`bench.capture.capture`). Without one
-it is computed **from the prompt itself** (batch row 0, its last 128 queries)
-when the prefill ends; fathom-plan's per-layer budgets likewise (``plan=`` gives
-them). The prompt's K/V are then held until the prefill ends, and only then
-enter the store.
+it is computed **from the prompt itself** (batch row 0, its last 128 queries), layer by
+layer as the prefill passes it, in torch on the model's device and only what the method
+reads (:mod:`fathom.cuda.calibration`). fathom-plan's per-layer budgets are planned on
+the prompt too (``plan=`` gives them): its K/V then wait for the first decode step.
 """
 
 from __future__ import annotations
@@ -56,10 +61,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from fathom import methods
 from fathom.bits import fixed_channel_bits
-from fathom.calibration import Calibration, calibrate
+from fathom.calibration import Calibration
 from fathom.capture import Capture
 from fathom.fidelity import PLAN_BUDGETS, plan_layers
-from fathom.integrations.sessions import OffloadedSessions, ReferenceSessions, SessionShape
+from fathom.cuda.calibration import LayerCalibration, calibrate_layer, stack
+from fathom.integrations.sessions import (POOL, LayerStats, OffloadedSessions, ReferenceSessions, SessionShape,
+                                          capacity)
 from fathom.methods import Method
 from fathom.selection import Selection
 
@@ -68,8 +75,9 @@ METHODS = ("dense", "oracle", "fathom", "fathom-rotated", "fathom-plan", "sparq"
            "thumbnail", "landmark")
 FIXED_CHANNELS = ("sparq", "double-sparsity", "loki")  # r channels at 4 bits: budget = r · 4.25
 BACKENDS = ("auto", "reference", "offloaded")
-SETTINGS = ("r", "sink", "local", "variance", "plan", "calibration", "backend", "max_tokens")
+SETTINGS = ("r", "sink", "local", "variance", "plan", "calibration", "backend", "max_tokens", "pool")
 CALIBRATION_QUERIES = 128  # prompt queries per layer a calibration from the prompt uses (as the fidelity captures)
+RESERVE_TOKENS = 4096  # room reserved past the longest prompt when max_tokens is not given (grown beyond it)
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,9 @@ class FathomSettings:
     double-sparsity and loki it names ``r = budget / 4.25`` channels at 4 bits (68 -> 16, 136 -> 32) unless
     ``r`` is given; other methods do not read it. ``k``: top-k per query head (None: SPEC §6's k by the
     longest prompt). ``plan``: fathom-plan's per-layer budgets, one per full-attention layer (None: planned
-    on the prompt). ``max_tokens``: per session, offloaded backend (None: the model's context length).
+    on the prompt). ``max_tokens``: per session, offloaded backend (None: the longest prompt plus
+    :data:`RESERVE_TOKENS`, in a bucket of :func:`~fathom.integrations.sessions.capacity`; grown when needed).
+    ``pool``: offloaded sessions are handed to ``fathom.integrations.sessions.POOL`` when the cache closes.
     """
 
     method: str = "fathom"
@@ -93,6 +103,7 @@ class FathomSettings:
     plan: tuple[float, ...] | None = None
     backend: str = "auto"
     max_tokens: int | None = None
+    pool: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -113,6 +124,8 @@ class FathomSettings:
             raise ValueError(f"r is read by {', '.join(FIXED_CHANNELS)} only; method is {self.method!r}")
         if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:
             raise ValueError(f"variance must be None or one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
+        if not isinstance(self.pool, bool):
+            raise ValueError(f"pool must be True or False, got {self.pool!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.plan is not None:
@@ -211,55 +224,105 @@ def _load_calibration(calibration, shape: _ModelShape) -> Calibration | None:
 
 
 class _Decoding:
-    """What the layers of one FathomCache share: settings, the prompt record, the sessions once opened.
+    """What the layers of one FathomCache share: settings, the sessions once opened, the prefill's bookkeeping.
 
-    The sessions open at the first prefill when everything they need is known (batch, k, scale and the
-    calibration); when the calibration or the plan comes from the prompt they open at the first decode step,
-    and the prompt's K/V wait for them.
+    The sessions open at the first layer of the prefill, when everything they need is known (batch, k, scale,
+    capacity); a calibration from the prompt is computed layer by layer on the keys' device as the prefill passes
+    each layer (:func:`fathom.cuda.calibration.calibrate_layer`, only what the method reads), before the layer's
+    keys enter the store. fathom-plan with budgets from the prompt needs every layer first: its prompt waits until
+    the first decode step.
     """
 
     def __init__(self, settings: FathomSettings, shape: _ModelShape, calibration: Calibration | None, config):
-        self.settings, self.shape, self.calibration, self.config = settings, shape, calibration, config
-        self.from_prompt = (settings.needs_calibration() and calibration is None) or \
-            (settings.method == "fathom-plan" and settings.plan is None)
+        self.settings, self.shape, self.given_calibration, self.config = settings, shape, calibration, config
+        self.plan_from_prompt = settings.method == "fathom-plan" and settings.plan is None
+        self.calibrate_from_prompt = settings.needs_calibration() and calibration is None
         self.selection: Selection | None = None
         self.method: Method | None = None
         self.scale: float | None = None
         self.sessions: ReferenceSessions | OffloadedSessions | None = None
-        self.waiting: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # slot -> k, v, valid
+        self.layer_calibrations: dict[int, LayerCalibration] = {}  # slot -> from the prompt
+        self.rows: list[slice] | None = None  # the current prefill's non-pad positions per batch row
+        self.waiting: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> k, v (fathom-plan from the prompt)
         self.prompt: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # slot -> row 0's k, v, q
+        self.capturing = False  # inside a whole-token CUDA graph capture (fathom.integrations.graph)
         self.closed = False
 
-    def prefill(self, slot: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                scale: float) -> None:
-        """Record the prompt of one layer: ``k, v [B, H, n, d]``, ``valid bool [B, n]`` and ``queries
-        [H·G, m, d]``, row 0's last queries (:func:`_calibration_queries`)."""
+    @property
+    def calibration(self) -> Calibration | None:
+        """The calibration given, or the one computed from the prompt (None before it is)."""
+        if self.given_calibration is not None or len(self.layer_calibrations) < len(self.shape.fathom_layers):
+            return self.given_calibration
+        layers = [self.layer_calibrations[slot] for slot in range(len(self.shape.fathom_layers))]
+        return stack(layers, {"text": "prompt", "layers": self.shape.fathom_layers})
+
+    def prompt_rows(self, slot: int, valid: torch.Tensor) -> list[slice | torch.Tensor]:
+        """The non-pad positions of each batch row of the prompt (``valid bool [B, n]``), read on the host once per
+        prefill, at its first layer."""
+        if slot == 0 or self.rows is None:
+            self.rows = _rows(valid)
+        return self.rows
+
+    def prefill(self, slot: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+        """Record the prompt of one layer: ``k, v [B, H, n, d]`` at the positions :meth:`prompt_rows` gave, and
+        ``queries [H·G, m, d]``, row 0's calibration queries (:func:`_calibration_queries`)."""
         self._check_scale(scale)
         if self.selection is None:
-            longest = int(valid.sum(dim=1).max())
+            longest = max(_count(r) for r in self.rows)
             k_top = self.settings.k if self.settings.k is not None else Selection.for_context(longest).k
             self.selection = Selection(k=k_top, sink=self.settings.sink, local=self.settings.local)
-        if self.from_prompt:
-            rows = valid[0].nonzero()[:, 0]
+        if self.calibrate_from_prompt:
             H, G, d = self.shape.kv_heads, self.shape.group, self.shape.head_dim
-            queries = queries.reshape(H, G, -1, d).transpose(1, 2)
+            per_kv_head = queries.reshape(H, G, -1, d).transpose(1, 2).reshape(H, -1, d)
+            self.layer_calibrations[slot] = calibrate_layer(k[0][:, self.rows[0]], per_kv_head,
+                                                            _calibration_needs(self.settings))
+        if self.plan_from_prompt:
+            H, G, d = self.shape.kv_heads, self.shape.group, self.shape.head_dim
+            per_head = queries.reshape(H, G, -1, d).transpose(1, 2)
             self.prompt[slot] = tuple(x.detach().to("cpu", torch.float32).numpy()
-                                      for x in (k[0][:, rows], v[0][:, rows], queries))
-            self.waiting[slot] = (k, v, valid)
+                                      for x in (k[0][:, self.rows[0]], v[0][:, self.rows[0]], per_head))
+            self.waiting[slot] = (k, v)
             return
         self._open(k.shape[0], k.device)
-        self._append(slot, k, v, valid)
+        self._calibrate(slot)
+        self._append(slot, k, v)
+
+    def extend(self, slot: int, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """A conversation's next chunk: ``query [B, H·G, m, d]``, ``k, v [B, H, m, d]`` -> ``[B, m, H·G, d]``,
+        dense over what each session holds and causal within the chunk; the chunk then enters the store."""
+        self._check_scale(scale)
+        if self.sessions is None:
+            raise ValueError("a FathomCache continues a conversation only after a decode step of its prefill")
+        if slot == 0 and not bool(valid.all()):
+            raise ValueError("a continuation chunk must hold no padding (every row's new tokens are real tokens); "
+                             "pad the first turn only")
+        out = self.sessions.extend(slot, query, k, v)
+        return out.transpose(1, 2)
 
     def step(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """One decoded token of every session: ``q [B, H·G, d]``, ``k, v [B, H, d]`` -> float32 ``[B, H·G, d]``."""
+        if self.capturing:  # no host work: it would not be replayed (the graph's owner checks once per token)
+            return self.sessions.enqueue_step(slot, q, k, v)
         self._check_scale(scale)
-        self._open(k.shape[0], k.device)
+        if self.sessions is None:
+            self._open_planned(k.shape[0], k.device)
+        if slot == 0 and isinstance(self.sessions, OffloadedSessions):
+            self.sessions.begin_token()
         return self.sessions.step(slot, q, k, v)
 
     def close_sessions(self) -> None:
-        """Release the sessions' memory; the cache cannot decode afterwards."""
+        """Hand the sessions back (to the pool when they are offloaded and pooled) or release them; the cache
+        cannot decode afterwards."""
         if self.sessions is not None:
-            self.sessions.close()
+            if isinstance(self.sessions, OffloadedSessions) and self.settings.pool and not self.sessions.cache.closed:
+                try:
+                    self.sessions.cache.check()
+                    POOL.give(self.sessions)
+                except ValueError:  # a kernel flagged bad input: the memory is released, not reused
+                    self.sessions.close()
+            else:
+                self.sessions.close()
         self.sessions, self.closed = None, True
 
     def _check_scale(self, scale: float) -> None:
@@ -269,33 +332,46 @@ class _Decoding:
             raise ValueError(f"layers use different softmax scales ({self.scale} and {scale}); FathomCache decodes "
                              "with one")
 
-    def _append(self, slot: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
-        for session in range(k.shape[0]):
-            rows = valid[session].nonzero()[:, 0]
+    def _append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for session, rows in enumerate(self.rows):
             self.sessions.append(slot, session, k[session][:, rows], v[session][:, rows])
 
-    def _open(self, batch: int, device: torch.device) -> None:
+    def _calibrate(self, slot: int) -> None:
+        if slot in self.layer_calibrations:
+            one = stack([self.layer_calibrations[slot]], {})
+            self.sessions.calibrate(slot, LayerStats.of(one, 0))
+        elif self.given_calibration is not None:
+            self.sessions.calibrate(slot, LayerStats.of(self.given_calibration, slot))
+
+    def _open(self, batch: int, device: torch.device, plan: tuple[float, ...] | None = None) -> None:
         if self.closed:
             raise ValueError("the FathomCache was closed")
         if self.sessions is not None:
             return
-        calibration, plan = self.calibration, self.settings.plan
-        if self.from_prompt:
-            capture = self._prompt_capture()
-            if self.settings.needs_calibration() and calibration is None:
-                calibration = calibrate(capture)
-            if self.settings.method == "fathom-plan" and plan is None:
-                planned = plan_layers(capture, calibration, [self.settings.budget], self.selection)[0]
-                plan = planned.policy.budgets
         s = self.shape
         offloaded = self.settings.backend == "offloaded" or (self.settings.backend == "auto" and device.type == "cuda")
-        max_tokens = self.settings.max_tokens or s.context
+        longest = max(_count(r) for r in self.rows)
+        max_tokens = self.settings.max_tokens or capacity(longest + RESERVE_TOKENS)
         shape = SessionShape(batch, len(s.fathom_layers), s.kv_heads, s.group, s.head_dim, max_tokens)
-        make = OffloadedSessions if offloaded else ReferenceSessions
-        self.method, self.calibration = self.settings.method_at(s.head_dim, plan), calibration
-        self.sessions = make(shape, self.method, self.selection, self.scale, calibration)
-        for slot, (k, v, valid) in self.waiting.items():
-            self._append(slot, k, v, valid)
+        self.method = self.settings.method_at(s.head_dim, plan if plan is not None else self.settings.plan)
+        needs = self.settings.needs_calibration()
+        if not offloaded:
+            self.sessions = ReferenceSessions(shape, self.method, self.selection, self.scale,
+                                              needs_calibration=needs)
+            return
+        pooled = POOL.take((shape, self.method, self.selection, self.scale)) if self.settings.pool else None
+        self.sessions = pooled or OffloadedSessions(shape, self.method, self.selection, self.scale,
+                                                    needs_calibration=needs)
+
+    def _open_planned(self, batch: int, device: torch.device) -> None:
+        """fathom-plan from the prompt, at the first decode step: plan on row 0's prompt, then hold every layer."""
+        capture = self._prompt_capture()
+        calibration = self.calibration
+        planned = plan_layers(capture, calibration, [self.settings.budget], self.selection)[0]
+        self._open(batch, device, planned.policy.budgets)
+        for slot, (k, v) in self.waiting.items():
+            self._calibrate(slot)
+            self._append(slot, k, v)
         self.waiting.clear()
         self.prompt.clear()
 
@@ -338,32 +414,40 @@ class FathomLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Accepts every 5.x call form (``update(k, v)``, ``(k, v, cache_kwargs)``, ``(k, v, kwargs=...)``)."""
-        implementation = self.decoding.config._attn_implementation
-        if implementation != ATTENTION:
-            raise ValueError(f"the model's attention implementation is {implementation!r}; FathomCache decodes "
-                             f"through {ATTENTION!r} (set by FathomCache(model, ...))")
-        m = key_states.shape[-2]
-        if self.length and m != 1:
-            raise ValueError(f"FathomCache decodes one token per step after the prefill; got {m} tokens (make a "
-                             "new cache per generate call)")
+        if not self.decoding.capturing:
+            implementation = self.decoding.config._attn_implementation
+            if implementation != ATTENTION:
+                raise ValueError(f"the model's attention implementation is {implementation!r}; FathomCache decodes "
+                                 f"through {ATTENTION!r} (set by FathomCache(model, ...))")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.length += m
+        self.length += key_states.shape[-2]
         _handoff.layer = self
         return key_states, value_states
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
-        """Prefill: the model's sdpa attention, then the prompt into the store. Decode: append, sparse step."""
+        """Prefill: the model's sdpa attention, then the prompt into the store. A later chunk (a conversation's next
+        turn): dense over the store, causal within the chunk. Decode: append, sparse step."""
         scale = kwargs.get("scaling") or module.scaling
         unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
         if unsupported:
             raise ValueError(f"Fathom's attention does not support {', '.join(unsupported)}")
-        if self.length == query.shape[2]:  # the prefill
+        m = query.shape[2]
+        if self.length == m:  # the prefill
             dense = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-            valid = _valid_keys(attention_mask, key)
-            self.decoding.prefill(self.slot, _calibration_queries(query, valid), key, value, valid, scale)
+            rows = self.decoding.prompt_rows(self.slot, _valid_keys(attention_mask, key))
+            self.decoding.prefill(self.slot, _calibration_queries(query, rows[0]), key, value, scale)
             return dense
+        if m > 1:
+            valid = _valid_keys(attention_mask, key) if attention_mask is None else \
+                _valid_keys(attention_mask[..., -m:], key)
+            try:
+                out = self.decoding.extend(self.slot, query, key, value, valid, scale)
+            except ValueError:
+                self.length -= m  # refused before the store changed: this layer is as before the call
+                raise
+            return out.to(query.dtype), None
         out = self.decoding.step(self.slot, query[:, :, 0], key[:, :, 0], value[:, :, 0], scale)
         return out.to(query.dtype)[:, None], None  # [B, 1, H·G, dv], as sdpa's output
 
@@ -377,7 +461,7 @@ class FathomLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        raise NotImplementedError("a FathomCache is not reset: make a new one per generate call")
+        raise NotImplementedError("a FathomCache is not reset: make a new one per conversation")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("FathomCache does not support beam search")
@@ -394,6 +478,34 @@ class FathomLayer(CacheLayerMixin):
             raise NotImplementedError("FathomCache does not drop sessions once filled")
 
 
+def _rows(valid: torch.Tensor) -> list[slice | torch.Tensor]:
+    """Each batch row's non-pad positions of ``valid bool [B, n]``: a slice when they are one run (left or no
+    padding), else their indices on the device. One read of ``valid`` on the host."""
+    rows = []
+    for row in valid.cpu().numpy():
+        positions = np.flatnonzero(row)
+        if len(positions) and positions[-1] - positions[0] + 1 != len(positions):
+            rows.append(torch.as_tensor(positions, device=valid.device))
+        else:
+            rows.append(slice(int(positions[0]), int(positions[-1]) + 1) if len(positions) else slice(0, 0))
+    return rows
+
+
+def _count(rows: slice | torch.Tensor) -> int:
+    """How many positions :func:`_rows` names for one batch row."""
+    return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
+
+
+def _calibration_needs(settings: FathomSettings) -> set[str]:
+    """What a calibration from the prompt computes for ``settings``' method (``fathom.cuda.calibration.NEEDS``)."""
+    needs = {"sigma2"}
+    if settings.method in ("fathom-rotated", "loki"):
+        needs.add("basis")
+    if settings.method == "double-sparsity":
+        needs.add("ds_rank")
+    return needs
+
+
 def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
     """bool ``[B, n]``: the prompt positions that are not padding (what the last query may attend to)."""
     B, n = key.shape[0], key.shape[2]
@@ -403,10 +515,10 @@ def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch
     return last if last.dtype == torch.bool else last == 0
 
 
-def _calibration_queries(query: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Row 0's queries at its last :data:`CALIBRATION_QUERIES` non-pad positions: ``[H·G, m, d]`` of
+def _calibration_queries(query: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """Row 0's queries at its last :data:`CALIBRATION_QUERIES` non-pad positions ``rows``: ``[H·G, m, d]`` of
     ``query [B, H·G, n, d]`` (what a calibration or plan from the prompt reads)."""
-    return query[0][:, valid[0].nonzero()[:, 0][-CALIBRATION_QUERIES:]]
+    return query[0][:, rows][:, -CALIBRATION_QUERIES:]
 
 
 def fathom_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -463,14 +575,16 @@ class _PromptRecorder:
     def __init__(self, layer_types: tuple[str, ...]):
         self.layer_types = layer_types
         self.keys, self.values, self.queries, self.valid, self.scales = {}, {}, {}, None, set()
+        self.row0: slice | torch.Tensor | None = None  # batch row 0's non-pad positions
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         i = module.layer_idx
         self.keys[i], self.values[i] = key, value
         if self.layer_types[i] == "full_attention":
-            valid = _valid_keys(attention_mask, key)
-            self.valid = valid if self.valid is None else self.valid
-            self.queries[i] = _calibration_queries(query, valid)
+            if self.valid is None:
+                self.valid = _valid_keys(attention_mask, key)
+                self.row0 = _rows(self.valid)[0]  # one host read for the whole prefill
+            self.queries[i] = _calibration_queries(query, self.row0)
             self.scales.add(kwargs.get("scaling") or module.scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -518,7 +632,8 @@ class FathomCache(Cache):
 
     Args:
         model: a causal LM loaded the usual way, with sdpa attention (the cache switches it to ``"fathom"``,
-            whose layers without a FathomCache still run sdpa).
+            whose layers without a FathomCache still run sdpa, and switches it back when the last cache on it is
+            closed or garbage collected).
         method: one of :data:`METHODS` (SPEC §7).
         budget: bits per token (fathom, fathom-rotated; fathom-plan's mean). For sparq, double-sparsity and
             loki, ``r·4.25`` bits for r channels (68 -> r = 16, 136 -> r = 32) unless ``r=`` is given.
@@ -531,11 +646,15 @@ class FathomCache(Cache):
             ``plan`` (fathom-plan's budgets per full-attention layer), ``calibration`` (a ``.calibration.npz``
             path or a :class:`~fathom.calibration.Calibration`; without one, computed from the prompt when a
             method needs it), ``backend`` ("auto": offloaded when the model is on a CUDA device, else the
-            NumPy "reference"), ``max_tokens`` (per session, offloaded; default the model's context).
+            NumPy "reference"), ``max_tokens`` (per session, offloaded; default the longest prompt plus
+            :data:`RESERVE_TOKENS`, rounded up to a bucket, and grown when a session needs more), ``pool``
+            (True: offloaded sessions go back to ``fathom.integrations.sessions.POOL`` when the cache is closed,
+            and the next cache of the same shape, method and capacity starts from them).
 
-    One cache serves one ``generate`` call (one prefill, then one token per step); make a new one per call.
-    Sliding-window layers keep the model's own dense attention. :meth:`close` releases the offloaded
-    backend's pinned memory (also done when the cache is garbage collected).
+    A cache holds one conversation per batch row: a later ``generate`` with the conversation so far (the previous
+    output and the new tokens) continues it — the new tokens attend densely over what the cache holds and causally
+    among themselves, then decoding goes on. Sliding-window layers keep the model's own dense attention.
+    :meth:`close` (also run when the cache is garbage collected) hands the offloaded memory back.
     """
 
     def __init__(self, model, method: str = "fathom", budget: float = 48, k: int | None = None,
@@ -569,8 +688,8 @@ class FathomCache(Cache):
         if prompt is not None:
             _check_prompt(prompt, shape)
         super().__init__(layers=layers)
-        model.set_attn_implementation(ATTENTION)
-        weakref.finalize(self, _Decoding.close_sessions, self.decoding)
+        _switch(model)
+        self._release = weakref.finalize(self, _release, self.decoding, weakref.ref(model))
         if prompt is not None:
             self._fill(prompt)
 
@@ -580,7 +699,8 @@ class FathomCache(Cache):
             if isinstance(layer, FathomLayer):
                 layer.lazy_initialization(k, v)
                 layer.length = k.shape[2]
-                self.decoding.prefill(layer.slot, queries, k, v, prompt.valid, prompt.scale)
+                self.decoding.prompt_rows(layer.slot, prompt.valid)
+                self.decoding.prefill(layer.slot, queries, k, v, prompt.scale)
             else:
                 layer.update(k, v)
 
@@ -602,9 +722,36 @@ class FathomCache(Cache):
     def lengths(self) -> np.ndarray:
         """Tokens each session holds in the store (int64 ``[B]``; pad positions are not held)."""
         if self.decoding.sessions is None:
-            raise ValueError("the cache holds no sessions before the first decode step")
+            raise ValueError("the cache holds no sessions before its prefill")
         return self.decoding.sessions.lengths(0)
 
     def close(self) -> None:
-        """Release what the sessions hold (pinned host memory on the offloaded backend)."""
-        _Decoding.close_sessions(self.decoding)
+        """Hand the sessions' memory back (to the pool, see ``pool``) and, if no other FathomCache uses the model,
+        restore its attention implementation. The cache cannot decode afterwards."""
+        self._release()
+
+
+# model -> [its attention implementation before the first FathomCache, FathomCaches open on it]
+_SWITCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _switch(model) -> None:
+    """Run ``model``'s attention through :data:`ATTENTION` while at least one FathomCache is open on it."""
+    entry = _SWITCHED.setdefault(model, [model.config._attn_implementation, 0])
+    entry[1] += 1
+    model.set_attn_implementation(ATTENTION)
+
+
+def _release(decoding: _Decoding, model_ref) -> None:
+    """A FathomCache's end (close or garbage collection): its sessions handed back, the model switched back to its
+    own attention by the last cache open on it."""
+    decoding.close_sessions()
+    model = model_ref()
+    entry = _SWITCHED.get(model) if model is not None else None
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] == 0:
+        del _SWITCHED[model]
+        if model.config._attn_implementation == ATTENTION:
+            model.set_attn_implementation(entry[0])

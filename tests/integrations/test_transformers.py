@@ -96,6 +96,26 @@ def test_one_shared_prefill_generates_what_each_cache_prefilling_itself_does(mak
                                                   prompt.next_token))
 
 
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+@pytest.mark.parametrize("method, settings", [("dense", {}), ("fathom", {"budget": 12, "k": 2 * PROMPT})])
+def test_a_second_generate_continues_the_conversation_as_a_fresh_cache_over_all_of_it(make, method, settings):
+    """Turn 2 (the turn-1 output and new tokens) continues the same cache: its tokens equal a fresh cache's over
+    the whole conversation where the method reads everything (dense; top-k over the whole context), and the
+    sessions hold every real token once."""
+    model = make()
+    ids, mask = batch()
+    cache = FathomCache(model, method, **settings)
+    first = generate(model, ids, mask, cache)
+    said = torch.tensor([[5, 9, 11], [7, 3, 2]])
+    ids2 = torch.cat([first, said], 1)
+    mask2 = torch.cat([mask, torch.ones_like(first[:, PROMPT:]), torch.ones_like(said)], 1)
+    second = generate(model, ids2, mask2, cache)
+    fresh = FathomCache(model, method, **settings)
+    torch.testing.assert_close(second, generate(model, ids2, mask2, fresh), rtol=0, atol=0)
+    np.testing.assert_array_equal(cache.lengths(), fresh.lengths())
+    np.testing.assert_array_equal(cache.lengths(), mask2.sum(1).numpy() + NEW - 1)
+
+
 def _calibration(rng, L: int, H: int, d: int) -> Calibration:
     basis = np.stack([[np.linalg.qr(rng.standard_normal((d, d)))[0] for _ in range(H)] for _ in range(L)])
     return Calibration(np.exp(rng.uniform(-1, 1, (L, H, d))), basis.astype(np.float32),
@@ -155,16 +175,28 @@ def test_sparse_methods_decode_over_the_store_and_differ_from_dense():
     assert differ >= 5
 
 
-def test_calibration_from_the_prompt_is_the_prompts_calibration():
+@pytest.mark.parametrize("method, computed", [("fathom-rotated", ["sigma2_raw", "basis", "sigma2_rotated"]),
+                                              ("double-sparsity", ["sigma2_raw", "ds_rank"])])
+def test_calibration_from_the_prompt_is_the_prompts_calibration_of_what_the_method_reads(method, computed):
+    """Computed layer by layer during the prefill (the torch twin): the reference calibration of the prompt's
+    capture, for the fields the method reads (the basis up to the sign of each column); decoding with it given
+    generates the same tokens."""
     model = tiny_llama()
     ids, mask = batch()
     ids, mask = ids[:1], mask[:1]
     prompt = calibrate(capture(model, ids, positions=CALIBRATION_QUERIES))
-    cache = FathomCache(model, "fathom-rotated", budget=16, k=8)
+    cache = FathomCache(model, method, budget=17, k=8)
     ours = generate(model, ids, mask, cache)
-    np.testing.assert_allclose(cache.calibration.sigma2_raw, prompt.sigma2_raw, rtol=1e-5)
-    np.testing.assert_array_equal(cache.calibration.ds_rank, prompt.ds_rank)
-    given = generate(model, ids, mask, FathomCache(model, "fathom-rotated", budget=16, k=8, calibration=prompt))
+    ours_calibration = cache.calibration
+    assert ours_calibration.meta["computed"] == computed
+    np.testing.assert_allclose(ours_calibration.sigma2_raw, prompt.sigma2_raw, rtol=1e-5)
+    if "ds_rank" in computed:
+        np.testing.assert_array_equal(ours_calibration.ds_rank, prompt.ds_rank)
+    if "basis" in computed:
+        np.testing.assert_allclose(ours_calibration.sigma2_rotated, prompt.sigma2_rotated, rtol=1e-4, atol=1e-6)
+        cosines = np.abs(np.einsum("lhdc,lhdc->lhc", ours_calibration.basis, prompt.basis))
+        np.testing.assert_allclose(cosines, 1, atol=1e-3)
+    given = generate(model, ids, mask, FathomCache(model, method, budget=17, k=8, calibration=ours_calibration))
     torch.testing.assert_close(ours, given, rtol=0, atol=0)
 
 
@@ -230,8 +262,9 @@ def test_bad_model_calibration_and_use_are_refused():
     ids, mask = batch()
     cache = FathomCache(model, "dense")
     model(ids, attention_mask=mask, past_key_values=cache)
-    with pytest.raises(ValueError, match="decodes one token per step after the prefill; got 2 tokens"):
-        model(ids[:, :2], past_key_values=cache)
+    padded_chunk = torch.cat([mask, torch.tensor([[1, 1], [0, 1]])], 1)
+    with pytest.raises(ValueError, match="a continuation chunk must hold no padding"):
+        model(ids[:, :2], attention_mask=padded_chunk, past_key_values=cache)
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="the model's attention implementation is 'sdpa'"):
         model(ids[:, :1], past_key_values=cache)
@@ -287,6 +320,39 @@ def test_offloaded_sessions_decode_as_the_reference_does(method):
     offloaded = FathomCache(model, method, backend="offloaded", **settings)
     torch.testing.assert_close(generate(model, ids, mask, offloaded, new=3), reference, rtol=0, atol=0)
     offloaded.close()
+
+
+def test_offloaded_sessions_are_pooled_grown_and_continue_a_conversation_as_the_reference_does():
+    """A closed cache's sessions serve the next cache of the same key (same tokens as the reference); a
+    conversation's second turn past max_tokens grows the pinned store and still generates the reference's tokens."""
+    from fathom.cuda.interop import DEVICE
+    from fathom.integrations.sessions import POOL
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
+    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80)
+    reference = FathomCache(model, "fathom", backend="reference", **settings)
+    expected = generate(model, ids, mask, reference, new=2)
+    POOL.clear()
+    first = FathomCache(model, "fathom", backend="offloaded", **settings)
+    generate(model, ids, mask, first, new=2)
+    first.close()
+    assert len(POOL) == 1
+    pooled = FathomCache(model, "fathom", backend="offloaded", **settings)
+    torch.testing.assert_close(generate(model, ids, mask, pooled, new=2), expected, rtol=0, atol=0)
+    assert len(POOL) == 0
+    said = torch.arange(1, 13, device=DEVICE).repeat(2, 1)  # 12 more tokens: past max_tokens = 80
+    ids2, mask2 = torch.cat([expected, said], 1), torch.cat([mask, torch.ones_like(expected[:, 70:]),
+                                                             torch.ones_like(said)], 1)
+    second = generate(model, ids2, mask2, pooled, new=2)
+    torch.testing.assert_close(second, generate(model, ids2, mask2, reference, new=2), rtol=0, atol=0)
+    np.testing.assert_array_equal(pooled.lengths(), reference.lengths())
+    assert pooled.decoding.sessions.cache.shape.max_tokens > 80
+    pooled.close()
+    POOL.clear()
 
 
 @pytest.mark.gpu

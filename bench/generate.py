@@ -1,0 +1,440 @@
+"""``python -m bench generate``: a model decoding through transformers' ``generate``, every system side by side.
+
+Systems, each run in the same process on the same prompts: ``hf-sdpa`` (transformers' DynamicCache, K/V in HBM;
+skipped where it does not fit), ``hf-offloaded`` (transformers' own offloaded DynamicCache, K/V in host memory),
+and FathomCache specs (``dense``, ``fathom@48``, ``sparq@68``, ``double-sparsity@136``, ...: bench.decoding's
+specs) through ``generate``'s own loop, or with ``+graph`` (``fathom@48+graph``) through
+``custom_generate=fathom.integrations.token_graph.decode``, the whole decode token as one CUDA graph.
+
+Models: ``qwen3-8b`` and ``llama3.1-8b`` are those models' **shapes with random bf16 weights** (speed does not
+depend on the values; accuracy comes from the fidelity and RULER benches), built on the GPU in seconds;
+``smollm2-135m`` is the real model (``bench.models``). Prompts are random token ids; with a batch the rows are
+ragged: row ``i`` holds ``context · (i + 1) / B`` real tokens, left-padded.
+
+Per record: ``prefill_s`` (the prefill forward, synced; for a FathomCache it includes reserving pinned memory,
+the calibration from the prompt and the appends), ``first_step_ms`` (the first decode step: graph captures,
+kernel warm-up), ``steady_ms`` (median per-token wall time after ``--warmup`` steps), ``tokens_per_s`` (batch /
+steady), the same three for a second cache of the same key made right after (``pooled_*``: pinned memory, graphs
+and kernels reused), ``setup_s`` (what the first cache of a key pays once: its prefill + first step minus the
+pooled cache's), ``gpu_busy_ms`` (kernel and copy time per steady token, torch.profiler over ``--profile`` steps
+of the pooled run; copies that overlap kernels count twice, so it can exceed the wall time) and
+``host_ms_per_token`` (the lower of the two steady times − GPU busy, at least 0: time per token the GPU waits on
+the host),
+``attention_gpu_ms`` (every layer's Fathom step of one token, replayed on the cache the run left, CUDA events,
+GPU queued behind a sleep so the host is not timed), ``hbm_gb`` (peak torch allocation, weights included),
+``pinned_gb`` (the Fathom store's pinned host memory), ``prefill_vs_hf`` (prefill / hf-sdpa's).
+``--compile-probe`` also times the first offloaded decode of a fresh process with Numba's kernel cache empty and
+then filled (``process_cold_s``, ``process_warm_s``).
+
+Writes ``generate-<name>.json``, ``.md`` and ``.png``; ``--readme README.md`` rewrites the README's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.cli import UsageError, file_stem, int_list, name_list, require_cuda, writable_folder
+from bench.report import RESULTS, context_label, markdown_table, write_json
+
+SHAPES = {  # transformers configs of the 8B models' shapes (random weights)
+    "qwen3-8b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                      head_dim=128, max_position_embeddings=131072, rope_theta=1e6)),
+    "llama3.1-8b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                         head_dim=128, max_position_embeddings=131072, rope_theta=5e5)),
+}
+REAL = ("smollm2-135m",)
+HF_SYSTEMS = ("hf-sdpa", "hf-offloaded")
+GRAPH = "+graph"
+PROBE = """
+import time, torch
+t = time.perf_counter()
+from fathom import methods
+from fathom.host.cache import CacheShape, OffloadedCache
+from fathom.host.decoder import Decoder, DecoderSettings
+from fathom.host.graph import StepGraph
+from fathom.selection import Selection
+with OffloadedCache(CacheShape(sessions=1, layers=1, kv_heads=8, head_dim=128, max_tokens=8192)) as cache:
+    k = torch.randn(1, 8, 4096, 128, device="cuda")
+    cache.append(0, k, k)
+    decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=256)), group=4)
+    StepGraph(decoder, append=True)(torch.randn(1, 32, 128, device="cuda"), k[:, :, :1], k[:, :, :1])
+    torch.cuda.synchronize()
+print(time.perf_counter() - t)
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.add_argument("--models", type=name_list, default=["qwen3-8b"],
+                        help=f"comma-separated: {', '.join(SHAPES)} (shapes, random weights), {', '.join(REAL)}")
+    parser.add_argument("--contexts", type=int_list, default=[32768, 131072], help="prompt tokens (the longest row)")
+    parser.add_argument("--batches", type=int_list, default=[1], help="sessions per generate call (ragged when > 1)")
+    parser.add_argument("--systems", type=name_list,
+                        default=["hf-sdpa", "hf-offloaded", "dense", "fathom@48", "fathom@48+graph", "sparq@68",
+                                 "double-sparsity@136"],
+                        help="hf-sdpa, hf-offloaded, and FathomCache method specs (bench.decoding), each optionally "
+                             "with +graph (custom_generate=decode)")
+    parser.add_argument("--new-tokens", type=int, default=24, help="tokens generated per call (> --warmup + 2)")
+    parser.add_argument("--warmup", type=int, default=3, help="decode steps left out of steady_ms")
+    parser.add_argument("--profile", type=int, default=4, help="steady steps profiled for gpu_busy_ms (0: none)")
+    parser.add_argument("--compile-probe", action="store_true", help="time a fresh process's first offloaded "
+                        "decode with the kernel cache empty and filled")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    parser.add_argument("--name", default="run", help="results are generate-<name>.{json,md,png}")
+    parser.add_argument("--readme", type=Path, default=None, help="rewrite this README's generate table")
+    parser.add_argument("--replot", type=Path, nargs="+", default=None,
+                        help="merge these generate JSONs into generate-<name>.md/.png (and --readme); no GPU")
+
+
+def validate(args) -> list[tuple[str, object]]:
+    """Every argument checked before any model is built; returns the systems as (label, spec or None)."""
+    for model in args.models:
+        if model not in SHAPES and model not in REAL:
+            raise UsageError(f"--models: {model!r} is not one of {', '.join(list(SHAPES) + list(REAL))}")
+    if any(c < 256 for c in args.contexts) or any(b < 1 or b > 64 for b in args.batches):
+        raise UsageError(f"--contexts must be >= 256 and --batches in 1..64, got {args.contexts}, {args.batches}")
+    if not 0 <= args.warmup or args.new_tokens < args.warmup + 3 or args.profile < 0 \
+            or args.profile > args.new_tokens - args.warmup - 1:
+        raise UsageError(f"--new-tokens must exceed --warmup + 2 and --profile fit after the warm-up, got "
+                         f"{args.new_tokens}, {args.warmup}, {args.profile}")
+    from bench.decoding import MethodSpec
+
+    systems = []
+    for text in args.systems:
+        if text in HF_SYSTEMS:
+            systems.append((text, None))
+            continue
+        spec_text = text.removesuffix(GRAPH)
+        try:
+            systems.append((text, MethodSpec.parse(spec_text, 128)))
+        except UsageError as error:
+            raise UsageError(f"--systems: {error}") from None
+    if len({label for label, _ in systems}) != len(systems):
+        raise UsageError(f"--systems names a system twice: {args.systems}")
+    writable_folder("--out", args.out)
+    file_stem("--name", args.name)
+    if args.readme is not None and not args.readme.is_file():
+        raise UsageError(f"--readme {args.readme}: no such file")
+    return systems
+
+
+def run(args: argparse.Namespace) -> Path:
+    systems = validate(args)
+    if args.replot is not None:
+        return replot(args)
+    require_cuda("generate")
+    import torch
+
+    records, probe = [], None
+    if args.compile_probe:
+        probe = compile_probe()
+        print(f"fresh process, first offloaded decode: {probe['process_cold_s']:.1f} s with the kernel cache empty, "
+              f"{probe['process_warm_s']:.1f} s filled")
+    for model_name in args.models:
+        model = build_model(model_name)
+        for context in args.contexts:
+            for batch in args.batches:
+                ids, mask = prompts(model, context, batch)
+                hf_prefill = None
+                for label, spec in systems:
+                    record = measure(model, model_name, label, spec, ids, mask, args)
+                    if label == "hf-sdpa" and record.get("prefill_s") is not None:
+                        hf_prefill = record["prefill_s"]
+                    record["prefill_vs_hf"] = None if hf_prefill is None or record.get("prefill_s") is None \
+                        else record["prefill_s"] / hf_prefill
+                    records.append(record)
+                    print(_line(record), flush=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    payload = {"command": args.command_line, "device": torch.cuda.get_device_name(), "weights": "random bf16 for the 8B shapes; real for "
+               + ", ".join(REAL), "new_tokens": args.new_tokens, "warmup": args.warmup, "compile_probe": probe,
+               "records": records}
+    path = write_json(args.out / f"generate-{args.name}.json", payload.pop("command"), payload)
+    payload = {"command": args.command_line, **payload}
+    path.with_suffix(".md").write_text(markdown(payload) + "\n")
+    plot(payload, path.with_suffix(".png"))
+    if args.readme is not None:
+        update_readme(args.readme, payload, path)
+    print(markdown(payload))
+    return path
+
+
+def replot(args) -> Path:
+    """Several runs' JSONs as one table and plot (and the README's section)."""
+    import json
+
+    payloads = []
+    for path in args.replot:
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+            payload["records"], payload["command"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+            raise UsageError(f"--replot {path}: not a generate result ({error})") from None
+        payloads.append(payload)
+    merged = {"command": "; ".join(f"`{p['command']}`" for p in payloads).strip("`"), "device": payloads[0]["device"],
+              "weights": payloads[0]["weights"], "new_tokens": min(p["new_tokens"] for p in payloads),
+              "warmup": payloads[0]["warmup"],
+              "compile_probe": next((p["compile_probe"] for p in payloads if p.get("compile_probe")), None),
+              "records": [r for p in payloads for r in p["records"]]}
+    path = args.out / f"generate-{args.name}.md"
+    path.write_text(markdown(merged) + "\n")
+    plot(merged, path.with_suffix(".png"))
+    if args.readme is not None:
+        update_readme(args.readme, merged, path)
+    print(markdown(merged))
+    return path
+
+
+def build_model(name: str):
+    import torch
+    import transformers
+
+    if name in REAL:
+        from bench.models import load
+
+        model, _ = load(name)
+        return model.to("cuda", torch.bfloat16).eval()
+    config_class, config = SHAPES[name]
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        config = getattr(transformers, config_class)(**config, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def prompts(model, context: int, batch: int):
+    """Random token ids ``[B, context]``, row ``i`` with ``context · (i + 1) / B`` real tokens (left-padded)."""
+    import torch
+
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    g = torch.Generator(device="cuda").manual_seed(context + batch)
+    ids = torch.randint(1, vocab, (batch, context), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(batch):
+        pad = context - context * (i + 1) // batch
+        ids[i, :pad], mask[i, :pad] = 0, 0
+    return ids, mask
+
+
+class _Clock:
+    """A logits processor that records when each forward's logits are ready (one sync per token, as generate's own
+    stopping check makes) and steps a profiler."""
+
+    def __init__(self, profiler=None):
+        self.times, self.profiler = [], profiler
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        if self.profiler is not None:
+            self.profiler.step()
+        return scores
+
+
+def _cache_for(model, label: str, spec):
+    import transformers
+
+    if label == "hf-sdpa":
+        return transformers.DynamicCache(config=model.config)
+    if label == "hf-offloaded":
+        return transformers.DynamicCache(config=model.config, offloading=True)
+    return spec.cache(model)
+
+
+def _one_call(model, label, spec, ids, mask, args, profile: int = 0) -> dict:
+    """One generate call; its timings (and gpu_busy_ms when ``profile`` steps are profiled)."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from fathom.integrations.token_graph import decode
+
+    profiler = None
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+
+        profiler = torch_profile(activities=[ProfilerActivity.CUDA],
+                                 schedule=schedule(wait=args.warmup, warmup=1, active=profile, repeat=1))
+        profiler.start()
+    clock = _Clock(profiler)
+    torch.cuda.synchronize()
+    made = time.perf_counter()
+    cache = _cache_for(model, label, spec)
+    extra = {"custom_generate": decode} if label.endswith(GRAPH) else {}
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=args.new_tokens, do_sample=False,
+                   pad_token_id=0, logits_processor=LogitsProcessorList([clock]), **extra)
+    torch.cuda.synchronize()
+    if profiler is not None:
+        profiler.stop()
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+    out = {"cache_s": start - made, "prefill_s": clock.times[0] - start, "first_step_ms": 1e3 * steps[0],
+           "steady_ms": 1e3 * statistics.median(steps[args.warmup:]), "cache": cache}
+    if profiler is not None:
+        busy_us = sum(e.self_device_time_total for e in profiler.key_averages())
+        out["gpu_busy_ms"] = busy_us / 1e3 / profile
+    return out
+
+
+def measure(model, model_name: str, label: str, spec, ids, mask, args) -> dict:
+    import torch
+
+    batch, context = ids.shape
+    record = {"system": label, "model": model_name, "context": context, "batch": batch,
+              "weights": "real" if model_name in REAL else "random"}
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        first = _one_call(model, label, spec, ids, mask, args)
+        record["hbm_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        record["pinned_gb"] = _pinned_gb(first["cache"])
+        record["attention_gpu_ms"] = attention_gpu_ms(first["cache"]) if spec is not None else None
+        _close(first.pop("cache"))
+        pooled = _one_call(model, label, spec, ids, mask, args, profile=args.profile)
+        _close(pooled.pop("cache"))
+    except torch.OutOfMemoryError:
+        record["error"] = "out of GPU memory"
+        return record
+    finally:
+        from fathom.integrations.sessions import POOL
+
+        POOL.clear()  # the next system has another key: its pinned memory is not kept idle beside the next one's
+    record.update({key: first[key] for key in ("prefill_s", "first_step_ms", "steady_ms")})
+    record["tokens_per_s"] = batch * 1e3 / first["steady_ms"]
+    record.update({f"pooled_{key}": pooled[key] for key in ("prefill_s", "first_step_ms", "steady_ms")})
+    record["setup_s"] = (first["prefill_s"] + first["first_step_ms"] / 1e3) \
+        - (pooled["prefill_s"] + pooled["first_step_ms"] / 1e3)
+    record["gpu_busy_ms"] = pooled.get("gpu_busy_ms")
+    steady = min(first["steady_ms"], pooled["steady_ms"])
+    record["host_ms_per_token"] = None if record["gpu_busy_ms"] is None else max(0.0, steady - record["gpu_busy_ms"])
+    return record
+
+
+def _pinned_gb(cache) -> float | None:
+    sessions = getattr(getattr(cache, "decoding", None), "sessions", None)
+    store = getattr(sessions, "cache", None)
+    return None if store is None else store.pinned_bytes / 1e9
+
+
+def _close(cache) -> None:
+    if hasattr(cache, "close"):
+        cache.close()
+
+
+def attention_gpu_ms(cache, reps: int = 5) -> float | None:
+    """GPU time of one token through every layer's Fathom step (its append included), on the cache as the run left
+    it: each layer's captured step replayed with random inputs, queued behind a sleep kernel, CUDA events, median."""
+    import torch
+
+    from fathom.integrations.sessions import OffloadedSessions
+
+    sessions = cache.decoding.sessions
+    if not isinstance(sessions, OffloadedSessions):
+        return None
+    s = sessions.shape
+    q = torch.randn(s.layers, s.sessions, s.kv_heads * s.group, s.head_dim, device="cuda")
+    kv = torch.randn(2, s.sessions, s.kv_heads, s.head_dim, device="cuda")
+    sessions.reserve(reps + 1)
+    graphs = [sessions.graph(layer) for layer in range(s.layers)]
+    times = []
+    for _ in range(reps + 1):
+        sessions.begin_token()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(50_000_000)
+        start.record()
+        for layer, graph in enumerate(graphs):
+            graph.replay(q[layer], kv[0][:, :, None], kv[1][:, :, None])
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
+
+
+def compile_probe() -> dict:
+    """A fresh process's first offloaded decode (import, pinned memory, kernel compile or load, capture), with
+    Numba's kernel cache for this package emptied first, then again with it filled."""
+    from fathom.cuda import interop
+
+    folder = interop.PACKAGE / "cuda" / "__pycache__"
+    for path in folder.glob("*.nb[ic]"):
+        path.unlink()
+    times = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+        times.append(float(done.stdout.strip().splitlines()[-1]))
+    return {"process_cold_s": times[0], "process_warm_s": times[1]}
+
+
+def _line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['model']} {context_label(r['context'])} x{r['batch']} {r['system']}: {r['error']}"
+    return (f"{r['model']} {context_label(r['context'])} x{r['batch']} {r['system']}: prefill {r['prefill_s']:.2f} s, "
+            f"first step {r['first_step_ms']:.0f} ms, steady {r['steady_ms']:.1f} ms ({r['tokens_per_s']:.1f} tok/s), "
+            f"pooled first step {r['pooled_first_step_ms']:.0f} ms")
+
+
+COLUMNS = [("model", "model", ""), ("context", "context", "d"), ("batch", "batch", "d"), ("system", "system", ""),
+           ("prefill_s", "prefill s", ".2f"), ("prefill_vs_hf", "prefill / HF", ".2f"),
+           ("pooled_prefill_s", "pooled prefill s", ".2f"),
+           ("first_step_ms", "first step ms", ".0f"), ("pooled_first_step_ms", "pooled first step ms", ".0f"),
+           ("setup_s", "setup s", ".2f"), ("steady_ms", "steady ms/token", ".1f"), ("tokens_per_s", "tok/s", ".1f"),
+           ("attention_gpu_ms", "attention GPU ms", ".1f"), ("gpu_busy_ms", "GPU busy ms", ".1f"),
+           ("host_ms_per_token", "host ms/token", ".1f"), ("hbm_gb", "HBM GB", ".1f"), ("pinned_gb", "pinned GB", ".1f")]
+
+
+def markdown(payload: dict) -> str:
+    rows = [r for r in payload["records"] if "error" not in r]
+    failed = [r for r in payload["records"] if "error" in r]
+    text = (f"`{payload['command']}` on {payload['device']}; weights: {payload['weights']}; "
+            f"{payload['new_tokens']}+ new tokens, steady = median after {payload['warmup']} steps.\n\n"
+            + markdown_table(rows, COLUMNS))
+    if failed:
+        text += "\n\nNot measured: " + "; ".join(f"{r['model']} {r['context']} x{r['batch']} {r['system']} "
+                                                 f"({r['error']})" for r in failed)
+    probe = payload.get("compile_probe")
+    if probe:
+        text += (f"\n\nA fresh process's first offloaded decode: {probe['process_cold_s']:.1f} s with Numba's kernel "
+                 f"cache empty, {probe['process_warm_s']:.1f} s with it filled.")
+    return text
+
+
+def update_readme(readme: Path, payload: dict, source: Path) -> None:
+    text = readme.read_text(encoding="utf-8")
+    start, end = "<!-- generate:start -->", "<!-- generate:end -->"
+    if start not in text or end not in text:
+        raise UsageError(f"--readme {readme}: no {start} ... {end} section to rewrite")
+    body = f"From `{source.name}`:\n\n" + markdown(payload)
+    head, rest = text.split(start, 1)
+    readme.write_text(head + start + "\n" + body + "\n" + end + rest.split(end, 1)[1], encoding="utf-8")
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["records"] if "error" not in r]
+    settings = sorted({(r["model"], r["context"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, max(1, len(settings)), figsize=(4 * max(1, len(settings)), 3.6), squeeze=False)
+    for ax, (model, context, batch) in zip(axes[0], settings):
+        group = [r for r in rows if (r["model"], r["context"], r["batch"]) == (model, context, batch)]
+        ax.barh([r["system"] for r in group], [r["steady_ms"] for r in group], color="#4c72b0")
+        ax.set_xscale("log")
+        ax.set_title(f"{model} {context_label(context)} x{batch}", fontsize=9)
+        ax.set_xlabel("ms per token (steady, log)")
+        ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

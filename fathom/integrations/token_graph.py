@@ -1,0 +1,180 @@
+"""The model's whole decode token as one CUDA graph, through transformers' ``custom_generate``.
+
+``generate`` prepares the inputs, logits processors and stopping criteria as usual and hands the decoding loop to
+:func:`decode` (transformers' own extension point for a decoding loop: ``custom_generate=`` a callable)::
+
+    from fathom.integrations.token_graph import decode
+    cache = FathomCache(model, method="fathom", budget=48)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=256,
+                         custom_generate=decode)
+
+:func:`decode` runs the prefill (or a conversation's next chunk) as ``generate`` does, then captures the model's
+forward for one token — every layer's projections, norms and MLP, each FathomCache layer's append and sparse
+step, the logits — once as a :class:`TokenGraph` and replays it per token, as gpt-fast, vLLM and SGLang do: the
+host does one replay, one check of the cache's error flags and the token choice per token, not work per layer.
+The graph is kept with the offloaded sessions, so a later cache that takes them from the pool replays it without
+capturing again.
+The logits processors, sampling or argmax and the stopping criteria run as ``generate``'s own loop runs them.
+
+What it needs: a FathomCache on the offloaded backend (the model on a CUDA device), every layer full attention
+(sliding-window layers grow a dense cache, which a graph cannot hold), ``return_dict_in_generate`` off. Anything
+else is refused before the prefill. The tokens equal those of ``generate`` without ``custom_generate`` (tested);
+under the CUDA simulator there is no graph and each "replay" runs the captured work eagerly.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from numba import cuda
+
+from fathom.cuda.interop import SIMULATED
+from fathom.host.graph import collector_off
+from fathom.integrations.sessions import OffloadedSessions
+from fathom.integrations.transformers import FathomCache, FathomLayer
+
+
+def decode(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
+           **model_kwargs) -> torch.Tensor:
+    """``generate``'s decoding loop with the decode token as one CUDA graph (pass as ``custom_generate=decode``).
+
+    Returns the sequences ``int64 [B, n + new]`` as ``generate`` does (with ``return_dict_in_generate`` off).
+    """
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if not isinstance(cache, FathomCache):
+        raise ValueError("custom_generate=decode needs past_key_values=FathomCache(model, ...)")
+    if not all(isinstance(layer, FathomLayer) for layer in cache.layers):
+        raise ValueError("custom_generate=decode needs every layer to be full attention (sliding-window layers keep a "
+                         "growing dense cache, which no CUDA graph holds); use generate without custom_generate")
+    if generation_config.return_dict_in_generate:
+        raise ValueError("custom_generate=decode returns the sequences only: set return_dict_in_generate=False")
+    if generation_config.num_beams != 1:
+        raise ValueError("custom_generate=decode decodes greedily or by sampling: num_beams must be 1")
+    backend = cache.settings.backend
+    if backend == "reference" or (backend == "auto" and model.device.type != "cuda"):
+        raise ValueError("custom_generate=decode needs the offloaded backend (the model on a CUDA device)")
+    mask = model_kwargs.get("attention_mask")
+    past = cache.get_seq_length()
+    B, n = input_ids.shape
+    positions = _positions(mask, past, n, input_ids.device)
+    logits = _forward(model, cache, input_ids[:, past:], positions[:, past:], mask)
+    decoding = cache.decoding
+    unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
+    pad = generation_config._pad_token_tensor
+    has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+    graph = None
+    while True:
+        scores = logits_processor(input_ids, logits[:, -1].to(torch.float32))
+        if generation_config.do_sample:
+            token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            token = scores.argmax(dim=-1)
+        if has_eos and pad is not None:
+            token = torch.where(unfinished, token, pad.to(token.device))
+        input_ids = torch.cat([input_ids, token[:, None]], dim=-1)
+        unfinished &= ~stopping_criteria(input_ids, scores)
+        if not bool(unfinished.any()):  # the one host sync of a token
+            return input_ids
+        if graph is None:
+            room = getattr(stopping_criteria, "max_length", None)
+            decoding.sessions.reserve((room or input_ids.shape[1]) - input_ids.shape[1] + 1)
+            graph = TokenGraph.of(model, cache, B)
+        logits = graph(token, positions[:, -1] + 1)
+        positions = torch.cat([positions, positions[:, -1:] + 1], dim=-1)
+
+
+class TokenGraph:
+    """One decode token of ``model`` over ``cache`` (every layer a FathomCache layer), captured once.
+
+    ``graph(token int64 [B], position int64 [B])`` appends the token to every session of every layer, decodes it
+    and returns the logits ``[B, 1, vocab]`` (a static buffer, overwritten by the next call). Before each replay
+    the cache's flags are checked and its capacity for the token made sure of; the capacity must not grow while
+    the graph lives (the caller reserves it first), since growing moves the store the graph reads.
+    """
+
+    @classmethod
+    def of(cls, model, cache: FathomCache, batch: int) -> TokenGraph:
+        """The graph of ``model`` over ``cache``'s sessions: the one captured on them before when they come from the
+        pool (same model, same store), bound to ``cache``; else captured now and kept with the sessions."""
+        sessions = cache.decoding.sessions
+        kept = sessions.token_graphs.get((id(model), batch))
+        if kept is not None and kept.model is model and kept.store is sessions.cache:
+            kept.cache, kept.decoding = cache, cache.decoding
+            return kept
+        graph = cls(model, cache, batch)
+        sessions.token_graphs[(id(model), batch)] = graph
+        return graph
+
+    def __init__(self, model, cache: FathomCache, batch: int):
+        self.model, self.cache, self.decoding = model, cache, cache.decoding
+        self.sessions: OffloadedSessions = cache.decoding.sessions
+        self.store = self.sessions.cache
+        device = model.device
+        self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.position = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.logits = None
+        self._graph = None
+        if not SIMULATED:
+            self._capture()
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        if self.sessions.cache is not self.store:
+            raise ValueError("the FathomCache grew since this TokenGraph was captured: capture a new one")
+        self.sessions.begin_token()  # flags raised by the last token, and room for this one (no growth: reserved)
+        if self.sessions.cache is not self.store:
+            raise ValueError("the FathomCache ran out of the room reserved for this TokenGraph")
+        self.token.copy_(token[:, None])
+        self.position.copy_(position[:, None])
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._forward_enqueued()
+        self.sessions.advance()
+        for layer in self.cache.layers:
+            layer.length += 1
+        return self.logits
+
+    def _forward_enqueued(self) -> None:
+        """The token's forward with every Fathom step launched directly on the current stream (what the capture
+        records) and no host state changed: the layers' lengths are restored after."""
+        lengths = [layer.length for layer in self.cache.layers]
+        self.decoding.capturing = True
+        try:
+            with torch.no_grad():  # not inference_mode: the step graphs' buffers made here are written later
+                self.logits = _forward(self.model, self.cache, self.token, self.position, None)
+        finally:
+            self.decoding.capturing = False
+            for layer, length in zip(self.cache.layers, lengths):
+                layer.length = length
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with self.store.dry_run(), torch.cuda.stream(side):  # warm-up: cuBLAS workspaces, nothing appended
+            self._forward_enqueued()
+        self._graph = torch.cuda.CUDAGraph()
+        with collector_off(), cuda.defer_cleanup(), torch.cuda.stream(side):
+            self._graph.capture_begin()
+            try:
+                self._forward_enqueued()
+            finally:
+                self._graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+
+
+def _positions(mask: torch.Tensor | None, past: int, n: int, device) -> torch.Tensor:
+    """Position ids ``[B, n]`` as ``generate`` makes them: counted over the non-pad positions (left padding)."""
+    if mask is None:
+        return torch.arange(n, device=device)[None]
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _forward(model, cache: FathomCache, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
+    """The model's forward over ``ids`` with ``cache``, the last position's logits (transformers 5.17 names the
+    cache ``past_key_values``, later versions ``cache``)."""
+    cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    if positions.shape[0] != ids.shape[0]:
+        positions = positions.expand(ids.shape[0], -1)
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                 **{cache_argument: cache}).logits

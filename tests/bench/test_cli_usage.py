@@ -1,0 +1,215 @@
+"""What a new user meets first on ``python -m bench``: a bad file or value is one line naming it and what it should
+be (exit 2, before any model load), and ``--help`` is plain text that lists the choices and the defaults."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from bench import agreement, channel_stats, cli, corpora, decoding, fidelity, headline, models, ruler, soak, timing
+from bench import capture as bench_capture
+from bench.__main__ import main
+from bench.report import RESULTS
+from tests.cli import refused
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+COMMANDS = [fidelity, headline, ruler, agreement, timing, soak, channel_stats]
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch, tmp_path):
+    """Every model / corpus / capture load fails the test if reached; the cache folder is empty."""
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the arguments must be refused before anything is loaded")
+
+    for module, name in ((models, "load"), (models, "ensure"), (corpora, "load"), (corpora, "ensure"),
+                         (bench_capture, "load_capture")):
+        monkeypatch.setattr(module, name, reached)
+    monkeypatch.setenv("FATHOM_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def argparse_refused(argv: list[str], capsys) -> str:
+    """argparse's own refusal (a bad ``type=`` value): exit 2, the usage, then one ``prog: error: …`` line, no
+    traceback. Returns that last line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def help_text(argv: list[str], capsys, monkeypatch) -> str:
+    """``python -m bench <argv> --help``, unwrapped (one long line)."""
+    monkeypatch.setenv("COLUMNS", "10000")  # argparse wraps to the terminal: no wrapping, no split words
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def options(parser: argparse.ArgumentParser):
+    """Every option of ``parser`` and of its subcommands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from options(sub)
+        else:
+            yield action
+
+
+def parser_of(module) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser
+
+
+# --- timing --replot: a file it cannot plot -------------------------------------------------------------------
+
+TOP = '"command": "c", "device": "d", "link_GBps": 1.0, "keys": "statistics of x"'
+
+
+@pytest.mark.parametrize("contents, message", [
+    (None, "cannot read it (No such file or directory)"),
+    (b"\xff\xfe binary", "not UTF-8 text"),
+    ("nope", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("[1, 2]", "not a timing JSON of python -m bench timing (not a JSON object)"),
+    ('{"command": "c"}', "not a timing JSON of python -m bench timing (it lacks device, link_GBps, keys, records)"),
+    ("{" + TOP + ', "records": {}}', "(its records are not a list of objects)"),
+    ("{" + TOP + ', "records": [{"label": "x"}]}', "(record 0 lacks method, context, sessions,"),
+], ids=["missing", "binary", "not-json", "not-an-object", "no-fields", "records-not-a-list", "record-fields"])
+def test_timing_replot_refuses_a_file_it_cannot_plot_naming_it(tmp_path, capsys, contents, message):
+    path = tmp_path / "run.json"
+    if isinstance(contents, bytes):
+        path.write_bytes(contents)
+    elif contents is not None:
+        path.write_text(contents)
+    out = tmp_path / "out"
+    good = RESULTS / "timing-qwen3-8b-hbm.json"  # a bad file after a good one: nothing is written
+    err = refused(["timing", "--replot", str(good), str(path), "--out", str(out), "--name", "x"], capsys)
+    assert err.startswith(f"error: --replot {path}: ") and message in err, err
+    assert not list(out.glob("timing-x.*"))
+
+
+def test_timing_replot_of_the_committed_runs_remakes_the_committed_table(tmp_path, capsys):
+    runs = [str(RESULTS / f"timing-qwen3-8b-{regime}.json") for regime in ("host", "hbm")]
+    main(["timing", "--replot", *runs, "--out", str(tmp_path), "--name", "qwen3-8b"])
+    assert (tmp_path / "timing-qwen3-8b.md").read_text() == (RESULTS / "timing-qwen3-8b.md").read_text()
+
+
+# --- bad list values: argparse names what they should be --------------------------------------------------------
+
+@pytest.mark.parametrize("option, value", [("--contexts", "abc"), ("--sessions", "1,x"), ("--contexts", "")])
+def test_timing_says_what_a_list_of_integers_looks_like(capsys, option, value):
+    assert argparse_refused(["timing", option, value], capsys) == \
+        f"python -m bench timing: error: argument {option}: comma-separated integers, got {value!r}"
+
+
+@pytest.mark.parametrize("module", COMMANDS, ids=lambda m: m.__name__)
+def test_every_option_type_is_a_named_function(module):
+    """argparse names a bad value's type by its function's name: a lambda reads 'invalid <lambda> value'."""
+    for action in options(parser_of(module)):
+        assert getattr(action.type, "__name__", None) != "<lambda>", (module.__name__, action.option_strings)
+
+
+# --- --out naming a file where a folder is wanted, and the reverse ----------------------------------------------
+
+@pytest.mark.parametrize("command", [["fidelity", "--synthetic", "--quick"], ["agreement"], ["ruler", "lm-eval"],
+                                     ["ruler", "score", "--generations", "g"], ["timing"], ["soak"],
+                                     ["channel-stats"]], ids=" ".join)
+def test_an_out_that_names_an_existing_file_is_refused_as_not_a_folder(nothing_loads, capsys, command):
+    file = nothing_loads / "results.txt"
+    file.write_text("a file")
+    assert refused([*command, "--out", str(file)], capsys) == \
+        f"error: --out {file} names an existing file; --out must be a folder"
+
+
+def test_ruler_samples_and_generate_refuse_an_out_that_is_a_folder(nothing_loads, capsys):
+    samples = nothing_loads / "s.json"
+    samples.write_text('{"model": "smollm2-135m", "samples": [{"id": "x"}]}')
+    for argv in (["samples"], ["generate", "--samples", str(samples)]):
+        assert refused(["ruler", *argv, "--out", str(nothing_loads)], capsys) == \
+            f"error: --out {nothing_loads} names an existing folder; --out must name the file to write"
+
+
+def test_writable_folder_and_file_keep_their_other_refusals(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(cli.UsageError, match=r"cannot write there \(Not a directory\)"):
+        cli.writable_folder("--out", blocker / "results")
+    with pytest.raises(cli.UsageError, match=r"cannot write there \(File exists\)"):
+        cli.writable_file("--out", blocker / "out.json")
+    assert cli.writable_folder("--out", tmp_path / "new") == tmp_path / "new" and (tmp_path / "new").is_dir()
+    assert cli.writable_file("--out", tmp_path / "made" / "out.json") == tmp_path / "made" / "out.json"
+
+
+# --- method specs: the help and the refusal agree with what parses ----------------------------------------------
+
+@pytest.mark.parametrize("name", decoding.BUDGETED)
+def test_a_budgeted_method_written_bare_is_refused_with_a_form_that_parses(nothing_loads, capsys, name):
+    err = refused(["ruler", "lm-eval", "--methods", name, "--out", str(nothing_loads)], capsys)
+    assert err.startswith(f"error: method {name!r}: {name} takes a budget: write {name}@BITS"), err
+    example = re.search(rf"e\.g\. ({re.escape(name)}@\d+)", err).group(1)
+    for head_dim in (64, 128, 256):  # the models' head dims
+        decoding.MethodSpec.parse(example, head_dim)
+
+
+def test_the_sparq_refusal_names_sparq_at_68(nothing_loads, capsys):
+    assert "sparq@68" in refused(["ruler", "lm-eval", "--methods", "sparq", "--out", str(nothing_loads)], capsys)
+
+
+def test_the_methods_help_says_which_methods_take_bits_and_it_is_true(capsys, monkeypatch, nothing_loads):
+    for argv in (["ruler", "lm-eval"], ["ruler", "generate"]):
+        text = help_text(argv, capsys, monkeypatch)
+        assert decoding.spec_help() in text and "name or name@bits" not in text
+    assert decoding.spec_help(exclude=("fathom-plan",)) in help_text(["agreement"], capsys, monkeypatch)
+    assert "fathom-plan" in refused(["agreement", "--methods", "fathom-plan@48", "--out", str(nothing_loads)], capsys)
+    for name in decoding.NO_BUDGET:  # bare, as the help says
+        decoding.MethodSpec.parse(name, 128)
+    for name in decoding.BUDGETED:  # never bare
+        with pytest.raises(cli.UsageError, match=f"write {name}@BITS"):
+            decoding.MethodSpec.parse(name, 128)
+    for example in re.findall(r"e\.g\. ([\w-]+@\d+)", decoding.spec_help()):
+        decoding.MethodSpec.parse(example, 64)
+    transformers = pytest.importorskip("fathom.integrations.transformers")
+    assert decoding.FIXED_CHANNELS == transformers.FIXED_CHANNELS
+    assert set(decoding.NO_BUDGET + decoding.BUDGETED) == set(transformers.METHODS)
+
+
+# --- --help: plain text, the choices, the defaults --------------------------------------------------------------
+
+HELPS = [[], ["fidelity"], ["headline"], ["ruler"], ["ruler", "lm-eval"], ["ruler", "samples"], ["ruler", "generate"],
+         ["ruler", "score"], ["agreement"], ["timing"], ["soak"], ["channel-stats"], ["fetch"]]
+
+
+@pytest.mark.parametrize("argv", HELPS, ids=lambda argv: " ".join(argv) or "bench")
+def test_help_is_plain_text_without_rest_markup(capsys, monkeypatch, argv):
+    text = help_text(argv, capsys, monkeypatch)
+    assert not re.search(r"``|:(?:mod|func|class|meth|data|attr):`|\*\*", text), text
+
+
+def test_plain_drops_rest_markup_and_keeps_the_words():
+    assert cli.plain("``python -m bench``: :func:`~bench.cli.plain`, :mod:`fathom.cuda` and **this**") == \
+        "python -m bench: plain, fathom.cuda and this"
+
+
+def test_fidelity_help_lists_the_models_and_corpora_and_readmes_figures(capsys, monkeypatch):
+    text = help_text(["fidelity"], capsys, monkeypatch)
+    for name in [*models.MODELS, *corpora.CORPORA, *corpora.AUSTEN_NOVELS]:
+        assert name in text, name
+    assert "a few minutes" not in text
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    for figure in ("about a minute on 2 CPU cores", "about another minute", "~20 s"):  # cited from the README
+        assert figure in text and figure in readme, figure
+
+
+@pytest.mark.parametrize("module", [fidelity, agreement, ruler, timing], ids=lambda m: m.__name__)
+def test_every_option_with_a_default_says_it_in_its_help(module):
+    for action in options(parser_of(module)):
+        if action.default not in (None, False, argparse.SUPPRESS) and action.help is not None:
+            assert "default" in action.help, (module.__name__, action.option_strings, action.help)

@@ -1,0 +1,41 @@
+"""``python -m bench generate``: bad arguments refused before any model is built or CUDA is asked for; the table,
+the README section and the plot made from a result."""
+
+import pytest
+
+from bench import generate
+from tests.cli import refused
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "gpt2"], "--models: 'gpt2' is not one of"),
+    (["--contexts", "100"], "--contexts must be >= 256"),
+    (["--batches", "0"], "--batches in 1..64"),
+    (["--new-tokens", "4"], "--new-tokens must exceed --warmup"),
+    (["--systems", "sparq"], "--systems: method 'sparq': sparq takes a budget"),
+    (["--systems", "fathom@48,fathom@48"], "names a system twice"),
+    (["--name", "../x"], "--name"),
+])
+def test_bad_arguments_are_refused_before_any_work(capsys, tmp_path, argv, message):
+    assert message in refused(["generate", "--out", str(tmp_path), *argv], capsys)
+
+
+def test_the_table_and_the_readme_section_come_from_the_records(tmp_path):
+    record = {"system": "fathom@48+graph", "model": "qwen3-8b", "context": 131072, "batch": 1, "weights": "random",
+              "prefill_s": 14.0, "prefill_vs_hf": 1.06, "pooled_prefill_s": 13.1, "first_step_ms": 410.0, "pooled_first_step_ms": 31.0,
+              "setup_s": 1.2, "steady_ms": 27.5, "tokens_per_s": 36.4, "attention_gpu_ms": 24.1, "gpu_busy_ms": 26.0,
+              "host_ms_per_token": 1.5, "hbm_gb": 17.9, "pinned_gb": 23.1}
+    payload = {"command": "python -m bench generate", "device": "H200", "weights": "random", "new_tokens": 24,
+               "warmup": 3, "compile_probe": {"process_cold_s": 9.0, "process_warm_s": 2.0},
+               "records": [record, {**record, "system": "hf-sdpa", "error": "out of GPU memory"}]}
+    text = generate.markdown(payload)
+    assert "| qwen3-8b | 131072 | 1 | fathom@48+graph | 14.00 | 1.06 | 13.10 | 410 | 31 |" in text
+    assert "Not measured: qwen3-8b 131072 x1 hf-sdpa (out of GPU memory)" in text and "9.0 s" in text
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- generate:start -->\nold\n<!-- generate:end -->\nafter\n")
+    generate.update_readme(readme, payload, tmp_path / "generate-x.json")
+    updated = readme.read_text()
+    assert updated.startswith("before\n<!-- generate:start -->\nFrom `generate-x.json`") and "old" not in updated
+    assert updated.endswith("<!-- generate:end -->\nafter\n")
+    generate.plot(payload, tmp_path / "x.png")
+    assert (tmp_path / "x.png").stat().st_size > 0

@@ -1,0 +1,93 @@
+"""The whole decode token as one CUDA graph (``custom_generate=decode``) generates what ``generate``'s own loop
+does over the same FathomCache (under the CUDA simulator: the captured work run eagerly per token; on the GPU with
+FATHOM_GPU=1: the graph), and what it cannot hold is refused before the prefill."""
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from fathom.cuda.interop import DEVICE
+from fathom.integrations.token_graph import decode
+from fathom.integrations.transformers import FathomCache
+from tests.integrations.test_transformers import batch
+from tests.tiny_models import tiny_gemma3
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def _model(layers: int = 1):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
+    return transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+
+
+def _generate(model, ids, mask, cache, new, **kwargs):
+    return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False,
+                          pad_token_id=0, **kwargs)
+
+
+def test_the_token_graph_generates_what_generates_own_loop_does_and_continues_a_conversation():
+    """Turn 1 captures the token graph; turn 2 (a chunk, then decoding) replays the same graph, kept with the
+    sessions, bound to the cache's new state."""
+    model = _model()
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
+    eager = FathomCache(model, "fathom", backend="offloaded", **settings)
+    expected = _generate(model, ids, mask, eager, new=2)
+    cache = FathomCache(model, "fathom", backend="offloaded", **settings)
+    torch.testing.assert_close(_generate(model, ids, mask, cache, new=2, custom_generate=decode), expected,
+                               rtol=0, atol=0)
+    assert cache.lengths().tolist() == [71, 62]  # the prompts' real tokens and one decoded, the last not yet held
+    kept = dict(cache.decoding.sessions.token_graphs)
+    assert len(kept) == 1
+    said = torch.tensor([[5, 9], [7, 3]], device=DEVICE)
+    ids2, mask2 = torch.cat([expected, said], 1), torch.cat([mask, torch.ones_like(expected[:, 70:]),
+                                                             torch.ones_like(said)], 1)
+    torch.testing.assert_close(_generate(model, ids2, mask2, cache, new=2, custom_generate=decode),
+                               _generate(model, ids2, mask2, eager, new=2), rtol=0, atol=0)
+    assert cache.decoding.sessions.token_graphs == kept  # replayed again, not captured anew
+    cache.close()
+    eager.close()
+
+
+def test_what_the_token_graph_cannot_hold_is_refused():
+    ids, mask = batch()
+    model = tiny_gemma3()
+    with pytest.raises(ValueError, match="needs every layer to be full attention"):
+        _generate(model, ids, mask, FathomCache(model, "dense"), new=2, custom_generate=decode)
+    llama = _model()
+    with pytest.raises(ValueError, match="needs past_key_values=FathomCache"):
+        _generate(llama, ids.to(DEVICE), mask.to(DEVICE), None, new=2, custom_generate=decode)
+    with pytest.raises(ValueError, match="return_dict_in_generate=False"):
+        _generate(llama, ids.to(DEVICE), mask.to(DEVICE), FathomCache(llama, "dense"), new=2, custom_generate=decode,
+                  return_dict_in_generate=True)
+    if DEVICE.type == "cpu":  # a model on the CPU decodes on the reference backend, which has no graph
+        with pytest.raises(ValueError, match="needs the offloaded backend"):
+            _generate(llama, ids, mask, FathomCache(llama, "dense", backend="reference"), new=2,
+                      custom_generate=decode)
+
+
+@pytest.mark.gpu
+def test_the_readme_token_graph_example_runs_and_generates_what_generate_does():
+    from tests.integrations.test_transformers import _cached
+
+    if not _cached("smollm2-135m"):
+        pytest.skip("SmolLM2-135M is not in the cache (python -m bench fetch smollm2-135m)")
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(# token graph: .*?)```", readme, flags=re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md:token-graph", "exec"), scope)
+    model, batch = scope["model"], scope["batch"]
+    plain = model.generate(**batch, past_key_values=FathomCache(model, method="fathom", budget=48),
+                           max_new_tokens=32, do_sample=False)
+    torch.testing.assert_close(scope["out"], plain, rtol=0, atol=0)
