@@ -292,6 +292,8 @@ class _Decoding:
         """A conversation's next chunk: ``query [B, H·G, m, d]``, ``k, v [B, H, m, d]`` -> ``[B, m, H·G, d]``,
         dense over what each session holds and causal within the chunk; the chunk then enters the store."""
         self._check_scale(scale)
+        if self.closed:
+            raise ValueError("the FathomCache was closed")
         if self.sessions is None:
             raise ValueError("a FathomCache continues a conversation only after a decode step of its prefill")
         if slot == 0 and not bool(valid.all()):
