@@ -151,7 +151,7 @@ def _token_launches(decoder: Decoder, layers: list[int], q_in, k_in, v_in, out) 
 
 
 @contextmanager
-def collector_off():
+def _collector_off():
     """Python's cycle collector off inside (restored after): no finalizer may free GPU memory during a capture."""
     collecting = gc.isenabled()
     gc.disable()
@@ -171,7 +171,7 @@ def capture(cache, launches: list[Launch], pool=None) -> torch.cuda.CUDAGraph:
     with cache.dry_run(), torch.cuda.stream(side):
         run_launches(launches, cache.stream())
     graph = torch.cuda.CUDAGraph()
-    with collector_off(), cuda.defer_cleanup(), torch.cuda.stream(side):
+    with _collector_off(), cuda.defer_cleanup(), torch.cuda.stream(side):
         graph.capture_begin(pool=pool)
         try:
             run_launches(launches, cache.stream())  # the capture stream, which torch makes current

@@ -27,10 +27,9 @@ from __future__ import annotations
 import inspect
 
 import torch
-from numba import cuda
 
 from fathom.cuda.interop import SIMULATED
-from fathom.host.graph import collector_off
+from fathom.host.graph import capture
 from fathom.integrations.sessions import OffloadedSessions
 from fathom.integrations.transformers import FathomCache, FathomLayer
 
@@ -149,18 +148,9 @@ class TokenGraph:
                 layer.length = length
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with self.store.dry_run(), torch.cuda.stream(side):  # warm-up: cuBLAS workspaces, nothing appended
-            self._forward_enqueued()
-        self._graph = torch.cuda.CUDAGraph()
-        with collector_off(), cuda.defer_cleanup(), torch.cuda.stream(side):
-            self._graph.capture_begin()
-            try:
-                self._forward_enqueued()
-            finally:
-                self._graph.capture_end()
-        torch.cuda.current_stream().wait_stream(side)
+        """As a step graph is captured (``fathom.host.graph.capture``): a warm-up with the appends dry, then the
+        capture, with the collector off."""
+        self._graph = capture(self.store, [lambda stream: self._forward_enqueued()])
 
 
 def _positions(mask: torch.Tensor | None, past: int, n: int, device) -> torch.Tensor:
