@@ -368,7 +368,7 @@ class OffloadedCache:
         bigger = OffloadedCache(replace(s, max_tokens=int(max_tokens)), rotated=self.rotated)
         if not SIMULATED:
             torch.cuda.synchronize()  # host-side copies below: every kernel writing the old memory is done
-        T, segments = s.max_tokens, s.segments
+        T, segments, per_segment = s.max_tokens, s.segments, s.head_dim * s.layout.record_words
         for old, new in zip(self.layers, bigger.layers):
             new.kv.host[:, :T] = old.kv.host
             new.marks.host[:, :old.marks.shape[1]] = old.marks.host
@@ -377,7 +377,6 @@ class OffloadedCache:
                 new.basis.copy_(old.basis)
             for name, st in old.stores.items():
                 target = new.stores[name]
-                per_segment = s.head_dim * s.layout.record_words
                 target.records.view(s.groups, -1, per_segment)[:, :segments].copy_(
                     st.records.view(s.groups, segments, per_segment))
                 target.scale_sq_sum.copy_(st.scale_sq_sum)

@@ -91,10 +91,13 @@ class LayerStats:
         return cls(calibration.sigma2_raw[layer], calibration.basis[layer], calibration.sigma2_rotated[layer],
                    calibration.ds_rank[layer])
 
+    def sigma2(self, basis: str) -> np.ndarray:
+        """σ² ``[H, d]`` in the ``basis`` ("raw" or "rotated") store."""
+        return self.sigma2_rotated if basis == "rotated" else self.sigma2_raw
+
     def head(self, head: int, basis: str, layer: int) -> HeadStats:
         """The stats of one KV head in the ``basis`` ("raw" or "rotated") store."""
-        sigma2 = self.sigma2_rotated if basis == "rotated" else self.sigma2_raw
-        return HeadStats(sigma2=sigma2[head], ds_rank=self.ds_rank[head], layer=layer)
+        return HeadStats(sigma2=self.sigma2(basis)[head], ds_rank=self.ds_rank[head], layer=layer)
 
 
 def scans_rotated(method: Method) -> bool:
@@ -254,8 +257,7 @@ class OffloadedSessions:
             raise ValueError(f"layer {layer} already holds tokens: its calibration is fixed")
         if self.cache.rotated:
             self.cache.set_basis(layer, stats.basis)
-        sigma2 = stats.sigma2_rotated if scans_rotated(self.method) else stats.sigma2_raw
-        self.decoder.set_calibration(layer, sigma2, stats.ds_rank)
+        self._calibrate_decoder(layer, stats)
         self.stats[layer] = stats
 
     def lengths(self, layer: int) -> np.ndarray:
@@ -296,8 +298,11 @@ class OffloadedSessions:
         self._make_decoder()
         for layer, stats in enumerate(self.stats):
             if stats is not None:
-                sigma2 = stats.sigma2_rotated if scans_rotated(self.method) else stats.sigma2_raw
-                self.decoder.set_calibration(layer, sigma2, stats.ds_rank)
+                self._calibrate_decoder(layer, stats)
+
+    def _calibrate_decoder(self, layer: int, stats: LayerStats) -> None:
+        """``stats`` into the decoder's tensors, σ² in the basis of the store the method scans."""
+        self.decoder.set_calibration(layer, stats.sigma2(self.method.basis), stats.ds_rank)
 
     def begin_token(self) -> None:
         """Once per decode token, before its first layer's :meth:`step`: a flag raised by any kernel since the last

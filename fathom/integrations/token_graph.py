@@ -56,8 +56,9 @@ def decode(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, 
     mask = model_kwargs.get("attention_mask")
     past = cache.get_seq_length()
     B, n = input_ids.shape
-    positions = _positions(mask, past, n, input_ids.device)
+    positions = _positions(mask, n, input_ids.device)
     logits = _forward(model, cache, input_ids[:, past:], positions[:, past:], mask)
+    position = positions[:, -1]  # of the last token fed; each decoded token is one further
     decoding = cache.decoding
     unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
     pad = generation_config._pad_token_tensor
@@ -79,8 +80,8 @@ def decode(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, 
             room = getattr(stopping_criteria, "max_length", None)
             decoding.sessions.reserve((room or input_ids.shape[1]) - input_ids.shape[1] + 1)
             graph = TokenGraph.of(model, cache, B)
-        logits = graph(token, positions[:, -1] + 1)
-        positions = torch.cat([positions, positions[:, -1:] + 1], dim=-1)
+        position = position + 1
+        logits = graph(token, position)
 
 
 class TokenGraph:
@@ -118,11 +119,10 @@ class TokenGraph:
             self._capture()
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        if self.sessions.cache is not self.store:
-            raise ValueError("the FathomCache grew since this TokenGraph was captured: capture a new one")
         self.sessions.begin_token()  # flags raised by the last token, and room for this one (no growth: reserved)
         if self.sessions.cache is not self.store:
-            raise ValueError("the FathomCache ran out of the room reserved for this TokenGraph")
+            raise ValueError("the FathomCache's store grew (past the room reserved for it) since this TokenGraph was "
+                             "captured: capture a new one")
         self.token.copy_(token[:, None])
         self.position.copy_(position[:, None])
         if self._graph is not None:
@@ -153,7 +153,7 @@ class TokenGraph:
         self._graph = capture(self.store, [lambda stream: self._forward_enqueued()])
 
 
-def _positions(mask: torch.Tensor | None, past: int, n: int, device) -> torch.Tensor:
+def _positions(mask: torch.Tensor | None, n: int, device) -> torch.Tensor:
     """Position ids ``[B, n]`` as ``generate`` makes them: counted over the non-pad positions (left padding)."""
     if mask is None:
         return torch.arange(n, device=device)[None]

@@ -442,8 +442,7 @@ class FathomLayer(CacheLayerMixin):
             self.decoding.prefill(self.slot, _calibration_queries(query, rows[0]), key, value, scale)
             return dense
         if m > 1:
-            valid = _valid_keys(attention_mask, key) if attention_mask is None else \
-                _valid_keys(attention_mask[..., -m:], key)
+            valid = _valid_keys(None if attention_mask is None else attention_mask[..., -m:], key)  # the chunk's keys
             try:
                 out = self.decoding.extend(self.slot, query, key, value, valid, scale)
             except ValueError:
