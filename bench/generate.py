@@ -11,10 +11,13 @@ depend on the values; accuracy comes from the fidelity and RULER benches), built
 ``smollm2-135m`` is the real model (``bench.models``). Prompts are random token ids; with a batch the rows are
 ragged: row ``i`` holds ``context · (i + 1) / B`` real tokens, left-padded.
 
-Per record: ``prefill_s`` (the prefill forward, synced; for a FathomCache it includes reserving pinned memory,
+Times are CUDA events recorded where each forward's logits are ready (on the GPU's timeline, no sync per token:
+a loop that overlaps the host with the GPU keeps doing so, and one that leaves the GPU waiting shows it).
+Per record: ``prefill_s`` (the prefill forward; for a FathomCache it includes reserving pinned memory,
 the calibration from the prompt and the appends), ``first_step_ms`` (the first decode step: graph captures,
 kernel warm-up), ``steady_ms`` (median per-token wall time after ``--warmup`` steps), ``tokens_per_s`` (batch /
-steady), the same three for a second cache of the same key made right after (``pooled_*``: pinned memory, graphs
+steady), ``turn_first_token_ms`` (a conversation's second turn on the pooled call's cache: its output and
+``--turn-tokens`` more tokens fed back, time to the turn's first token — the chunk's forward, no rebuild), the same three for a second cache of the same key made right after (``pooled_*``: pinned memory, graphs
 and kernels reused), ``setup_s`` (what the first cache of a key pays once: its prefill + first step minus the
 pooled cache's), ``gpu_busy_ms`` (kernel and copy time per steady token, torch.profiler over ``--profile`` steps
 of the pooled run; copies that overlap kernels count twice, so it can exceed the wall time) and
@@ -85,6 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=24, help="tokens generated per call (> --warmup + 2)")
     parser.add_argument("--warmup", type=int, default=3, help="decode steps left out of steady_ms")
     parser.add_argument("--profile", type=int, default=4, help="steady steps profiled for gpu_busy_ms (0: none)")
+    parser.add_argument("--turn-tokens", type=int, default=256,
+                        help="tokens of a conversation's second turn, fed to the pooled call's cache (0: no turn)")
     parser.add_argument("--compile-probe", action="store_true", help="time a fresh process's first offloaded "
                         "decode with the kernel cache empty and filled")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
@@ -101,6 +106,8 @@ def validate(args) -> list[tuple[str, object]]:
             raise UsageError(f"--models: {model!r} is not one of {', '.join(list(SHAPES) + list(REAL))}")
     if any(c < 256 for c in args.contexts) or any(b < 1 or b > 64 for b in args.batches):
         raise UsageError(f"--contexts must be >= 256 and --batches in 1..64, got {args.contexts}, {args.batches}")
+    if not 0 <= args.turn_tokens <= 8192:
+        raise UsageError(f"--turn-tokens must be in 0..8192, got {args.turn_tokens}")
     if not 0 <= args.warmup or args.new_tokens < args.warmup + 3 or args.profile < 0 \
             or args.profile > args.new_tokens - args.warmup - 1:
         raise UsageError(f"--new-tokens must exceed --warmup + 2 and --profile fit after the warm-up, got "
@@ -228,20 +235,29 @@ def prompts(model, context: int, batch: int):
 
 
 class _Clock:
-    """A logits processor that records when each forward's logits are ready (one sync per token, as generate's own
-    stopping check makes) and steps a profiler."""
+    """A logits processor that records a CUDA event where each forward's logits are ready, on the GPU's timeline:
+    no sync, so a decoding loop that overlaps the host's work with the GPU's (the token graph's) keeps doing so,
+    and a loop that leaves the GPU waiting on the host shows it. It also steps a profiler."""
 
     def __init__(self, profiler=None):
-        self.times, self.profiler = [], profiler
+        import torch
+
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.events, self.profiler = [], profiler
 
     def __call__(self, input_ids, scores):
         import torch
 
-        torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append(event)
         if self.profiler is not None:
             self.profiler.step()
         return scores
+
+    def seconds(self) -> list[float]:
+        """Each forward's logits ready, seconds after :attr:`start` was recorded (call after a sync)."""
+        return [self.start.elapsed_time(event) / 1e3 for event in self.events]
 
 
 def _cache_for(model, label: str, spec):
@@ -254,8 +270,10 @@ def _cache_for(model, label: str, spec):
     return spec.cache(model)
 
 
-def _one_call(model, label, spec, ids, mask, args, profile: int = 0) -> dict:
-    """One generate call; its timings (and gpu_busy_ms when ``profile`` steps are profiled)."""
+def _one_call(model, label, spec, ids, mask, args, profile: int = 0, cache=None, new_tokens: int | None = None
+              ) -> dict:
+    """One generate call (on a new cache, or continuing ``cache``); its timings, output ids and cache (and
+    gpu_busy_ms when ``profile`` steps are profiled)."""
     import torch
     from transformers import LogitsProcessorList
 
@@ -271,21 +289,45 @@ def _one_call(model, label, spec, ids, mask, args, profile: int = 0) -> dict:
     clock = _Clock(profiler)
     torch.cuda.synchronize()
     made = time.perf_counter()
-    cache = _cache_for(model, label, spec)
+    if cache is None:
+        cache = _cache_for(model, label, spec)
     extra = {"custom_generate": decode} if label.endswith(GRAPH) else {}
+    torch.cuda.synchronize()
     start = time.perf_counter()
-    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=args.new_tokens, do_sample=False,
-                   pad_token_id=0, logits_processor=LogitsProcessorList([clock]), **extra)
+    clock.start.record()
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, pad_token_id=0,
+                         max_new_tokens=new_tokens or args.new_tokens, logits_processor=LogitsProcessorList([clock]),
+                         **extra)
     torch.cuda.synchronize()
     if profiler is not None:
         profiler.stop()
-    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
-    out = {"cache_s": start - made, "prefill_s": clock.times[0] - start, "first_step_ms": 1e3 * steps[0],
-           "steady_ms": 1e3 * statistics.median(steps[args.warmup:]), "cache": cache}
+    times = clock.seconds()
+    steps = [b - a for a, b in zip(times, times[1:])]
+    result = {"cache_s": start - made, "prefill_s": times[0], "first_step_ms": 1e3 * steps[0], "ids": out,
+              "cache": cache}
+    if len(steps) > args.warmup:
+        result["steady_ms"] = 1e3 * statistics.median(steps[args.warmup:])
     if profiler is not None:
         busy_us = sum(e.self_device_time_total for e in profiler.key_averages())
-        out["gpu_busy_ms"] = busy_us / 1e3 / profile
-    return out
+        result["gpu_busy_ms"] = busy_us / 1e3 / profile
+    return result
+
+
+def _next_turn(model, label, spec, first: dict, mask, args) -> dict:
+    """A conversation's second turn on the cache the first left: its output and ``--turn-tokens`` new tokens (the
+    user's next message, random ids) fed back, 4 tokens generated. Timings as :func:`_one_call`'s; its
+    ``prefill_s`` is the time to the turn's first token."""
+    import torch
+
+    ids = first["ids"]
+    batch = ids.shape[0]
+    g = torch.Generator(device="cuda").manual_seed(ids.shape[1])
+    said = torch.randint(1, model.config.get_text_config(decoder=True).vocab_size, (batch, args.turn_tokens),
+                         device="cuda", generator=g)
+    conversation = torch.cat([ids, said], 1)
+    mask = torch.cat([mask, torch.ones((batch, conversation.shape[1] - mask.shape[1]), dtype=mask.dtype,
+                                       device=mask.device)], 1)
+    return _one_call(model, label, spec, conversation, mask, args, cache=first["cache"], new_tokens=4)
 
 
 def measure(model, model_name: str, label: str, spec, ids, mask, args) -> dict:
@@ -302,6 +344,7 @@ def measure(model, model_name: str, label: str, spec, ids, mask, args) -> dict:
         record["attention_gpu_ms"] = attention_gpu_ms(first["cache"]) if spec is not None else None
         _close(first.pop("cache"))
         pooled = _one_call(model, label, spec, ids, mask, args, profile=args.profile)
+        turn = _next_turn(model, label, spec, pooled, mask, args) if args.turn_tokens else None
         _close(pooled.pop("cache"))
     except torch.OutOfMemoryError:
         record["error"] = "out of GPU memory"
@@ -318,6 +361,9 @@ def measure(model, model_name: str, label: str, spec, ids, mask, args) -> dict:
     record["gpu_busy_ms"] = pooled.get("gpu_busy_ms")
     steady = min(first["steady_ms"], pooled["steady_ms"])
     record["host_ms_per_token"] = None if record["gpu_busy_ms"] is None else max(0.0, steady - record["gpu_busy_ms"])
+    if turn is not None:
+        record.update(turn_tokens=args.turn_tokens, turn_first_token_ms=1e3 * turn["prefill_s"],
+                      turn_first_step_ms=turn["first_step_ms"])
     return record
 
 
@@ -388,7 +434,7 @@ COLUMNS = [("model", "model", ""), ("context", "context", "d"), ("batch", "batch
            ("prefill_s", "prefill s", ".2f"), ("prefill_vs_hf", "prefill / HF", ".2f"),
            ("pooled_prefill_s", "pooled prefill s", ".2f"),
            ("first_step_ms", "first step ms", ".0f"), ("pooled_first_step_ms", "pooled first step ms", ".0f"),
-           ("setup_s", "setup s", ".2f"), ("steady_ms", "steady ms/token", ".1f"), ("tokens_per_s", "tok/s", ".1f"),
+           ("setup_s", "setup s", ".2f"), ("turn_first_token_ms", "turn-2 first token ms", ".0f"), ("steady_ms", "steady ms/token", ".1f"), ("tokens_per_s", "tok/s", ".1f"),
            ("attention_gpu_ms", "attention GPU ms", ".1f"), ("gpu_busy_ms", "GPU busy ms", ".1f"),
            ("host_ms_per_token", "host ms/token", ".1f"), ("hbm_gb", "HBM GB", ".1f"), ("pinned_gb", "pinned GB", ".1f")]
 

@@ -14,8 +14,10 @@ Segments hold ``cap`` blocks of 64 tokens; a sealed block is packed once by the 
 not-yet-full tail block stays exact (float32, on the GPU) and is always selected. With a ``basis`` the cache also
 holds the rotated store (planes of ``k @ R``, for fathom-rotated and loki); rows and landmarks stay raw.
 ``store="device"`` keeps the stores in HBM instead (the regime where the method is not expected to be faster).
-The pinned memory for ``max_tokens`` per session is reserved when the cache is made and released by
-:meth:`OffloadedCache.close`; :meth:`OffloadedCache.reset` empties a session for reuse without reallocating.
+The pinned memory for ``max_tokens`` per session is reserved when the cache is made — on a worker thread, layer by
+layer, so that a prefill computes while later layers are still being allocated: a layer's first use waits for its
+own memory only — and released by :meth:`OffloadedCache.close`; :meth:`OffloadedCache.reset` empties a session
+for reuse without reallocating. A cache larger than the host's available memory is refused when it is made.
 
 Every append and every decode step runs on the caller's current torch stream, and reads each session's length
 on the GPU: no host synchronisation, and the same launches serve every step (``fathom.host.graph`` captures
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -108,21 +112,47 @@ class Store:
     arrays: dict = field(default_factory=dict)  # Numba views, made once
 
 
+@dataclass
+class PinnedLayer:
+    """A layer's pinned host buffers: K/V rows, landmarks and, for ``store="host"``, the records of each basis."""
+
+    kv: MappedBuffer
+    marks: MappedBuffer
+    records: dict[str, MappedBuffer]
+
+    @classmethod
+    def allocate(cls, shape: CacheShape, bases: tuple[str, ...]) -> PinnedLayer:
+        words = shape.head_dim // 4
+        return cls(MappedBuffer((shape.groups, shape.max_tokens, 2, words), np.uint64),
+                   MappedBuffer((shape.groups, shape.max_tokens // LANDMARK_TOKENS, 1, words), np.uint64),
+                   {name: MappedBuffer((shape.layout.words,), np.uint64) for name in bases
+                    if shape.store == "host"})
+
+    @staticmethod
+    def nbytes(shape: CacheShape, bases: tuple[str, ...]) -> int:
+        """Bytes :meth:`allocate` pins for ``shape``, computed without allocating."""
+        row_words = shape.groups * shape.max_tokens * 2 * (shape.head_dim // 4)
+        mark_words = shape.groups * (shape.max_tokens // LANDMARK_TOKENS) * (shape.head_dim // 4)
+        record_words = shape.layout.words * len(bases) if shape.store == "host" else 0
+        return 8 * (row_words + mark_words + record_words)
+
+    def close(self) -> None:
+        for buffer in (self.kv, self.marks, *self.records.values()):
+            buffer.close()
+
+
 class LayerStore:
     """One layer of the cache: rows, landmarks, the raw (and rotated) store, lengths and error flags."""
 
-    def __init__(self, shape: CacheShape, basis: torch.Tensor | None):
-        groups, d, words = shape.groups, shape.head_dim, shape.head_dim // 4
-        self.kv = MappedBuffer((groups, shape.max_tokens, 2, words), np.uint64)
-        self.marks = MappedBuffer((groups, shape.max_tokens // LANDMARK_TOKENS, 1, words), np.uint64)
+    def __init__(self, shape: CacheShape, basis: torch.Tensor | None, pinned: PinnedLayer):
+        groups, d = shape.groups, shape.head_dim
+        self.pinned = pinned
+        self.kv, self.marks = pinned.kv, pinned.marks
         self.basis = basis  # float32 [groups, d, d] or None
-        self._pinned = [self.kv, self.marks]
         self.stores: dict[str, Store] = {}
         for name in ("raw",) if basis is None else ("raw", "rotated"):
             if shape.store == "host":
-                buffer = MappedBuffer((shape.layout.words,), np.uint64)
-                self._pinned.append(buffer)
-                records = buffer.tensor()
+                records = pinned.records[name].tensor()
             else:
                 records = torch.zeros(shape.layout.words, dtype=torch.uint64, device=DEVICE)
             store = Store(records, torch.zeros((groups, d), dtype=torch.float64, device=DEVICE),
@@ -134,10 +164,6 @@ class LayerStore:
         marks16 = self.marks.tensor().view(torch.int16).reshape(groups, shape.max_tokens // LANDMARK_TOKENS, d)
         self.arrays = {"kv": as_array(self.kv.tensor()), "marks": as_array(self.marks.tensor()),
                        "marks16": as_array(marks16).view(np.uint16), "lengths": as_array(self.lengths)}
-
-    def close(self) -> None:
-        for buffer in self._pinned:
-            buffer.close()
 
 
 class OffloadedCache:
@@ -161,11 +187,18 @@ class OffloadedCache:
             for layer in range(s.layers):
                 self._check_basis(layer, basis[layer])
         self.rotated = basis is not None or bool(rotated)
+        bases = ("raw", "rotated") if self.rotated else ("raw",)
+        _check_host_memory(s.layers * PinnedLayer.nbytes(s, bases), s)
         self.closed = False
         self.status = MappedBuffer((s.layers, 4), np.int32)  # error flags, read by the host without a sync
         self._status = as_array(self.status.tensor())
         identity = torch.eye(s.head_dim, dtype=torch.float32, device=DEVICE).expand(s.groups, -1, -1)
-        self.layers = [LayerStore(s, identity.clone() if self.rotated else None) for _ in range(s.layers)]
+        self._bases = [identity.clone() if self.rotated else None for _ in range(s.layers)]
+        # Pinning runs at a few GB/s: layer by layer on a worker thread, so a prefill computes meanwhile
+        allocator = ThreadPoolExecutor(1, thread_name_prefix="fathom-pinned")
+        self._pinned: list[Future] = [allocator.submit(PinnedLayer.allocate, s, bases) for _ in range(s.layers)]
+        allocator.shutdown(wait=False)  # the queued allocations still run; nothing more is queued
+        self._stores: list[LayerStore | None] = [None] * s.layers  # made at the layer's first use
         if basis is not None:
             for layer in range(s.layers):
                 self._set_basis(layer, basis[layer])
@@ -173,6 +206,18 @@ class OffloadedCache:
         self._all_sessions = torch.arange(s.sessions, dtype=torch.int32, device=DEVICE)
         # one index tensor per session, made once: appending to one session then copies nothing to the GPU
         self._one_session = [self._all_sessions[i:i + 1] for i in range(s.sessions)]
+
+    @property
+    def layers(self) -> Sequence[LayerStore]:
+        """Every layer's :class:`LayerStore`; ``layers[l]`` waits for layer ``l``'s pinned memory only."""
+        return _LayerStores(self)
+
+    def _layer_store(self, layer: int) -> LayerStore:
+        """``layer``'s store, made at its first use once its pinned memory is there (waits for that layer only)."""
+        store = self._stores[layer]
+        if store is None:
+            store = self._stores[layer] = LayerStore(self.shape, self._bases[layer], self._pinned[layer].result())
+        return store
 
     # -- what the host knows --------------------------------------------------------------------------------
 
@@ -184,7 +229,8 @@ class OffloadedCache:
     @property
     def pinned_bytes(self) -> int:
         """Bytes of pinned host memory the cache holds (rows, landmarks, host-resident stores, flags)."""
-        return self.status.nbytes + sum(buffer.nbytes for store in self.layers for buffer in store._pinned)
+        bases = ("raw", "rotated") if self.rotated else ("raw",)
+        return self.status.nbytes + self.shape.layers * PinnedLayer.nbytes(self.shape, bases)
 
     def most_held(self) -> int:
         """Tokens of the fullest session of any layer (the host's mirror: no sync)."""
@@ -193,7 +239,7 @@ class OffloadedCache:
 
     def layer(self, layer: int) -> LayerStore:
         self.check(layer)
-        return self.layers[layer]
+        return self._layer_store(layer)
 
     def check(self, layer: int | None = None) -> None:
         """Refuse a closed cache or a bad layer index, and report an error a kernel flagged since the last call."""
@@ -205,8 +251,9 @@ class OffloadedCache:
         if flags.any():
             layer_hit, kind = (int(x) for x in np.argwhere(flags)[0])
             cuda.synchronize()
-            for i, store in enumerate(self.layers):  # the GPU's lengths are the truth: appends were dropped
-                self._lengths[i] = store.lengths.cpu().numpy()
+            for i, store in enumerate(self._stores):  # the GPU's lengths are the truth: appends were dropped
+                if store is not None:
+                    self._lengths[i] = store.lengths.cpu().numpy()
             flags[...] = 0
             what = "an append" if kind != BAD_QUERY else "a decode step"
             raise ValueError(f"{what} of layer {layer_hit} was refused on the GPU: it had {_FLAG_NAMES[kind]}"
@@ -255,7 +302,7 @@ class OffloadedCache:
 
     def _set_basis(self, layer: int, basis) -> None:
         per_head = torch.as_tensor(basis, dtype=torch.float32).to(DEVICE)
-        self.layers[layer].basis.copy_(per_head.repeat(self.shape.sessions, 1, 1))
+        self._bases[layer].copy_(per_head.repeat(self.shape.sessions, 1, 1))
 
     # -- appends --------------------------------------------------------------------------------------------
 
@@ -298,7 +345,7 @@ class OffloadedCache:
     def enqueue_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor, stream) -> None:
         """The GPU work of an append, with no check and no host-side state: ``k, v [S'·H, m, d]`` of sessions
         ``sessions`` (int32 on the GPU). Every launch reads the lengths on the GPU (what a CUDA graph captures)."""
-        store, heads = self.layers[layer], self.shape.kv_heads
+        store, heads = self._layer_store(layer), self.shape.kv_heads
         status = self._status[layer]
         k32 = k.float().contiguous()
         v32 = v.float().contiguous()
@@ -406,8 +453,11 @@ class OffloadedCache:
         """Release every pinned buffer (after the GPU is done with them); any later call raises."""
         if self.closed:
             return
-        for store in self.layers:
-            store.close()
+        for pending in self._pinned:
+            pending.cancel()  # an allocation not started yet never starts
+        for pending in self._pinned:
+            if not pending.cancelled() and pending.exception() is None:  # waits for the one under way
+                pending.result().close()
         self.status.close()
         self.closed = True
 
@@ -416,6 +466,36 @@ class OffloadedCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _LayerStores(Sequence):
+    """The layers of an :class:`OffloadedCache` as a sequence that makes each store at its first use."""
+
+    def __init__(self, cache: OffloadedCache):
+        self._cache = cache
+
+    def __len__(self) -> int:
+        return self._cache.shape.layers
+
+    def __getitem__(self, layer):
+        if isinstance(layer, slice):
+            return [self[i] for i in range(*layer.indices(len(self)))]
+        if not -len(self) <= layer < len(self):
+            raise IndexError(f"layer {layer} out of range")
+        return self._cache._layer_store(layer % len(self))
+
+
+def _check_host_memory(nbytes: int, shape: CacheShape) -> None:
+    """Refuse, before anything is allocated, a cache that needs more pinned memory than the host has available."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return  # no Linux meminfo: the allocation itself reports it
+    if nbytes > available:
+        raise ValueError(f"the cache needs {nbytes / 1e9:.1f} GB of pinned host memory ({shape.sessions} sessions "
+                         f"x {shape.layers} layers x max_tokens = {shape.max_tokens}) but the host has "
+                         f"{available / 1e9:.1f} GB available: lower max_tokens or the sessions")
 
 
 def _group_index(sessions: torch.Tensor, heads: int) -> torch.Tensor:

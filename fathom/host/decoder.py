@@ -143,7 +143,8 @@ class Decoder:
         self.part_o = zeros((groups, chunks, self.group, d), torch.float32)
         # the row gather's grid: two CTAs per multiprocessor keep enough rows in flight in a narrow window of pages
         self.gather_ctas = 2 if SIMULATED else 2 * torch.cuda.get_device_properties(DEVICE).multi_processor_count
-        self._steps = [self._build(layer) for layer in range(s.layers)]
+        # built at a layer's first step: building reads the layer's pinned memory, which may still be allocating
+        self._steps: list[list[tuple[str, list[Launch]]] | None] = [None] * s.layers
         self._warm_up()
 
     # -- the step -------------------------------------------------------------------------------------------
@@ -160,14 +161,19 @@ class Decoder:
         if on_stage is None:
             run_launches(self.launches(layer), stream)
             return self.out[layer]
-        for name, launches in self._steps[layer]:
+        for name, launches in self._stages(layer):
             on_stage(name, lambda launches=launches: run_launches(launches, stream))
         return self.out[layer]
 
     def launches(self, layer: int) -> list[Launch]:
         """Every launch of ``layer``'s step, in order; the step reads its query from ``q_in[layer]`` and writes
         ``out[layer]``."""
-        return [launch for _, stage in self._steps[layer] for launch in stage]
+        return [launch for _, stage in self._stages(layer) for launch in stage]
+
+    def _stages(self, layer: int) -> list[tuple[str, list[Launch]]]:
+        if self._steps[layer] is None:
+            self._steps[layer] = self._build(layer)
+        return self._steps[layer]
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None) -> None:
         """Replace ``layer``'s calibration (``sigma2``, ``ds_rank`` ``[H, d]``, where the method reads them) in the

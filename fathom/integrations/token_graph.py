@@ -12,6 +12,11 @@
 forward for one token — every layer's projections, norms and MLP, each FathomCache layer's append and sparse
 step, the logits — once as a :class:`TokenGraph` and replays it per token, as gpt-fast, vLLM and SGLang do: the
 host does one replay, one check of the cache's error flags and the token choice per token, not work per layer.
+Each token's replay is launched before the host reads whether the previous token ended every row (vLLM's
+asynchronous scheduling does the same), so the host's work per token overlaps the GPU's; the price is one
+token's work when the rows end by EOS (not by length, which the host knows), and the cache then holds the last
+returned token too (``generate``'s own loop leaves it out; a later call on the conversation starts after what the
+cache holds either way).
 The graph is kept with the offloaded sessions, so a later cache that takes them from the pool replays it without
 capturing again.
 The logits processors, sampling or argmax and the stopping criteria run as ``generate``'s own loop runs them.
@@ -63,6 +68,8 @@ def decode(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, 
     unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
     pad = generation_config._pad_token_tensor
     has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+    max_length = getattr(stopping_criteria, "max_length", None)
+    stop = _StopCheck(input_ids.device)
     graph = None
     while True:
         scores = logits_processor(input_ids, logits[:, -1].to(torch.float32))
@@ -74,14 +81,41 @@ def decode(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, 
             token = torch.where(unfinished, token, pad.to(token.device))
         input_ids = torch.cat([input_ids, token[:, None]], dim=-1)
         unfinished &= ~stopping_criteria(input_ids, scores)
-        if not bool(unfinished.any()):  # the one host sync of a token
+        if max_length is not None and input_ids.shape[1] >= max_length:  # a stop the host knows without the GPU
             return input_ids
         if graph is None:
-            room = getattr(stopping_criteria, "max_length", None)
-            decoding.sessions.reserve((room or input_ids.shape[1]) - input_ids.shape[1] + 1)
+            if not bool(unfinished.any()):  # ended at the prefill's token: no graph is captured
+                return input_ids
+            decoding.sessions.reserve((max_length or input_ids.shape[1]) - input_ids.shape[1] + 1)
             graph = TokenGraph.of(model, cache, B)
         position = position + 1
+        # The next token is launched before the host learns whether this one ended every row, so the GPU decodes
+        # while the host waits: no gap per token. An EOS stop then costs one token's work, and the cache holds the
+        # last token returned too (a later generate on the conversation starts after it).
+        stop.enqueue(unfinished)
         logits = graph(token, position)
+        if stop.all_finished():
+            return input_ids
+
+
+class _StopCheck:
+    """Whether every row has finished, copied to the host behind an event (not a stream-ordered ``.item()``), so
+    reading it waits for the stopping check only, not for work launched after it."""
+
+    def __init__(self, device: torch.device):
+        self._gpu = device.type == "cuda" and not SIMULATED
+        self._host = torch.zeros((), dtype=torch.bool, pin_memory=self._gpu)
+        self._ready = torch.cuda.Event() if self._gpu else None
+
+    def enqueue(self, unfinished: torch.Tensor) -> None:
+        self._host.copy_(~unfinished.any(), non_blocking=self._gpu)
+        if self._gpu:
+            self._ready.record()
+
+    def all_finished(self) -> bool:
+        if self._gpu:
+            self._ready.synchronize()
+        return bool(self._host)
 
 
 class TokenGraph:

@@ -60,6 +60,30 @@ def test_the_token_graph_generates_what_generates_own_loop_does_and_continues_a_
     eager.close()
 
 
+def test_an_eos_stop_leaves_its_token_in_the_cache_and_the_conversation_continues_as_generates_own():
+    """The replay of the next token is launched before the host reads the stop, so an EOS stop appends the last
+    returned token too: the next turn starts after it and generates what generate's own loop does."""
+    model = _model()
+    ids = torch.randint(3, 97, (1, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=40, pool=False)
+    eager = FathomCache(model, "fathom", backend="offloaded", **settings)
+    first = _generate(model, ids, mask, eager, new=2)  # eager holds 25: the second new token is not fed
+    eos = int(first[0, -1])
+    if eos == int(first[0, -2]):
+        pytest.skip("the model repeats its first token: no EOS stop after two tokens to test")
+    cache = FathomCache(model, "fathom", backend="offloaded", **settings)
+    out = _generate(model, ids, mask, cache, new=4, custom_generate=decode, eos_token_id=eos)
+    torch.testing.assert_close(out, first, rtol=0, atol=0)  # stopped by EOS after two tokens
+    assert cache.get_seq_length() == 26  # the EOS token is held (a stop by length leaves it out, as above)
+    said = torch.tensor([[5, 9, 11]], device=DEVICE)
+    ids2 = torch.cat([out, said], 1)
+    torch.testing.assert_close(_generate(model, ids2, torch.ones_like(ids2), cache, new=2, custom_generate=decode),
+                               _generate(model, ids2, torch.ones_like(ids2), eager, new=2), rtol=0, atol=0)
+    cache.close()
+    eager.close()
+
+
 def test_what_the_token_graph_cannot_hold_is_refused():
     ids, mask = batch()
     model = tiny_gemma3()
