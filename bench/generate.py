@@ -20,7 +20,9 @@ steady), ``turn_first_token_ms`` (a conversation's second turn on the pooled cal
 ``--turn-tokens`` more tokens fed back, time to the turn's first token — the chunk's forward, no rebuild), the same three for a second cache of the same key made right after (``pooled_*``: pinned memory, graphs
 and kernels reused), ``setup_s`` (what the first cache of a key pays once: its prefill + first step minus the
 pooled cache's), ``gpu_busy_ms`` (kernel and copy time per steady token, torch.profiler over ``--profile`` steps
-of the pooled run; copies that overlap kernels count twice, so it can exceed the wall time) and
+of the pooled run, copies that overlap kernels counted twice; for ``+graph`` systems the token graph replayed
+alone behind a sleep, CUDA events, median — a profiler window cannot be cut per token there, since the next
+token is launched before the host reads the last) and
 ``host_ms_per_token`` (the lower of the two steady times − GPU busy, at least 0: time per token the GPU waits on
 the host),
 ``attention_gpu_ms`` (every layer's Fathom step of one token, replayed on the cache the run left, CUDA events,
@@ -193,7 +195,7 @@ def replot(args) -> Path:
               "weights": payloads[0]["weights"], "new_tokens": min(p["new_tokens"] for p in payloads),
               "warmup": payloads[0]["warmup"],
               "compile_probe": next((p["compile_probe"] for p in payloads if p.get("compile_probe")), None),
-              "records": [r for p in payloads for r in p["records"]]}
+              "records": _latest(r for p in payloads for r in p["records"])}
     path = args.out / f"generate-{args.name}.md"
     path.write_text(markdown(merged) + "\n")
     plot(merged, path.with_suffix(".png"))
@@ -201,6 +203,14 @@ def replot(args) -> Path:
         update_readme(args.readme, merged, path)
     print(markdown(merged))
     return path
+
+
+def _latest(records) -> list[dict]:
+    """One record per (model, context, batch, system): a later run's replaces an earlier one's, in first order."""
+    kept: dict[tuple, dict] = {}
+    for record in records:
+        kept[(record["model"], record["context"], record["batch"], record["system"])] = record
+    return list(kept.values())
 
 
 def build_model(name: str):
@@ -343,8 +353,11 @@ def measure(model, model_name: str, label: str, spec, ids, mask, args) -> dict:
         record["pinned_gb"] = _pinned_gb(first["cache"])
         record["attention_gpu_ms"] = attention_gpu_ms(first["cache"]) if spec is not None else None
         _close(first.pop("cache"))
-        pooled = _one_call(model, label, spec, ids, mask, args, profile=args.profile)
+        graph = label.endswith(GRAPH)
+        pooled = _one_call(model, label, spec, ids, mask, args, profile=0 if graph else args.profile)
         turn = _next_turn(model, label, spec, pooled, mask, args) if args.turn_tokens else None
+        if graph:  # after the turn: the replays append tokens to the conversation
+            pooled["gpu_busy_ms"] = token_graph_gpu_ms(pooled["cache"])
         _close(pooled.pop("cache"))
     except torch.OutOfMemoryError:
         record["error"] = "out of GPU memory"
@@ -404,6 +417,34 @@ def attention_gpu_ms(cache, reps: int = 5) -> float | None:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
+
+
+def token_graph_gpu_ms(cache, reps: int = 5) -> float | None:
+    """GPU time of one replay of the cache's token graph (the whole decode token), queued behind a sleep kernel,
+    CUDA events, median of ``reps`` after one; None when the room reserved for the cache runs out first."""
+    import torch
+
+    graphs = list(cache.decoding.sessions.token_graphs.values())
+    if not graphs:
+        return None
+    graph = graphs[0]
+    batch = graph.token.shape[0]
+    token = torch.ones(batch, dtype=torch.long, device="cuda")
+    position = torch.full((batch,), cache.get_seq_length(), dtype=torch.long, device="cuda")
+    times = []
+    try:
+        for _ in range(reps + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(50_000_000)
+            start.record()
+            graph(token, position)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+            position += 1
+    except ValueError:  # the store would have to grow: the graph is no longer valid for it
+        return None
     return statistics.median(times[1:])
 
 
