@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def replot(args) -> Path:
-    """Several runs' JSONs as one table and plot (and the README's section)."""
+    """Several runs' JSONs as one table and plot (and the section in docs/results.md)."""
     import json
 
     payloads = []

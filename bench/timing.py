@@ -384,7 +384,7 @@ def validate(args) -> list[dict] | None:
     return None if args.replot is None else [replot_payload(path) for path in args.replot]
 
 
-# what the table, the plot and the README section read of a timing JSON (``--replot``)
+# what the table, the plot and the section in docs/results.md read of a timing JSON (``--replot``)
 REPLOT_FIELDS = ("command", "device", "link_GBps", "keys", "records")
 RECORD_FIELDS = ("method", "label", "context", "sessions", "ragged", "k", "regime", "mode", "physical_layers",
                  "gpu_ms", "wall_ms", "host_us_per_layer", "floor_ms", "scan_bytes", "row_bytes", "bits_read",
@@ -469,7 +469,7 @@ def _read(path: Path) -> str:
 
 
 def readme_table(payload: dict) -> str:
-    """The README's performance table: per setting, every method's GPU ms per decode token (graph mode) and its
+    """The performance table of docs/results.md: per setting, every method's GPU ms per decode token (graph mode) and its
     ratio to DS-136, and fathom@48's wall / GPU, GPU / floor and host µs per layer."""
     records = [r for r in payload["records"] if r["mode"] == "graph"]
     settings = list(dict.fromkeys((r["regime"], _setting_label(r)) for r in records))
