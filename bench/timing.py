@@ -469,8 +469,8 @@ def _read(path: Path) -> str:
 
 
 def readme_table(payload: dict) -> str:
-    """The performance table of docs/results.md: per setting, every method's GPU ms per decode token (graph mode) and its
-    ratio to DS-136, and fathom@48's wall / GPU, GPU / floor and host µs per layer."""
+    """The performance table of docs/results.md: per setting, every method's GPU ms per decode token (graph mode)
+    and its ratio to DS-136, and fathom@48's wall / GPU, GPU / floor and host µs per layer."""
     records = [r for r in payload["records"] if r["mode"] == "graph"]
     settings = list(dict.fromkeys((r["regime"], _setting_label(r)) for r in records))
     labels = list(dict.fromkeys(r["label"] for r in records))
