@@ -40,7 +40,8 @@ from fathom.waterfill import importance, waterfill_batched
 
 VARIANCE_SOURCES = ("store", "calibration")
 # Where σ² comes from, per basis (measured: docs/decisions.md "Where σ² comes from"). On the rotated store the
-# calibration variance is the KLT eigenvalue of the coordinate; on raw channels the store's own mean squared block scale.
+# calibration variance is the KLT eigenvalue of the coordinate; on raw channels the store's own mean squared block
+# scale.
 DEFAULT_VARIANCE = {"raw": "store", "rotated": "calibration"}
 
 
