@@ -187,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="teacher-forced greedy steps per window, T (default %(default)s)")
     parser.add_argument("--windows", type=int, default=4,
                         help=f"windows at evenly spaced offsets of the {CORPUS} corpus (default %(default)s)")
-    parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, SPEC §6)")
+    parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, design §6)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help=f"{decoding.spec_help(exclude=('fathom-plan',))}. Default: the full grid: dense, "
                              f"oracle, fathom at {', '.join(map(str, FATHOM_BUDGETS))} bits (and fathom-rotated "
@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> Path:
         n, mean = agree.size, float(agree.mean())
         lo, hi = wilson(mean, n)
         bits_read = [b for b in results[spec.label]["bits_read"] if b is not None]
-        bits = spec.method_at(d).nominal_bits(d)  # SPEC §4: the budget, r·4.25, 2.25·d, d·16/8, 16·d
+        bits = spec.method_at(d).nominal_bits(d)  # design §4: the budget, r·4.25, 2.25·d, d·16/8, 16·d
         rows.append({"label": spec.label, "method": spec.method, "bits": bits, "bits_per_channel": bits / d,
                      "bits_read": float(np.mean(bits_read)) if bits_read else None,
                      "agreement": mean, "n": n, "lo": lo, "hi": hi,

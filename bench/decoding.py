@@ -1,7 +1,7 @@
 """Which Fathom method a decoding bench runs: ``name@bits`` specs, their FathomCache, the model's calibration.
 
 A spec names a method of :data:`fathom.integrations.transformers.METHODS` and,
-where the method reads a budget, its bits per token, always written (SPEC §4):
+where the method reads a budget, its bits per token, always written (design §4):
 ``fathom@48``, ``sparq@68`` (r = 16 channels at 4.25 bits: a fixed-channel
 method's bits are 4.25·r), ``double-sparsity@136``; the methods without a
 budget are bare: ``dense``, ``oracle``, ``thumbnail``, ``landmark``. Specs

@@ -1,4 +1,4 @@
-"""``python -m bench fidelity``: attention error against scan bits for every method (SPEC §6, §7).
+"""``python -m bench fidelity``: attention error against scan bits for every method (design §6, §7).
 
 Real models (default): the evaluation capture is a window of ``--text`` /
 ``--corpus`` (Paul Graham essays by default), the calibration capture a window
@@ -54,7 +54,7 @@ COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
 
 def method_grid(d: int, basis: str) -> list[M.Method]:
     """Every method at matched bits: fathom flat budgets on both stores, each with its basis' default σ²
-    (reaching DS r = d/4's bits), the other σ² source on the preferred store, every baseline at the SPEC's
+    (reaching DS r = d/4's bits), the other σ² source on the preferred store, every baseline at the design's
     channel fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136 bits at any d). (Per-layer plans
     are added by :func:`run`.)"""
     budgets = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
@@ -84,16 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--positions", type=int, default=None, help="decode positions P (default 128; 64 at >= 64k)")
     parser.add_argument("--synthetic", action="store_true", help="synthetic keys instead of a real model")
     parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK_MODEL} at {QUICK_CONTEXT} tokens, {QUICK_POSITIONS} positions (README: about a "
-                             "minute on 2 CPU cores with the captures cached, about another minute on the first run; "
-                             "~20 s with --synthetic)")
+                        help=f"{QUICK_MODEL} at {QUICK_CONTEXT} tokens, {QUICK_POSITIONS} positions (README: about 1.5 "
+                             "minutes on 2 CPU cores with the captures cached, about another minute on the first run; "
+                             "~40 s with --synthetic)")
     parser.add_argument("--cache", type=Path, default=None,
                         help=f"model / corpus / capture cache folder (default ${CACHE_ENV} or ~/.cache/fathom)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default bench/results; bench/results/local, which git ignores, "
                              "with --quick)")
     parser.add_argument("--name", default=None, help="file name stem (default from the setting)")
-    parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, SPEC §6)")
+    parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, design §6)")
     parser.add_argument("--device", default="cpu", help="cpu (default): CPU prefills and the NumPy evaluation; "
                         "cuda: prefills with the model on the GPU (fp32) and the evaluation in torch on the GPU")
 
@@ -232,7 +232,7 @@ def evaluator(device: str) -> Evaluator:
 
 def choose_basis(calibration_capture: Capture, calibration: Calibration, sel: Selection,
                  on_head=None, evaluate_fn: Evaluator = evaluate) -> tuple[str, dict]:
-    """The basis rule (SPEC §7): both stores on calibration text, each with its own default σ²; the lower mean
+    """The basis rule (design §7): both stores on calibration text, each with its own default σ²; the lower mean
     error wins."""
     methods = [M.fathom(b) for b in BASIS_RULE_BUDGETS] + [M.fathom_rotated(b) for b in BASIS_RULE_BUDGETS]
     results = evaluate_fn(calibration_capture, calibration, methods, sel, on_head)
@@ -259,7 +259,7 @@ def equal_error_bits(curve: list[MethodResult], target: float) -> tuple[float | 
 
 
 def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dict) -> dict:
-    """The headline numbers: equal-error savings vs Double Sparsity at r = d/4 (the SPEC's fraction, the primary
+    """The headline numbers: equal-error savings vs Double Sparsity at r = d/4 (the design's fraction, the primary
     comparator) and at 136 bits (r = 32; the same at d = 128), fathom-48 vs SparQ-68 (r = 16), channels at 48,
     and where fathom-48 loses: the overlap of each one's top-k with the oracle's, and on how many (layer, KV
     head) pairs fathom-48 is less accurate than DS r = d/4 and SparQ-68."""

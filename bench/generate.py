@@ -31,7 +31,7 @@ GPU queued behind a sleep so the host is not timed), ``hbm_gb`` (peak torch allo
 ``--compile-probe`` also times the first offloaded decode of a fresh process with Numba's kernel cache empty and
 then filled (``process_cold_s``, ``process_warm_s``).
 
-Writes ``generate-<name>.json``, ``.md`` and ``.png``; ``--readme README.md`` rewrites the README's table.
+Writes ``generate-<name>.json``, ``.md`` and ``.png``; ``--readme docs/results.md`` rewrites the table there.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "decode with the kernel cache empty and filled")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     parser.add_argument("--name", default="run", help="results are generate-<name>.{json,md,png}")
-    parser.add_argument("--readme", type=Path, default=None, help="rewrite this README's generate table")
+    parser.add_argument("--readme", type=Path, default=None, help="rewrite this file's table (docs/results.md)")
     parser.add_argument("--replot", type=Path, nargs="+", default=None,
                         help="merge these generate JSONs into generate-<name>.md/.png (and --readme); no GPU")
 
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def replot(args) -> Path:
-    """Several runs' JSONs as one table and plot (and the README's section)."""
+    """Several runs' JSONs as one table and plot (and the section in docs/results.md)."""
     import json
 
     payloads = []

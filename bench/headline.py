@@ -27,7 +27,7 @@ def _saving(summary: dict, key: str) -> str:
 
 
 def rows(results: Path) -> list[dict]:
-    """One row per real setting: DS at r = d/4 (the SPEC's fraction) is the primary comparator at every head
+    """One row per real setting: DS at r = d/4 (the design's fraction) is the primary comparator at every head
     dim; DS-136 (r = 32) a secondary column where it differs (d = 64: half the channels; d = 256: an eighth)."""
     out = []
     for path in sorted(results.glob("fidelity-*.json")):
@@ -62,10 +62,10 @@ def run(args: argparse.Namespace) -> Path:
     table = markdown_table(rows(args.results), COLUMNS)
     path = args.results / "headline.md"
     path.write_text(f"Real-model fidelity (made by `{args.command_line}` from the fidelity-*.json beside it). "
-                    "Double Sparsity at r = d/4 (the SPEC's channel fraction) is the primary comparator at every "
+                    "Double Sparsity at r = d/4 (the design's channel fraction) is the primary comparator at every "
                     "head dim; DS-136 (r = 32) is shown where it differs. Top-k hit: the fraction of the oracle's "
-                    "exact top-k a method selects. fathom-plan-48: the per-layer plan (SPEC §5's optional tuning step, "
-                    "calibrated on the calibration text) at a mean of 48 bits. Store, σ²: the store the basis rule chose and the σ² source "
+                    "exact top-k a method selects. fathom-plan-48: the per-layer plan (design §5's optional "
+                    "tuning step, calibrated on the calibration text) at a mean of 48 bits. Store, σ²: the store the basis rule chose and the σ² source "
                     "fathom reads there. Prefills: the dense fp32 prefills of the evaluation and calibration "
                     "windows (as recorded with the captures); evaluation: basis rule, per-layer plan and the "
                     "evaluation of every method.\n\n"

@@ -1,4 +1,4 @@
-"""Exact softmax attention over a selected set, and the fidelity metric (SPEC §6)."""
+"""Exact softmax attention over a selected set, and the fidelity metric (design §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bit accounting: one convention for every method (SPEC §4).
+"""Bit accounting: one convention for every method (design §4).
 
 Scan bits per token (per KV head, per layer) = planes read + 0.25 per channel
 touched (its fp16 block scale spread over 64 tokens). Winner rows cost a bf16

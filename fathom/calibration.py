@@ -1,4 +1,4 @@
-"""Calibration statistics, once per model, per layer and KV head (SPEC §5, §7).
+"""Calibration statistics, once per model, per layer and KV head (design §5, §7).
 
 * ``sigma2_raw``: variance of each key channel (water-filling's σ², raw store);
 * ``basis``: eigenbasis of the key covariance, columns ordered by calibration

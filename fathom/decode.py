@@ -1,4 +1,4 @@
-"""The reference decode step of one (layer, KV head): scan, select, attend (SPEC §6, §8).
+"""The reference decode step of one (layer, KV head): scan, select, attend (design §6, §8).
 
 :class:`HeadIndex` is everything a method may scan for one (layer, KV head)
 — the raw and rotated plane stores, landmarks, exact keys — and
@@ -164,7 +164,7 @@ class DecodeStep:
 
 
 def step_bits(method: Method, depths: np.ndarray | None, d: int) -> np.ndarray | float:
-    """Scan bits per token actually read, per query group of ``depths [..., d]`` (SPEC §4); the nominal bits
+    """Scan bits per token actually read, per query group of ``depths [..., d]`` (design §4); the nominal bits
     of a method without depths."""
     return scan_bits(depths) if depths is not None else method.nominal_bits(d)
 

@@ -1,4 +1,4 @@
-"""Attention fidelity of every method on a capture (SPEC §6): error against dense, bits and bytes.
+"""Attention fidelity of every method on a capture (design §6): error against dense, bits and bytes.
 
 For each (layer, KV head) one :class:`~fathom.decode.HeadIndex` is built over
 the window, and every decode position ``p`` is scored at its own context
@@ -36,7 +36,7 @@ class MethodResult:
 
     label: str
     method: str
-    bits: float  # nominal scan bits per token (SPEC §4; the budget for fathom)
+    bits: float  # nominal scan bits per token (design §4; the budget for fathom)
     bits_read: float  # mean scan bits per token actually read
     scan_bytes: float
     row_bytes: float

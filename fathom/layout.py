@@ -1,7 +1,7 @@
 """Where the offloaded store keeps each channel's block scales and bit planes: the one place for its addresses.
 
 The GPU store of one layer (``fathom.host.cache``) holds, per query group ``g`` (a (session, KV head) pair),
-``n_seg`` segments of ``cap`` blocks of 64 tokens (SPEC §3). Within a segment each channel has one **record** of
+``n_seg`` segments of ``cap`` blocks of 64 tokens (design §3). Within a segment each channel has one **record** of
 ``uint64`` words::
 
     record(g, seg, c) = [ scales: cap fp16, packed 4 per word | plane 0: cap words | plane 1 | plane 2 | plane 3 ]

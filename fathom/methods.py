@@ -1,4 +1,4 @@
-"""Every scan method as a *basis* plus a *depth policy* over one bit-plane store (SPEC §7).
+"""Every scan method as a *basis* plus a *depth policy* over one bit-plane store (design §7).
 
 A depth policy maps the query group (in the store's basis) to per-channel
 read depths; the one scorer (:mod:`fathom.scoring`) turns depths into scores.
@@ -39,8 +39,9 @@ from fathom.quantize import MAX_DEPTH
 from fathom.waterfill import importance, waterfill_batched
 
 VARIANCE_SOURCES = ("store", "calibration")
-# Where σ² comes from, per basis (measured: README "Where σ² comes from"). On the rotated store the calibration
-# variance is the KLT eigenvalue of the coordinate; on raw channels the store's own mean squared block scale.
+# Where σ² comes from, per basis (measured: docs/decisions.md "Where σ² comes from"). On the rotated store the
+# calibration variance is the KLT eigenvalue of the coordinate; on raw channels the store's own mean squared block
+# scale.
 DEFAULT_VARIANCE = {"raw": "store", "rotated": "calibration"}
 
 
@@ -185,7 +186,7 @@ class Method:
             raise ValueError("policy must be given exactly when scorer == 'planes'")
 
     def nominal_bits(self, d: int) -> float:
-        """Scan bits per token by SPEC §4 (the budget for fathom; 0 for dense)."""
+        """Scan bits per token by design §4 (the budget for fathom; 0 for dense)."""
         if self.policy is not None:
             return self.policy.nominal_bits(d)
         return {"landmark": landmark_bits(d), "exact": full_key_bits(d), "dense": 0.0}[self.scorer]
@@ -254,7 +255,7 @@ def dense() -> Method:
 
 
 def baselines(d: int) -> list[Method]:
-    """Every baseline of SPEC §7 at the paper's channel fractions: r = d/4 and d/8 (136 and 68 bits at d = 128)."""
+    """Every baseline of design §7 at the paper's channel fractions: r = d/4 and d/8 (136 and 68 bits at d = 128)."""
     quarter, eighth = d // 4, d // 8
     return [dense(), oracle(), landmark(), thumbnail(2), sparq(eighth), sparq(quarter),
             double_sparsity(eighth), double_sparsity(quarter), loki(eighth), loki(quarter)]

@@ -1,4 +1,4 @@
-"""The 4-bit block quantizer and its channel-major bit-plane layout (SPEC §2, §3).
+"""The 4-bit block quantizer and its channel-major bit-plane layout (design §2, §3).
 
 Keys are cut into blocks of 64 tokens. Per block and channel the fp16 scale is
 ``s = float16(max |k|)``, the cell width ``Δ = s / 8`` and the code

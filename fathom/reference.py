@@ -1,4 +1,4 @@
-"""The NumPy reference of Fathom (SPEC §10): the oracle every fast path is tested against.
+"""The NumPy reference of Fathom (design §10): the oracle every fast path is tested against.
 
 Takes and returns NumPy arrays; bad input raises ``ValueError`` naming the argument.
 """

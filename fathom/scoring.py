@@ -1,7 +1,7 @@
 """Approximate scores: the one scorer every depth-policy method shares, plus landmark and exact.
 
 ``score[h, j] = Σ_c q[h, c] · k̂_{b_c}[j, c]`` over the store's planes read to
-per-channel depths ``b`` (SPEC §5). Any basis: the query must be in the
+per-channel depths ``b`` (design §5). Any basis: the query must be in the
 store's basis (``q @ R`` for a rotated store).
 """
 

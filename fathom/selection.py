@@ -1,4 +1,4 @@
-"""The selection protocol every method follows (SPEC §6).
+"""The selection protocol every method follows (design §6).
 
 Always kept: the first 4 tokens (sink), the last 32 (local) and the unsealed
 tail. From the rest, each query head keeps its own top-k by the method's
@@ -17,7 +17,7 @@ from fathom import _checks
 
 @dataclass(frozen=True)
 class Selection:
-    """``k`` per query head, plus sink, local and tail (SPEC §6)."""
+    """``k`` per query head, plus sink, local and tail (design §6)."""
 
     k: int
     sink: int = 4
@@ -29,7 +29,7 @@ class Selection:
 
     @staticmethod
     def for_context(n: int) -> Selection:
-        """SPEC §6's k by context: 128 at 4k, 256 at 16k, 512 at 32k and beyond."""
+        """design §6's k by context: 128 at 4k, 256 at 16k, 512 at 32k and beyond."""
         return Selection(k=128 if n <= 8192 else 256 if n <= 16384 else 512)
 
 

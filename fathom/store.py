@@ -1,4 +1,4 @@
-"""The growing bit-plane store of one (layer, KV head) (SPEC §3).
+"""The growing bit-plane store of one (layer, KV head) (design §3).
 
 Sealed 64-token blocks live in fixed-capacity **segments**, each channel-major
 ``planes uint64 [d, 4, capacity]`` + ``scales float16 [d, capacity]``; a sealed

@@ -1,4 +1,4 @@
-"""Per-query read depth by reverse water-filling (SPEC §5).
+"""Per-query read depth by reverse water-filling (design §5).
 
 The ``t``-th plane of channel ``c`` removes ``g_{c,t} = (3/4) · w_c · 4^{-(t-1)}``
 of expected squared score error (importance ``w_c = σ_c² · Σ_h q[h, c]²``), so
@@ -94,7 +94,7 @@ def waterfill(w: np.ndarray, budget: float) -> np.ndarray:
 
 
 def per_layer_plan(errors: np.ndarray, budgets: np.ndarray, mean_budget: float) -> np.ndarray:
-    """Greedy per-layer budgets at a fixed mean (SPEC §5, optional tuning step).
+    """Greedy per-layer budgets at a fixed mean (design §5, optional tuning step).
 
     Args:
         errors: ``[L, nB]`` calibration error of each layer at each candidate budget.

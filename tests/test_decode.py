@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given, strategies as st
 
 from fathom import methods as M
@@ -42,3 +43,35 @@ def test_decode_steps_over_a_growing_index_equal_steps_over_indexes_built_at_eac
                                 Selection(k=5, sink=2, local=8))
             np.testing.assert_array_equal(grown.mask, built.mask)
             np.testing.assert_array_equal(grown.output, built.output)
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+def test_head_index_refuses_a_basis_that_is_not_orthonormal_or_not_d_by_d():
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((128, 8)).astype(np.float32)
+    rotation, _ = np.linalg.qr(rng.standard_normal((8, 8)))
+    HeadIndex.build(keys, None, rotation)  # orthonormal: accepted
+    with pytest.raises(ValueError, match=r"^basis must be orthonormal: RᵀR = I within 0.0001"):
+        HeadIndex.build(keys, None, 2 * rotation)
+    with pytest.raises(ValueError, match=r"^basis must be orthonormal"):
+        HeadIndex.build(keys, None, rotation + 1e-3)
+    with pytest.raises(ValueError, match=r"^basis must have shape \(8, 8\)"):
+        HeadIndex.build(keys, None, rotation[:4, :4])
+    with pytest.raises(ValueError, match=r"^basis must be finite"):
+        HeadIndex.build(keys, None, np.full((8, 8), np.nan))
+
+
+def test_decode_step_checks_its_shapes_at_the_boundary():
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((2, 256, 16)).astype(np.float32)
+    q = rng.standard_normal((4, 16)).astype(np.float32)
+    index = HeadIndex.build(k, None)
+    sel = Selection(k=32)
+    with pytest.raises(ValueError, match=r"^values must have 256 rows"):
+        decode_step(q, k, v[:200], index, M.fathom(48), sel)
+    with pytest.raises(ValueError, match=r"^q must have shape \(G >= 1, 16\)"):
+        decode_step(q[:, :8], k, v, index, M.fathom(48), sel)
+    with pytest.raises(ValueError, match=r"^q must have shape \(G >= 1, 16\)"):
+        decode_step(q[:0], k, v, index, M.fathom(48), sel)

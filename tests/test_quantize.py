@@ -4,7 +4,7 @@ from hypothesis import given, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fathom import reference as ref
-from fathom.quantize import plane_bits
+from fathom.quantize import dequantize, pack_planes, plane_bits, quantize
 
 
 def mid_rise(k: np.ndarray, s: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
@@ -133,3 +133,22 @@ def test_pack_dequantize_reject_bad_input():
         ref.dequantize(planes, scales, np.array([1, 0, 0]))
     with pytest.raises(ValueError, match="^scales "):
         ref.dequantize(planes, scales[:1], np.array([1, 0]))
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store():
+    k = np.random.default_rng(0).standard_normal((128, 8)).astype(np.float32)
+    codes, scales = quantize(k)
+    return pack_planes(codes), scales
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_dequantize_refuses_nan_inf_and_negative_scales(store, bad):
+    planes, scales = store
+    scales = scales.copy()
+    scales[3, 1] = bad
+    with pytest.raises(ValueError, match="^scales must be finite and >= 0"):
+        dequantize(planes, scales, np.full(8, 4))

@@ -50,3 +50,14 @@ def test_many_positions_at_once_equal_one_at_a_time(seed, k):
         one = select(scores[p, :, :scored[p]], contexts[p], sel)
         np.testing.assert_array_equal(many[p, :, :contexts[p]], one)
         assert not many[p, :, contexts[p]:].any()
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["k", "sink", "local"])
+@pytest.mark.parametrize("bad", [1.5, "8", True, None])
+def test_selection_takes_integers_only(field, bad):
+    with pytest.raises(ValueError, match=f"^{field} must be an integer"):
+        Selection(**{"k": 8, field: bad})
+    assert Selection(k=np.int64(8)).k == 8 and type(Selection(k=np.int64(8)).k) is int  # JSON-safe

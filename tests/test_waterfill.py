@@ -6,7 +6,7 @@ from hypothesis import assume, given, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fathom import reference as ref
-from fathom.waterfill import depths_at, depths_closed_form, importance
+from fathom.waterfill import depths_at, depths_closed_form, importance, per_layer_plan, waterfill
 
 weights = hnp.arrays(np.float64, st.integers(1, 6), elements=st.one_of(
     st.just(0.0), st.floats(1e-3, 1e3, allow_subnormal=False)))
@@ -116,3 +116,20 @@ def test_waterfill_rejects_bad_input():
         ref.per_layer_plan(np.ones((2, 3)), np.array([1.0, 2.0, 3.0]), 5.0)
     with pytest.raises(ValueError, match="^budgets "):
         ref.per_layer_plan(np.ones((2, 3)), np.array([1.0, 1.0, 3.0]), 2.0)
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["48", None, np.nan, np.inf, True])
+def test_waterfill_names_a_budget_that_is_not_a_finite_number(budget):
+    with pytest.raises(ValueError, match="^budget"):
+        waterfill(np.ones(8), budget)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_per_layer_plan_refuses_nan_and_inf_errors(bad):
+    errors = np.array([[0.3, 0.2, 0.1], [0.5, 0.4, 0.3]])
+    errors[1, 1] = bad
+    with pytest.raises(ValueError, match="^errors must be finite"):
+        per_layer_plan(errors, np.array([32.0, 48.0, 64.0]), 48.0)

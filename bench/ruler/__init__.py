@@ -1,6 +1,6 @@
 """``python -m bench ruler``: lm-eval's RULER tasks decoded through FathomCache, every method on the same samples.
 
-Two ways, both real (README "RULER through lm-eval"):
+Two ways, both real (docs/results.md "RULER through lm-eval"):
 
 * ``lm-eval``: end to end through lm-eval on this machine — lm-eval builds the
   samples, generates through :class:`bench.ruler.harness.FathomLM` (lm-eval's
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--methods", nargs="+", default=None,
                        help=f"{decoding.spec_help()}. Default: {' '.join(METHODS_AT_ANY_D)}, and "
                             "double-sparsity at r = d/4 where d != 128")
-        p.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, SPEC §6)")
+        p.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, design §6)")
         p.add_argument("--calibration", type=Path, default=None,
                        help="a .calibration.npz (default: the model's committed one under bench/results)")
 

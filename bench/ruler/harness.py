@@ -29,7 +29,7 @@ class FathomLM(HFLM):
 
     Args:
         method: a method spec, ``name`` or ``name@bits`` (:mod:`bench.decoding`), e.g. ``fathom@48``.
-        k: top-k per query head (None: SPEC §6's k by the prompt's length).
+        k: top-k per query head (None: design §6's k by the prompt's length).
         calibration: a ``.calibration.npz`` of the fidelity bench (needed by double-sparsity, loki,
             fathom-rotated; None: FathomCache computes one from the prompt when a method needs it).
         **kwargs: ``HFLM``'s own arguments (``pretrained`` a path or a loaded model, ``tokenizer``, ...).

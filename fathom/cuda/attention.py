@@ -1,5 +1,5 @@
 """The winners' K/V rows from host memory, and exact attention of each query head over its own selection
-(SPEC §6, §8 steps 5-6); the twin of ``fathom.attention.attention`` (float32 tolerance).
+(design §6, §8 steps 5-6); the twin of ``fathom.attention.attention`` (float32 tolerance).
 
 ``gather_rows`` copies the rows of each KV head's row list (``fathom.cuda.topk.union_rows``: ascending, so
 neighbouring CTAs read neighbouring host pages) — or, for dense attention, rows ``0 .. n`` — from the K/V store

@@ -1,5 +1,5 @@
 """Torch twin of :func:`fathom.calibration.calibrate`: one layer at a time, on the tensors' device, during a
-model's prefill (SPEC §5, §7), computing only what the methods read.
+model's prefill (design §5, §7), computing only what the methods read.
 
 :func:`calibrate_layer` takes one layer's keys ``[H, n, d]`` and calibration queries ``[H, m, d]`` (the KV head's
 G query heads at P positions, flattened: ``m = P·G``), in any float dtype (bf16 from the model is fine: it is

@@ -1,4 +1,4 @@
-"""Scores from 16-bit rows read straight from host memory (SPEC §7, §8 step 3): the oracle's exact ``q · k`` over
+"""Scores from 16-bit rows read straight from host memory (design §7, §8 step 3): the oracle's exact ``q · k`` over
 the bf16 K rows, and landmark's ``q · mark`` over the fp16 mean keys, every token of an 8-token block taking its
 block's score. The twins of ``fathom.scoring.exact_scores`` / ``landmark_scores`` (float32 tolerance), and like
 ``fathom.cuda.scan`` they count the top byte of every candidate's score for the selection.

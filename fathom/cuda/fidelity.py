@@ -1,5 +1,5 @@
 """Torch twin of :func:`fathom.fidelity.evaluate`: every method on every layer, KV head and decode position of a
-capture, on any torch device (SPEC §6).
+capture, on any torch device (design §6).
 
 What is O(P·d) per head stays the reference's own, on the host: the depth policies
 (:func:`fathom.decode.plane_depths`), the query rotation, the landmarks, the protocol's fixed masks and the
@@ -52,7 +52,7 @@ BYTES_PER_CHUNK_ELEMENT = 48  # scores, masks and float64 softmax of one entry, 
 
 
 def dequantized_copies(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sealed keys as the scan sees them at every depth (SPEC §2).
+    """The sealed keys as the scan sees them at every depth (design §2).
 
     Args:
         keys: float32 ``[n, d]`` (the tail past the last full 64-token block is not sealed and not returned).

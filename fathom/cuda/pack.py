@@ -1,4 +1,5 @@
-"""Seal the 64-token blocks an append completes: quantize, pack into the store's records, landmarks (SPEC §2, §3, §7).
+"""Seal the 64-token blocks an append completes: quantize, pack into the store's records, landmarks
+(design §2, §3, §7).
 
 The twin of ``fathom.quantize.quantize`` + ``pack_planes`` (bit-identical: the block max is taken on the
 float32 bit patterns — for non-negative floats the bit order is the value order —, rounded to fp16 with integer
@@ -78,7 +79,7 @@ def _seal_kernel(new, tail, lengths, sessions, heads, m, status, records, scales
     records[plane_word(record, 2, b, scale_words, cap)] = w2
     records[plane_word(record, 3, b, scale_words, cap)] = w3
     scales16[scale_index(record, b)] = h
-    cuda.atomic.add(scale_sq_sum, (g, c), np.float64(scale) * np.float64(scale))  # the store's σ² (SPEC §5)
+    cuda.atomic.add(scale_sq_sum, (g, c), np.float64(scale) * np.float64(scale))  # the store's σ² (design §5)
     if write_marks:  # landmarks: the fp16 mean key of each 8-token block, summed in token order
         for mark in range(BLOCK // LANDMARK_TOKENS):
             p0 = first + mark * LANDMARK_TOKENS

@@ -1,4 +1,4 @@
-"""Reverse water-filling for every query group of a layer in one launch (SPEC §5).
+"""Reverse water-filling for every query group of a layer in one launch (design §5).
 
 The twin of ``fathom.waterfill.waterfill_batched(importance(q, sigma2), budget)``,
 bit-for-bit away from exact ties: one CUDA block of ``THREADS`` threads per query

@@ -1,4 +1,4 @@
-"""The plane scan: approximate scores read straight from the store, wherever it lives (SPEC §5, §8 steps 2-3).
+"""The plane scan: approximate scores read straight from the store, wherever it lives (design §5, §8 steps 2-3).
 
 The twin of ``fathom.scoring.approx_scores`` (within float32 tolerance: the sum over channels runs in another
 order, with FMAs) that also counts the top byte of every candidate's score for the selection
@@ -14,7 +14,7 @@ block is bit ``j`` of its plane words), each query head accumulated in registers
 (G, warps, blocks per warp). Sizes that change per step — each session's sealed blocks — are read from the
 device lengths, so one launch with a fixed grid serves every step.
 
-Score of token ``j`` in channel ``c`` read to depth ``t`` (SPEC §2): with ``P`` the ``t``-bit prefix of its code,
+Score of token ``j`` in channel ``c`` read to depth ``t`` (design §2): with ``P`` the ``t``-bit prefix of its code,
 ``k̂ = ((P + 0.5) · 2^(4-t) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``.
 """
 
@@ -237,7 +237,7 @@ def scan_planes(q, depths, lengths, heads_per_session: int, records, layout, sin
         q: float32 ``[groups, G, d]`` query groups in the store's basis; depths: int8 ``[groups, d]`` in 0..4.
         lengths: int32 ``[S]`` session lengths (on the GPU); group ``g`` is session ``g // heads_per_session``.
         records: uint64 ``[layout.words]`` the store (host-mapped or HBM); layout: :class:`fathom.layout.StoreLayout`.
-        sink, local: SPEC §6 (candidates are sealed tokens ``sink .. min(n_sealed, n − local)``).
+        sink, local: design §6 (candidates are sealed tokens ``sink .. min(n_sealed, n − local)``).
         scores: float32 ``[groups, G, ≥ n]``: columns ``0 .. n_sealed`` written; top_hist: int32
             ``[groups, G, 256]``, counts added (``fathom.cuda.topk.select`` consumes and clears them).
         warps: warps per CTA (at most 32); a CTA scores ``warps · blocks_per_warp(G)`` blocks, at most a segment.

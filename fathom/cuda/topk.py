@@ -1,4 +1,4 @@
-"""Top-k selection per query head and the union of a KV head's rows (SPEC §6, §8 step 4).
+"""Top-k selection per query head and the union of a KV head's rows (design §6, §8 step 4).
 
 ``select`` is the twin of ``fathom.selection.select`` (exactly, ties to the earlier token): a radix select of the
 k-th largest score on order-preserving uint32 keys. The scan (``fathom.cuda.scan`` / ``exact``) already counted
@@ -37,7 +37,7 @@ SUB_HISTOGRAMS = 8  # per-warp-group histograms of the tie passes
 
 @cuda.jit(device=True, inline=True)
 def _bounds(lengths, g, heads_per_session, sink, local):
-    """Context n, sealed tokens, and the candidates' range [lo, hi) of group g (SPEC §6)."""
+    """Context n, sealed tokens, and the candidates' range [lo, hi) of group g (design §6)."""
     n = lengths[g // heads_per_session]
     n_sealed = n // BLOCK * BLOCK
     return n, n_sealed, sink, min(n_sealed, n - local)

@@ -1,4 +1,4 @@
-"""Host side of the offloaded decode step (SPEC §8): what the host allocates, resolves and launches; the kernels are
+"""Host side of the offloaded decode step (design §8): what the host allocates, resolves and launches; the kernels are
 ``fathom.cuda``'s.
 
 ============  ==========================================================================================

@@ -1,5 +1,5 @@
 """The offloaded KV cache: K/V rows, landmarks and the bit-plane store of S sessions × L layers × H KV heads in
-pinned, device-mapped host memory (SPEC §3, §7, §8).
+pinned, device-mapped host memory (design §3, §7, §8).
 
 A **query group** ``g = session · H + head`` is one (session, KV head) pair: the unit every kernel works on.
 Per layer::
@@ -444,7 +444,7 @@ class OffloadedCache:
         return index.astype(np.int64)
 
     def store_variance(self, layer: int, basis: str = "raw") -> torch.Tensor:
-        """σ² from the store (SPEC §5): mean squared fp16 block scale per group, float64 ``[groups, d]``."""
+        """σ² from the store (design §5): mean squared fp16 block scale per group, float64 ``[groups, d]``."""
         store = self.layer(layer)
         blocks = torch.repeat_interleave(store.lengths.long() // BLOCK, self.shape.kv_heads).clamp(min=1)
         return store.stores[basis].scale_sq_sum / blocks[:, None]

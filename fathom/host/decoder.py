@@ -1,5 +1,5 @@
 """The offloaded decode step of one layer, FlashInfer style: settings fixed at construction, ``run(layer, q)`` per
-step (SPEC §8).
+step (design §8).
 
 The method is resolved once (``fathom.host.strategy``) and every layer's step is built once, at construction, as a
 list of launches whose arguments never change: static buffers, and sizes that vary from step to step (each

@@ -1,4 +1,4 @@
-"""A method resolved, once, into what the GPU does to score the sealed tokens (SPEC §7, §8 steps 1-3).
+"""A method resolved, once, into what the GPU does to score the sealed tokens (design §7, §8 steps 1-3).
 
 ``fathom.methods`` says *what* a method reads (a basis and a depth policy, or its own scorer); this module turns
 that into device work exactly once, when a decoder is made, so the step itself never dispatches on the method:

@@ -86,7 +86,7 @@ class FathomSettings:
 
     ``budget``: bits per token for fathom, fathom-rotated and fathom-plan (the plan's mean); for sparq,
     double-sparsity and loki it names ``r = budget / 4.25`` channels at 4 bits (68 -> 16, 136 -> 32) unless
-    ``r`` is given; other methods do not read it. ``k``: top-k per query head (None: SPEC §6's k by the
+    ``r`` is given; other methods do not read it. ``k``: top-k per query head (None: design §6's k by the
     longest prompt). ``plan``: fathom-plan's per-layer budgets, one per full-attention layer (None: planned
     on the prompt). ``max_tokens``: per session, offloaded backend (None: the longest prompt plus
     :data:`RESERVE_TOKENS`, in a bucket of :func:`~fathom.integrations.sessions.capacity`; grown when needed).
@@ -635,11 +635,11 @@ class FathomCache(Cache):
         model: a causal LM loaded the usual way, with sdpa attention (the cache switches it to ``"fathom"``,
             whose layers without a FathomCache still run sdpa, and switches it back when the last cache on it is
             closed or garbage collected).
-        method: one of :data:`METHODS` (SPEC §7).
+        method: one of :data:`METHODS` (design §7).
         budget: bits per token (fathom, fathom-rotated; fathom-plan's mean). For sparq, double-sparsity and
             loki, ``r·4.25`` bits for r channels (68 -> r = 16, 136 -> r = 32) unless ``r=`` is given.
             Not read by dense, oracle, thumbnail (2 planes of every channel) and landmark.
-        k: top-k per query head; None: SPEC §6's k by the longest prompt (``Selection.for_context``).
+        k: top-k per query head; None: design §6's k by the longest prompt (``Selection.for_context``).
         prompt: a :func:`prefill` of this model: the cache starts holding it (one dense prefill shared by the
             caches of several methods); generate then continues from ``prompt.next_token``.
         **settings: ``r``, ``sink`` (4), ``local`` (32), ``variance`` ("store" | "calibration"; default the

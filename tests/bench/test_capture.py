@@ -1,12 +1,16 @@
 """The capture records exactly what attention sees: checked against the model's own attention output
 on tiny randomly initialised models (no download), with and without QK-norm and sliding-window layers."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from bench import capture as bench_capture  # noqa: E402
+from bench import corpora, fetch, models  # noqa: E402
 from bench.capture import capture, global_layers  # noqa: E402
 from fathom.attention import attention  # noqa: E402
 from tests.tiny_models import tiny_gemma3, tiny_llama  # noqa: E402
@@ -53,3 +57,61 @@ def test_a_capture_on_the_gpu_matches_the_cpu_capture():
     on_gpu = capture(model.to("cuda"), ids, positions=5)
     for name in ("keys", "values", "queries"):
         np.testing.assert_allclose(getattr(on_gpu, name), getattr(on_cpu, name), rtol=1e-4, atol=1e-5)
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+class CountingModel:
+    """Fake (model, tokenizer) for load_capture: a tiny random Llama and a character tokenizer."""
+
+    def __init__(self):
+        transformers = pytest.importorskip("transformers")
+        torch = pytest.importorskip("torch")
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        self.model = transformers.LlamaForCausalLM(config).eval()
+        self.tokenizer = lambda text, **kw: SimpleNamespace(input_ids=torch.tensor([[ord(c) % 97 for c in text]]))
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.model, self.tokenizer
+
+
+def test_a_capture_is_remade_when_damaged_or_made_from_another_model_or_text(monkeypatch, tmp_path, capsys):
+    builds = {"m": "model-build-1"}
+    monkeypatch.setattr(models, "digest", lambda name, cache=None: builds["m"])
+    texts = {"paul-graham": "essay " * 40}
+    monkeypatch.setattr(corpora, "load", lambda name, cache=None: texts[name])
+    fake = CountingModel()
+
+    def capture():
+        return bench_capture.load_capture("smollm2-135m", "paul-graham", 128, tmp_path, positions=4, loaded=fake)
+
+    first, _ = capture()
+    path = next((tmp_path / "captures").glob("*.npz"))
+    assert first.meta["model_sha256"] == "model-build-1" and len(first.meta["text_sha256"]) == 64
+    assert capture()[0].meta == first.meta and fake.calls == 1  # cached
+
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated
+    monkeypatch.setattr(fetch, "_VERIFIED", {})  # a new process: nothing hashed yet
+    again, _ = capture()
+    np.testing.assert_array_equal(again.keys, first.keys)
+    assert fake.calls == 2 and f"cache: {path} has" in capsys.readouterr().err
+
+    builds["m"] = "model-build-2"  # the weights were rebuilt differently
+    assert capture()[0].meta["model_sha256"] == "model-build-2" and fake.calls == 3
+    assert "made from another build of smollm2-135m or another text" in capsys.readouterr().err
+
+    texts["paul-graham"] = "other " * 40  # the corpus changed
+    assert capture()[0].meta["text_sha256"] != first.meta["text_sha256"] and fake.calls == 4
+
+
+def test_the_prefill_shows_its_progress_per_layer(capsys):
+    fake = CountingModel()
+    model, tokenizer = fake()
+    bench_capture.capture(model, tokenizer("some text " * 8).input_ids, positions=4)
+    err = capsys.readouterr().err
+    assert "prefill 80 tokens: 100%" in err and "2/2 [" in err  # one tick per layer of the 2-layer model

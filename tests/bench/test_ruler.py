@@ -203,3 +203,15 @@ def test_batches_hold_one_task_and_context_and_come_in_rounds():
     assert [[s["id"] for s in b] for b in got[:4]] == [["a/1024/5", "a/1024/4"], ["a/2048/5", "a/2048/4"],
                                                         ["b/1024/5", "b/1024/4"], ["b/2048/5", "b/2048/4"]]
     assert [[s["id"] for s in b] for b in got[4:]] == [["a/1024/3"], ["a/2048/3"], ["b/1024/3"], ["b/2048/3"]]
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+def test_ruler_samples_and_generate_refuse_an_unwritable_folder_for_their_json_first(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    (tmp_path / "s.json").write_text('{"model": "smollm2-135m", "samples": [{"id": "x"}]}')
+    for argv in (["samples"], ["generate", "--samples", str(tmp_path / "s.json")]):
+        err = refused(["ruler", *argv, "--out", str(blocker / "out.json")], capsys)
+        assert err.startswith(f"error: --out {blocker}: cannot write there"), err

@@ -102,15 +102,15 @@ def test_what_the_token_graph_cannot_hold_is_refused():
 
 
 @pytest.mark.gpu
-def test_the_readme_token_graph_example_runs_and_generates_what_generate_does():
+def test_the_docs_token_graph_example_runs_and_generates_what_generate_does():
     from tests.integrations.test_transformers import _cached
 
     if not _cached("smollm2-135m"):
         pytest.skip("SmolLM2-135M is not in the cache (python -m bench fetch smollm2-135m)")
-    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
-    code = re.search(r"```python\n(# token graph: .*?)```", readme, flags=re.S).group(1)
+    doc = (Path(__file__).parents[2] / "docs" / "transformers.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(# token graph: .*?)```", doc, flags=re.S).group(1)
     scope: dict = {}
-    exec(compile(code, "README.md:token-graph", "exec"), scope)
+    exec(compile(code, "docs/transformers.md:token-graph", "exec"), scope)
     model, batch = scope["model"], scope["batch"]
     plain = model.generate(**batch, past_key_values=FathomCache(model, method="fathom", budget=48),
                            max_new_tokens=32, do_sample=False)

@@ -1,7 +1,7 @@
 """FathomCache inside transformers' own generate(): dense reproduces HF greedy decoding token for token (tiny
 random Llama and Gemma-3 configs, batch 2 with left padding; SmolLM2 real weights when cached), oracle and a
-budget that reads everything equal dense, the reference sessions equal the reference decode step, a later
-plain generate is unchanged, and bad arguments are refused."""
+budget that reads everything equal dense, a later plain generate is unchanged, and bad arguments are refused.
+The sessions behind the cache (reference and offloaded backends, the pool): test_sessions.py."""
 
 import warnings
 from pathlib import Path
@@ -12,12 +12,8 @@ import torch
 import transformers
 
 from bench.capture import capture
-from fathom import methods as M
 from fathom.calibration import Calibration, calibrate
-from fathom.decode import HeadIndex, decode_step
-from fathom.integrations.sessions import ReferenceSessions, SessionShape
 from fathom.integrations.transformers import ATTENTION, CALIBRATION_QUERIES, FathomCache, Prompt, prefill
-from fathom.selection import Selection
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
 PROMPT, NEW, PAD = 150, 12, 37  # row 1 is left-padded by PAD positions
@@ -121,42 +117,6 @@ def _calibration(rng, L: int, H: int, d: int) -> Calibration:
     return Calibration(np.exp(rng.uniform(-1, 1, (L, H, d))), basis.astype(np.float32),
                        np.exp(rng.uniform(-1, 1, (L, H, d))), np.stack([[rng.permutation(d) for _ in range(H)]
                                                                         for _ in range(L)]))
-
-
-@pytest.mark.parametrize("method", [M.fathom(10.0), M.fathom(10.0, "calibration"), M.fathom_rotated(10.0),
-                                    M.fathom_plan((8.0, 14.0), 11.0), M.sparq(2), M.double_sparsity(2), M.loki(2),
-                                    M.thumbnail(2), M.landmark(), M.oracle(), M.dense()],
-                         ids=lambda m: m.name)
-def test_reference_sessions_step_equals_the_reference_decode_step(method):
-    """Ragged sessions (prompts of 130 and 70 tokens) grown token by token against decode_step over an index
-    built at once on the same keys, at every step, for every (layer, session, KV head)."""
-    rng = np.random.default_rng(0)
-    S, L, H, G, d, steps, scale = 2, 2, 2, 2, 8, 4, 0.3
-    calibration = _calibration(rng, L, H, d)
-    sel = Selection(k=6, sink=2, local=8)
-    sessions = ReferenceSessions(SessionShape(S, L, H, G, d), method, sel, scale, calibration)
-    spread = np.exp(rng.uniform(-1, 1, d)).astype(np.float32)
-    keys = [[rng.standard_normal((H, n, d)).astype(np.float32) * spread for n in (130, 70)] for _ in range(L)]
-    values = [[rng.standard_normal((H, n, d)).astype(np.float32) for n in (130, 70)] for _ in range(L)]
-    for layer in range(L):
-        for s in range(S):
-            sessions.append(layer, s, torch.from_numpy(keys[layer][s]), torch.from_numpy(values[layer][s]))
-    for _ in range(steps):
-        for layer in range(L):
-            q = rng.standard_normal((S, H * G, d)).astype(np.float32)
-            k = rng.standard_normal((S, H, d)).astype(np.float32) * spread
-            v = rng.standard_normal((S, H, d)).astype(np.float32)
-            out = sessions.step(layer, torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)).numpy()
-            for s in range(S):
-                keys[layer][s] = np.concatenate([keys[layer][s], k[s, :, None]], axis=1)
-                values[layer][s] = np.concatenate([values[layer][s], v[s, :, None]], axis=1)
-                for h in range(H):
-                    stats = {b: calibration.head_stats(layer, h, b) for b in ("raw", "rotated")}
-                    index = HeadIndex.build(keys[layer][s][h], stats, calibration.basis[layer, h])
-                    step = decode_step(q[s, h * G:(h + 1) * G], keys[layer][s][h], values[layer][s][h], index,
-                                       method, sel, scale, layer)
-                    np.testing.assert_array_equal(out[s, h * G:(h + 1) * G], step.output.astype(np.float32))
-    np.testing.assert_array_equal(sessions.lengths(0), [130 + steps, 70 + steps])
 
 
 def test_sparse_methods_decode_over_the_store_and_differ_from_dense():
@@ -304,78 +264,3 @@ def test_the_readme_example_runs_as_written(monkeypatch):
     exec(compile(_readme_example(), "README.md", "exec"), {})
 
 
-@pytest.mark.parametrize("method", ["dense", "fathom", "fathom-rotated", "double-sparsity"])
-def test_offloaded_sessions_decode_as_the_reference_does(method):
-    """The offloaded backend generates the reference's tokens: under the CUDA simulator (CI) on CPU tensors, with
-    FATHOM_GPU=1 on the GPU."""
-    from fathom.cuda.interop import DEVICE
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
-    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
-    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
-    settings = dict(budget=17 if method == "double-sparsity" else 20, k=6, sink=2, local=4, max_tokens=80)
-    reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=3)
-    offloaded = FathomCache(model, method, backend="offloaded", **settings)
-    torch.testing.assert_close(generate(model, ids, mask, offloaded, new=3), reference, rtol=0, atol=0)
-    offloaded.close()
-
-
-def test_offloaded_sessions_are_pooled_grown_and_continue_a_conversation_as_the_reference_does():
-    """A closed cache's sessions serve the next cache of the same key (same tokens as the reference); a
-    conversation's second turn past max_tokens grows the pinned store and still generates the reference's tokens."""
-    from fathom.cuda.interop import DEVICE
-    from fathom.integrations.sessions import POOL
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
-    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
-    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
-    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80)
-    reference = FathomCache(model, "fathom", backend="reference", **settings)
-    expected = generate(model, ids, mask, reference, new=2)
-    POOL.clear()
-    first = FathomCache(model, "fathom", backend="offloaded", **settings)
-    generate(model, ids, mask, first, new=2)
-    first.close()
-    assert len(POOL) == 1
-    pooled = FathomCache(model, "fathom", backend="offloaded", **settings)
-    torch.testing.assert_close(generate(model, ids, mask, pooled, new=2), expected, rtol=0, atol=0)
-    assert len(POOL) == 0
-    said = torch.arange(1, 13, device=DEVICE).repeat(2, 1)  # 12 more tokens: past max_tokens = 80
-    ids2, mask2 = torch.cat([expected, said], 1), torch.cat([mask, torch.ones_like(expected[:, 70:]),
-                                                             torch.ones_like(said)], 1)
-    second = generate(model, ids2, mask2, pooled, new=2)
-    torch.testing.assert_close(second, generate(model, ids2, mask2, reference, new=2), rtol=0, atol=0)
-    np.testing.assert_array_equal(pooled.lengths(), reference.lengths())
-    assert pooled.decoding.sessions.cache.shape.max_tokens > 80
-    pooled.close()
-    POOL.clear()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("method", ["dense", "oracle", "fathom", "fathom-rotated", "sparq", "double-sparsity"])
-def test_on_a_gpu_the_offloaded_path_generates_the_reference_paths_tokens(method):
-    """On a CUDA device (FATHOM_GPU=1): the model in bf16 on the GPU, K/V rows bf16 in the offloaded cache and
-    float32 copies of the same bf16 values in the reference; SmolLM2 if cached, else a tiny random Llama."""
-    if _cached("smollm2-135m"):
-        from bench.models import load
-
-        model, tokenizer = load("smollm2-135m")
-        tokenizer.padding_side = "left"
-        prompts = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
-        encoded = tokenizer([p * 12 for p in prompts], return_tensors="pt", padding=True)
-        ids, mask = encoded.input_ids, encoded.attention_mask
-    else:
-        model = tiny_llama()
-        ids, mask = batch()
-    model = model.to("cuda", torch.bfloat16)
-    ids, mask = ids.cuda(), mask.cuda()
-    settings = dict(budget=68 if method in ("sparq", "double-sparsity") else 48, k=16,
-                    max_tokens=ids.shape[1] + 16)
-    reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=8)
-    offloaded = FathomCache(model, method, backend="offloaded", **settings)
-    torch.testing.assert_close(generate(model, ids, mask, offloaded, new=8), reference, rtol=0, atol=0)
-    offloaded.close()

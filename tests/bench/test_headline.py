@@ -1,0 +1,34 @@
+"""``python -m bench headline``: one table of the real-model fidelity summaries."""
+
+import json
+
+from bench.__main__ import main
+from tests.cli import refused
+
+
+def test_headline_tables_the_real_settings_only(tmp_path):
+    summary = {"basis": "raw", "variance": "store", "ds_error": 0.2, "fathom48_error": 0.1, "sparq68_error": 0.3,
+               "oracle_error": 0.05, "equal_error_saving": 2.5, "equal_error_how": "interpolated",
+               "ds_label": "double-sparsity@136", "equal_error_saving_quarter": None,
+               "equal_error_how_quarter": "not reached", "ds_quarter_label": "double-sparsity@68",
+               "ds_quarter_error": 0.25, "channels_touched_48": 31.0, "fathom48_overlap": 0.8,
+               "ds_quarter_overlap": 0.7, "sparq68_overlap": 0.75}
+    real = {"synthetic": False, "model": "m", "evaluation_text": "t", "capture": {"tokens": 16384, "head_dim": 64},
+            "summary": summary, "wall_s": 120.0, "device": "cuda", "prefill_evaluation_s": 30,
+            "records": [{"label": "fathom-plan@48", "rel_error": 0.09}],
+            "prefill_calibration_s": 30, "basis_rule_s": 20, "per_layer_plan_s": 20, "evaluation_s": 80}
+    (tmp_path / "fidelity-m-16k-t.json").write_text(json.dumps(real))
+    (tmp_path / "fidelity-synthetic.json").write_text(json.dumps({**real, "synthetic": True}))
+    main(["headline", "--results", str(tmp_path)])
+    table = (tmp_path / "headline.md").read_text()
+    assert ("| m 16k (t) | 64 | raw, store | 0.2500 | 0.1000 | 0.3000 | 0.0900 | 0.0500 | not reached | "
+            "2.50× (double-sparsity@136) | 0.800 / 0.700 / 0.750 | 31.0 / 64 | cuda | 1.0 | 2.0 |") in table
+    assert table.count("| m 16k") == 1
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+def test_headline_refuses_a_results_folder_that_is_not_one(tmp_path, capsys):
+    assert refused(["headline", "--results", str(tmp_path / "nowhere")], capsys) == \
+        f"error: --results {tmp_path / 'nowhere'}: not a folder of fidelity-*.json"

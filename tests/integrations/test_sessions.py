@@ -1,0 +1,202 @@
+"""``fathom.integrations.sessions``: where a decoding loop keeps its sessions' K/V. The reference sessions equal the
+reference decode step; the offloaded sessions (under the CUDA simulator in CI, on the GPU with FATHOM_GPU=1)
+generate the reference's tokens through FathomCache, are pooled and grown; the capacity buckets, the pool's limit
+and eviction and a layer's calibration view are checked on their own."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from fathom import methods as M
+from fathom.decode import HeadIndex, decode_step
+from fathom.integrations.sessions import LayerStats, ReferenceSessions, SessionPool, SessionShape, capacity
+from fathom.integrations.transformers import FathomCache
+from fathom.selection import Selection
+from tests.integrations.test_transformers import (  # noqa: F401  (_quiet_and_single_threaded: autouse here too)
+    _cached, _calibration, _quiet_and_single_threaded, batch, generate)
+from tests.tiny_models import tiny_llama
+
+
+# --- units ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens, reserved", [(1, 64), (64, 64), (65, 128), (1000, 1024), (4096, 4096),
+                                              (4097, 4608), (131072 + 4096, 147456)])
+def test_capacity_rounds_up_to_an_eighth_of_the_power_of_two_and_at_least_a_block(tokens, reserved):
+    assert capacity(tokens) == reserved
+
+
+def test_capacity_holds_its_tokens_and_wastes_at_most_an_eighth():
+    for tokens in [*range(1, 3000, 7), 2 ** 20 - 1, 2 ** 20, 2 ** 20 + 1]:
+        got = capacity(tokens)
+        assert got >= tokens and got % 64 == 0
+        assert got - tokens < max(64, 2 ** math.floor(math.log2(tokens)) / 8)
+
+
+class FakeSessions:
+    """What the pool reads of OffloadedSessions: a key, clear() and close()."""
+
+    def __init__(self, key):
+        self.key, self.cleared, self.closed = key, 0, False
+
+    def clear(self):
+        self.cleared += 1
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_pool_keeps_one_idle_sessions_per_key_and_closes_the_oldest_beyond_its_limit():
+    pool = SessionPool(limit=2)
+    a, b, c, a2 = FakeSessions("a"), FakeSessions("b"), FakeSessions("c"), FakeSessions("a")
+    for s in (a, b):
+        pool.give(s)
+    assert len(pool) == 2 and a.cleared == b.cleared == 1 and not (a.closed or b.closed)
+    pool.give(a2)  # the same key again: the idle one is closed, the newest kept
+    assert a.closed and len(pool) == 2
+    pool.give(c)  # beyond the limit: the least recently returned (b) is closed
+    assert b.closed and not (a2.closed or c.closed) and len(pool) == 2
+    assert pool.take("b") is None and pool.take("a") is a2 and len(pool) == 1
+    assert pool.take("a") is None  # taken once
+    pool.clear()
+    assert c.closed and len(pool) == 0
+
+
+def test_layer_stats_reads_one_layer_of_a_calibration_in_each_store():
+    rng = np.random.default_rng(0)
+    L, H, d = 3, 2, 8
+    calibration = _calibration(rng, L, H, d)
+    stats = LayerStats.of(calibration, 1)
+    np.testing.assert_array_equal(stats.sigma2("raw"), calibration.sigma2_raw[1])
+    np.testing.assert_array_equal(stats.sigma2("rotated"), calibration.sigma2_rotated[1])
+    np.testing.assert_array_equal(stats.basis, calibration.basis[1])
+    head = stats.head(1, "rotated", layer=1)
+    np.testing.assert_array_equal(head.sigma2, calibration.sigma2_rotated[1, 1])
+    np.testing.assert_array_equal(head.ds_rank, calibration.ds_rank[1, 1])
+    assert head.layer == 1
+
+
+@pytest.mark.parametrize("field", ["sessions", "layers", "kv_heads", "group", "head_dim", "max_tokens"])
+def test_a_session_shape_refuses_a_size_that_is_not_positive(field):
+    sizes = dict(sessions=1, layers=1, kv_heads=1, group=1, head_dim=8, max_tokens=64)
+    with pytest.raises(ValueError, match=f"^{field} must be positive, got 0"):
+        SessionShape(**{**sizes, field: 0})
+
+
+# --- the two backends -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", [M.fathom(10.0), M.fathom(10.0, "calibration"), M.fathom_rotated(10.0),
+                                    M.fathom_plan((8.0, 14.0), 11.0), M.sparq(2), M.double_sparsity(2), M.loki(2),
+                                    M.thumbnail(2), M.landmark(), M.oracle(), M.dense()],
+                         ids=lambda m: m.name)
+def test_reference_sessions_step_equals_the_reference_decode_step(method):
+    """Ragged sessions (prompts of 130 and 70 tokens) grown token by token against decode_step over an index
+    built at once on the same keys, at every step, for every (layer, session, KV head)."""
+    rng = np.random.default_rng(0)
+    S, L, H, G, d, steps, scale = 2, 2, 2, 2, 8, 4, 0.3
+    calibration = _calibration(rng, L, H, d)
+    sel = Selection(k=6, sink=2, local=8)
+    sessions = ReferenceSessions(SessionShape(S, L, H, G, d), method, sel, scale, calibration)
+    spread = np.exp(rng.uniform(-1, 1, d)).astype(np.float32)
+    keys = [[rng.standard_normal((H, n, d)).astype(np.float32) * spread for n in (130, 70)] for _ in range(L)]
+    values = [[rng.standard_normal((H, n, d)).astype(np.float32) for n in (130, 70)] for _ in range(L)]
+    for layer in range(L):
+        for s in range(S):
+            sessions.append(layer, s, torch.from_numpy(keys[layer][s]), torch.from_numpy(values[layer][s]))
+    for _ in range(steps):
+        for layer in range(L):
+            q = rng.standard_normal((S, H * G, d)).astype(np.float32)
+            k = rng.standard_normal((S, H, d)).astype(np.float32) * spread
+            v = rng.standard_normal((S, H, d)).astype(np.float32)
+            out = sessions.step(layer, torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)).numpy()
+            for s in range(S):
+                keys[layer][s] = np.concatenate([keys[layer][s], k[s, :, None]], axis=1)
+                values[layer][s] = np.concatenate([values[layer][s], v[s, :, None]], axis=1)
+                for h in range(H):
+                    stats = {b: calibration.head_stats(layer, h, b) for b in ("raw", "rotated")}
+                    index = HeadIndex.build(keys[layer][s][h], stats, calibration.basis[layer, h])
+                    step = decode_step(q[s, h * G:(h + 1) * G], keys[layer][s][h], values[layer][s][h], index,
+                                       method, sel, scale, layer)
+                    np.testing.assert_array_equal(out[s, h * G:(h + 1) * G], step.output.astype(np.float32))
+    np.testing.assert_array_equal(sessions.lengths(0), [130 + steps, 70 + steps])
+
+
+@pytest.mark.parametrize("method", ["dense", "fathom", "fathom-rotated", "double-sparsity"])
+def test_offloaded_sessions_decode_as_the_reference_does(method):
+    """The offloaded backend generates the reference's tokens: under the CUDA simulator (CI) on CPU tensors, with
+    FATHOM_GPU=1 on the GPU."""
+    from fathom.cuda.interop import DEVICE
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
+    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    settings = dict(budget=17 if method == "double-sparsity" else 20, k=6, sink=2, local=4, max_tokens=80)
+    reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=3)
+    offloaded = FathomCache(model, method, backend="offloaded", **settings)
+    torch.testing.assert_close(generate(model, ids, mask, offloaded, new=3), reference, rtol=0, atol=0)
+    offloaded.close()
+
+
+def test_offloaded_sessions_are_pooled_grown_and_continue_a_conversation_as_the_reference_does():
+    """A closed cache's sessions serve the next cache of the same key (same tokens as the reference); a
+    conversation's second turn past max_tokens grows the pinned store and still generates the reference's tokens."""
+    from fathom.cuda.interop import DEVICE
+    from fathom.integrations.sessions import POOL
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
+    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80)
+    reference = FathomCache(model, "fathom", backend="reference", **settings)
+    expected = generate(model, ids, mask, reference, new=2)
+    POOL.clear()
+    first = FathomCache(model, "fathom", backend="offloaded", **settings)
+    generate(model, ids, mask, first, new=2)
+    first.close()
+    assert len(POOL) == 1
+    pooled = FathomCache(model, "fathom", backend="offloaded", **settings)
+    torch.testing.assert_close(generate(model, ids, mask, pooled, new=2), expected, rtol=0, atol=0)
+    assert len(POOL) == 0
+    said = torch.arange(1, 13, device=DEVICE).repeat(2, 1)  # 12 more tokens: past max_tokens = 80
+    ids2, mask2 = torch.cat([expected, said], 1), torch.cat([mask, torch.ones_like(expected[:, 70:]),
+                                                             torch.ones_like(said)], 1)
+    second = generate(model, ids2, mask2, pooled, new=2)
+    torch.testing.assert_close(second, generate(model, ids2, mask2, reference, new=2), rtol=0, atol=0)
+    np.testing.assert_array_equal(pooled.lengths(), reference.lengths())
+    assert pooled.decoding.sessions.cache.shape.max_tokens > 80
+    pooled.close()
+    POOL.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["dense", "oracle", "fathom", "fathom-rotated", "sparq", "double-sparsity"])
+def test_on_a_gpu_the_offloaded_path_generates_the_reference_paths_tokens(method):
+    """On a CUDA device (FATHOM_GPU=1): the model in bf16 on the GPU, K/V rows bf16 in the offloaded cache and
+    float32 copies of the same bf16 values in the reference; SmolLM2 if cached, else a tiny random Llama."""
+    if _cached("smollm2-135m"):
+        from bench.models import load
+
+        model, tokenizer = load("smollm2-135m")
+        tokenizer.padding_side = "left"
+        prompts = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
+        encoded = tokenizer([p * 12 for p in prompts], return_tensors="pt", padding=True)
+        ids, mask = encoded.input_ids, encoded.attention_mask
+    else:
+        model = tiny_llama()
+        ids, mask = batch()
+    model = model.to("cuda", torch.bfloat16)
+    ids, mask = ids.cuda(), mask.cuda()
+    settings = dict(budget=68 if method in ("sparq", "double-sparsity") else 48, k=16,
+                    max_tokens=ids.shape[1] + 16)
+    reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=8)
+    offloaded = FathomCache(model, method, backend="offloaded", **settings)
+    torch.testing.assert_close(generate(model, ids, mask, offloaded, new=8), reference, rtol=0, atol=0)
+    offloaded.close()
