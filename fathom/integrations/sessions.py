@@ -252,8 +252,10 @@ class OffloadedSessions:
         return (self.shape, self.method, self.selection, self.scale)
 
     def calibrate(self, layer: int, stats: LayerStats) -> None:
-        """``layer``'s calibration, copied into the tensors its step reads, before the layer holds a token."""
-        if self.cache.lengths(layer).any():
+        """``layer``'s calibration, copied into the tensors its step reads. With a rotated store, before the layer
+        holds a token (its planes are in the basis); a raw store's planes do not depend on it, so a method that
+        reads it only to steer the scan (DS's channels, calibration σ²) may be calibrated after the prefill."""
+        if self.cache.rotated and self.cache.lengths(layer).any():
             raise ValueError(f"layer {layer} already holds tokens: its calibration is fixed")
         if self.cache.rotated:
             self.cache.set_basis(layer, stats.basis)
@@ -264,14 +266,14 @@ class OffloadedSessions:
         return self.cache.lengths(layer)
 
     def append(self, layer: int, session: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._check_calibrated(layer)
+        self._check_calibrated(layer, appending=True)
         self._room(int(self.cache.lengths(layer)[session]) + k.shape[1])
         self.cache.append(layer, k[None], v[None], sessions=[session])
 
     def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """As :meth:`ReferenceSessions.extend`, in ``q``'s dtype on the GPU: each session's bf16 K/V rows are
         read from pinned memory for the chunk's dense attention, then the chunk is appended."""
-        self._check_calibrated(layer)
+        self._check_calibrated(layer, appending=True)
         m = k.shape[2]
         self.reserve(m)
         held = self.cache.lengths(layer)
@@ -357,7 +359,10 @@ class OffloadedSessions:
         self.token_graphs: dict = {}
         self._pool = None if SIMULATED else torch.cuda.graph_pool_handle()  # the layers replay in capture order
 
-    def _check_calibrated(self, layer: int) -> None:
+    def _check_calibrated(self, layer: int, appending: bool = False) -> None:
+        """A step needs the layer's calibration where the method reads one; an append only for the rotated store."""
+        if appending and not self.cache.rotated:
+            return
         if self.needs_calibration and self.stats[layer] is None:
             raise ValueError(f"layer {layer} has no calibration: method {self.method.name!r} needs one "
                              "(calibrate the layer before its first append)")

@@ -131,6 +131,7 @@ class TokenGraph:
     def of(cls, model, cache: FathomCache, batch: int) -> TokenGraph:
         """The graph of ``model`` over ``cache``'s sessions: the one captured on them before when they come from the
         pool (same model, same store), bound to ``cache``; else captured now and kept with the sessions."""
+        cache.decoding.calibrate_waiting()  # before a capture: the capture does no host work
         sessions = cache.decoding.sessions
         kept = sessions.token_graphs.get((id(model), batch))
         if kept is not None and kept.model is model and kept.store is sessions.cache:

@@ -242,6 +242,7 @@ class _Decoding:
         self.scale: float | None = None
         self.sessions: ReferenceSessions | OffloadedSessions | None = None
         self.layer_calibrations: dict[int, LayerCalibration] = {}  # slot -> from the prompt
+        self.uncalibrated: list[int] = []  # slots holding the prompt whose calibration waits for the first step
         self.rows: list[slice] | None = None  # the current prefill's non-pad positions per batch row
         self.waiting: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> k, v (fathom-plan from the prompt)
         self.prompt: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # slot -> row 0's k, v, q
@@ -284,7 +285,12 @@ class _Decoding:
             self.waiting[slot] = (k, v)
             return
         self._open(k.shape[0], k.device)
-        self._calibrate(slot)
+        if isinstance(self.sessions, OffloadedSessions) and not self.sessions.cache.rotated:
+            # the raw store does not depend on the calibration: applied at the first step, all layers in one copy
+            # to the host, not one sync per layer in the middle of the prefill
+            self.uncalibrated.append(slot)
+        else:
+            self._calibrate(slot)
         self._append(slot, k, v)
 
     def extend(self, slot: int, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
@@ -309,6 +315,7 @@ class _Decoding:
         self._check_scale(scale)
         if self.sessions is None:
             self._open_planned(k.shape[0], k.device)
+        self.calibrate_waiting()
         if slot == 0 and isinstance(self.sessions, OffloadedSessions):
             self.sessions.begin_token()
         return self.sessions.step(slot, q, k, v)
@@ -337,6 +344,21 @@ class _Decoding:
     def _append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for session, rows in enumerate(self.rows):
             self.sessions.append(slot, session, k[session][:, rows], v[session][:, rows])
+
+    def calibrate_waiting(self) -> None:
+        """The layers whose calibration waited for the first step (:meth:`prefill`), calibrated now: the prompt's
+        statistics reach the host in one go. Called before the first step, eager or captured."""
+        if not self.uncalibrated:
+            return
+        from_prompt = [slot for slot in self.uncalibrated if slot in self.layer_calibrations]
+        if from_prompt:
+            stacked = stack([self.layer_calibrations[slot] for slot in from_prompt], {})
+            for i, slot in enumerate(from_prompt):
+                self.sessions.calibrate(slot, LayerStats.of(stacked, i))
+        for slot in self.uncalibrated:
+            if slot not in self.layer_calibrations and self.given_calibration is not None:
+                self.sessions.calibrate(slot, LayerStats.of(self.given_calibration, slot))
+        self.uncalibrated = []
 
     def _calibrate(self, slot: int) -> None:
         if slot in self.layer_calibrations:
