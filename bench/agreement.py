@@ -61,7 +61,7 @@ def method_grid(head_dim: int, basis: str) -> list[str]:
     rs = sorted({head_dim // 8, head_dim // 4, 16, 32})
     families = ["fathom"] + (["fathom-rotated"] if basis == "rotated" else [])
     return (["dense", "oracle"] + [f"{f}@{b}" for f in families for b in FATHOM_BUDGETS]
-            + [f"{m}@{decoding.fixed_channel_budget(r)}" for m in ("sparq", "double-sparsity", "loki") for r in rs]
+            + [f"{m}@{decoding.fixed_channel_budget(r)}" for m in decoding.FIXED_CHANNELS for r in rs]
             + ["thumbnail", "landmark"])
 
 

@@ -173,7 +173,7 @@ class Decoder:
         """Replace ``layer``'s calibration (``sigma2``, ``ds_rank`` ``[H, d]``, where the method reads them) in the
         tensors the step reads, so steps already captured in a CUDA graph read the new values."""
         self.cache.check(layer)
-        if self.strategy is not None and hasattr(self.strategy, "set_calibration"):
+        if self.strategy is not None:
             self.strategy.set_calibration(layer, sigma2, ds_rank)
 
     def check(self, layer: int, q: torch.Tensor | None = None) -> None:
@@ -258,7 +258,7 @@ class Decoder:
         accounting (``fathom.decode.step_bits``): the depths actually read, else the method's bits."""
         heads = self.cache.shape.kv_heads
         sealed = np.repeat(self.cache.lengths(layer) // BLOCK * BLOCK, heads)
-        planes = self.strategy is not None and self.settings.method.scorer == "planes"
+        planes = self.strategy is not None and self.settings.method.scans_planes
         depths = self.depths.cpu().numpy() if planes else None
         bits = np.broadcast_to(step_bits(self.settings.method, depths, self.cache.shape.head_dim), sealed.shape)
         return float((bits * sealed).sum() / 8)

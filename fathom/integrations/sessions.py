@@ -100,11 +100,6 @@ class LayerStats:
         return HeadStats(sigma2=self.sigma2(basis)[head], ds_rank=self.ds_rank[head], layer=layer)
 
 
-def scans_rotated(method: Method) -> bool:
-    """Whether ``method`` scans the rotated store (fathom-rotated, loki): the store then needs a basis."""
-    return method.scorer == "planes" and method.basis == "rotated"
-
-
 def capacity(tokens: int) -> int:
     """The per-session capacity reserved for ``tokens``: rounded up to a coarse bucket (1/8 of its power of two, at
     least one 64-token block), so that caches of similar lengths share a pool key and growth is rare."""
@@ -143,7 +138,7 @@ class ReferenceSessions:
         self.stats: list[LayerStats | None] = [None] * shape.layers
         if calibration is not None:
             self.stats = [LayerStats.of(calibration, layer) for layer in range(shape.layers)]
-        elif not (needs_calibration or scans_rotated(method)):
+        elif not (needs_calibration or method.scans_rotated):
             self.stats = [_unit_stats(shape) for _ in range(shape.layers)]
         self.indexes: list[list[list[HeadIndex]] | None] = [None] * shape.layers  # made on the layer's first append
         self.values: list[list[list[GrowingRows]] | None] = [None] * shape.layers
@@ -210,7 +205,7 @@ class ReferenceSessions:
             raise ValueError(f"layer {layer} has no calibration: method {self.method.name!r} needs one "
                              "(calibrate the layer before its first append)")
         S, H, d = self.shape.sessions, self.shape.kv_heads, self.shape.head_dim
-        rotated = scans_rotated(self.method)
+        rotated = self.method.scans_rotated
 
         def head_index(h: int) -> HeadIndex:
             head_stats = {b: stats.head(h, b, layer) for b in ("raw", "rotated")}
@@ -236,10 +231,10 @@ class OffloadedSessions:
         if shape.max_tokens is None:
             raise ValueError("shape.max_tokens is needed: the offloaded cache reserves its memory up front")
         self.shape, self.method, self.selection, self.scale = shape, method, selection, scale
-        self.needs_calibration = needs_calibration or scans_rotated(method)
+        self.needs_calibration = needs_calibration or method.scans_rotated
         cache_shape = CacheShape(sessions=shape.sessions, layers=shape.layers, kv_heads=shape.kv_heads,
                                  head_dim=shape.head_dim, max_tokens=shape.max_tokens)
-        self.cache = OffloadedCache(cache_shape, rotated=scans_rotated(method))
+        self.cache = OffloadedCache(cache_shape, rotated=method.scans_rotated)
         self.stats: list[LayerStats | None] = [None] * shape.layers
         self._make_decoder()
         if calibration is not None:
