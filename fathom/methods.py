@@ -97,6 +97,10 @@ class Waterfill:
     def nominal_bits(self, d: int) -> float:
         return float(self.budget)
 
+    def layer_budgets(self, layers: int) -> tuple[float, ...]:
+        """The budget of each of ``layers`` layers: the one budget everywhere."""
+        return (self.budget,) * layers
+
     def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
         sigma2 = stats.sigma2 if self.variance == "calibration" else stats.sigma2_store
         if sigma2 is None:
@@ -120,6 +124,10 @@ class LayerWaterfill:
 
     def nominal_bits(self, d: int) -> float:
         return float(self.target)
+
+    def layer_budgets(self, layers: int) -> tuple[float, ...]:
+        """The budget of each layer: the plan's (the caller checks that it covers ``layers``)."""
+        return self.budgets
 
     def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
         if stats.layer is None or not 0 <= stats.layer < len(self.budgets):

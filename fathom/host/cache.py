@@ -422,21 +422,3 @@ def _group_index(sessions: torch.Tensor, heads: int) -> torch.Tensor:
     """Groups of ``sessions`` (KV head fastest), ``[S'·H]``."""
     return (sessions.long()[:, None] * heads + torch.arange(heads, device=sessions.device)).reshape(-1)
 
-
-def sealed_planes(cache: OffloadedCache, layer: int, group: int, basis: str = "raw") -> tuple[np.ndarray, np.ndarray]:
-    """One group's sealed planes ``uint64 [d, 4, n_blocks]`` and scales ``float16 [d, n_blocks]``, read back on the
-    host through the store's layout (for tests; syncs)."""
-    store = cache.layer(layer)
-    if not SIMULATED:
-        torch.cuda.synchronize()
-    n_blocks = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK
-    return cache.shape.layout.read(store.stores[basis].records.cpu().numpy(), group, n_blocks)
-
-
-def sealed_landmarks(cache: OffloadedCache, layer: int, group: int) -> np.ndarray:
-    """One group's landmarks of the sealed blocks, ``float16 [n_sealed / 8, d]``, read on the host (syncs)."""
-    store = cache.layer(layer)
-    if not SIMULATED:
-        torch.cuda.synchronize()
-    n_sealed = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK * BLOCK
-    return store.marks.host[group, :n_sealed // LANDMARK_TOKENS, 0].copy().view(np.float16)

@@ -19,7 +19,6 @@ captures into a CUDA graph, and ``set_calibration`` (a no-op where nothing calib
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 import torch
@@ -30,9 +29,8 @@ from fathom.cuda.interop import DEVICE, as_array
 from fathom.cuda.plan import THREADS as PLAN_THREADS
 from fathom.cuda.plan import top_channels, waterfill
 from fathom.cuda.scan import scan_planes
+from fathom.host.launch import Launch
 from fathom.scoring import LANDMARK_TOKENS
-
-Launch = Callable[[object], None]  # fn(stream)
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ class WaterfillDepths:
     def __init__(self, method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
                  ds_rank: np.ndarray | None):
         self.cache, policy, shape = cache, method.policy, cache.shape
-        budgets = list(policy.budgets) if isinstance(policy, methods.LayerWaterfill) else [policy.budget] * shape.layers
+        budgets = policy.layer_budgets(shape.layers)
         if len(budgets) != shape.layers:
             raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "
                              f"{shape.layers} layers")

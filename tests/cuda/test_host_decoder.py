@@ -16,12 +16,13 @@ from fathom import methods
 from fathom.attention import attention
 from fathom.cuda.interop import DEVICE, SIMULATED
 from fathom.decode import HeadIndex, decode_step, method_scores
-from fathom.host.cache import CacheShape, OffloadedCache, sealed_landmarks, sealed_planes
+from fathom.host.cache import CacheShape, OffloadedCache
 from fathom.host.decoder import Decoder, DecoderSettings
 from fathom.host.graph import StepGraph
 from fathom.scoring import landmarks
 from fathom.selection import Selection
 from fathom.store import PlaneStore
+from tests.cuda.helpers import sealed_landmarks, sealed_planes, selected
 
 LAYER = 1  # layer 0 stays empty
 GROUP = 2
@@ -91,7 +92,7 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
                               lengths: np.ndarray, sel=SEL):
     """Every (session, KV head) of a step against ``decode_step`` on that session's first ``lengths[s]`` tokens."""
     method, shape = decoder.settings.method, decoder.cache.shape
-    got_masks = decoder.selected(LAYER)
+    got_masks = selected(decoder, LAYER)
     want_scan_bytes = 0.0
     for s in range(shape.sessions):
         n = int(lengths[s])
