@@ -183,7 +183,7 @@ class Run:
     def __init__(self, setting: Setting, data: Synthetic, labels: list[str], args):
         import torch
 
-        from fathom.host.cache import CacheShape, OffloadedCache
+        from fathom.host.cache import CacheShape, HostKVCache
         from fathom.host.decoder import Decoder, DecoderSettings
         from fathom.host.graph import StepGraph
         from fathom.selection import Selection
@@ -196,7 +196,7 @@ class Run:
                            store="host" if setting.regime == "host" else "device")
         started = time.perf_counter()
         ds_rank, basis = data.calibration(self.physical)
-        self.cache = OffloadedCache(shape, basis=basis)
+        self.cache = HostKVCache(shape, basis=basis)
         chunk = 65536
         for layer in range(self.physical):
             for s, n in enumerate(setting.lengths):

@@ -15,7 +15,7 @@ not-yet-full tail block stays exact (float32, on the GPU) and is always selected
 holds the rotated store (planes of ``k @ R``, for fathom-rotated and loki); rows and landmarks stay raw.
 ``store="device"`` keeps the stores in HBM instead (the regime where the method is not expected to be faster).
 The pinned memory for ``max_tokens`` per session is reserved when the cache is made and released by
-:meth:`OffloadedCache.close`; :meth:`OffloadedCache.reset` empties a session for reuse without reallocating.
+:meth:`HostKVCache.close`; :meth:`HostKVCache.reset` empties a session for reuse without reallocating.
 
 Every append and every decode step runs on the caller's current torch stream, and reads each session's length
 on the GPU: no host synchronisation, and the same launches serve every step (``fathom.host.graph`` captures
@@ -27,7 +27,7 @@ reports as a ``ValueError``; appends queued after the rejected one are dropped w
 Example::
 
     shape = CacheShape(sessions=2, layers=36, kv_heads=8, head_dim=128, max_tokens=131072)
-    with OffloadedCache(shape) as cache:
+    with HostKVCache(shape) as cache:
         cache.append(layer, k, v)                 # k, v [S, H, m, d] on the GPU: every session gets m tokens
         cache.append(layer, k1, v1, sessions=[1])  # or some sessions only: they grow independently
 """
@@ -140,7 +140,7 @@ class LayerStore:
             buffer.close()
 
 
-class OffloadedCache:
+class HostKVCache:
     """K/V rows, landmarks and the bit-plane store of every (session, layer, KV head), in pinned host memory.
 
     Args:
@@ -198,7 +198,7 @@ class OffloadedCache:
     def check(self, layer: int | None = None) -> None:
         """Refuse a closed cache or a bad layer index, and report an error a kernel flagged since the last call."""
         if self.closed:
-            raise ValueError("this OffloadedCache has been closed")
+            raise ValueError("this HostKVCache has been closed")
         if layer is not None and not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.shape.layers):
             raise ValueError(f"layer must be an integer in 0..{self.shape.layers - 1}, got {layer!r}")
         flags = self.status.host[:, :DRY_RUN]
@@ -357,7 +357,7 @@ class OffloadedCache:
         self._lengths[...] = 0
         self.status.host[...] = 0
 
-    def grown(self, max_tokens: int) -> OffloadedCache:
+    def grown(self, max_tokens: int) -> HostKVCache:
         """A cache of the same sessions, layers and stores holding ``max_tokens`` per session, with everything this
         one holds copied in (rows, landmarks, records, tails, σ² sums, lengths, bases); this one is closed.
         The records keep their addresses per (group, segment): a segment count grown at the end."""
@@ -365,7 +365,7 @@ class OffloadedCache:
         s = self.shape
         if not isinstance(max_tokens, (int, np.integer)) or max_tokens < s.max_tokens:
             raise ValueError(f"max_tokens must be an integer >= the current {s.max_tokens}, got {max_tokens!r}")
-        bigger = OffloadedCache(replace(s, max_tokens=int(max_tokens)), rotated=self.rotated)
+        bigger = HostKVCache(replace(s, max_tokens=int(max_tokens)), rotated=self.rotated)
         if not SIMULATED:
             torch.cuda.synchronize()  # host-side copies below: every kernel writing the old memory is done
         T, segments, per_segment = s.max_tokens, s.segments, s.head_dim * s.layout.record_words

@@ -45,7 +45,7 @@ from fathom.cuda.block import RADIX
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
 from fathom.cuda.topk import select, union_blocks, union_rows
 from fathom.decode import step_bits
-from fathom.host.cache import OffloadedCache
+from fathom.host.cache import HostKVCache
 from fathom.host.launch import Launch, run_launches
 from fathom.host.strategy import StepBuffers, resolve
 from fathom.quantize import BLOCK
@@ -83,7 +83,7 @@ class DecoderSettings:
 
 
 class Decoder:
-    """Sparse decode over an :class:`OffloadedCache` for query groups of ``group`` heads per KV head.
+    """Sparse decode over a :class:`HostKVCache` for query groups of ``group`` heads per KV head.
 
     Args:
         cache: the offloaded cache (its sessions, layers, KV heads, head dim and stores).
@@ -93,10 +93,10 @@ class Decoder:
         ds_rank: Double Sparsity's offline channel order ``[L, H, d]`` (double-sparsity).
     """
 
-    def __init__(self, cache: OffloadedCache, settings: DecoderSettings, group: int,
+    def __init__(self, cache: HostKVCache, settings: DecoderSettings, group: int,
                  sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None):
-        if not isinstance(cache, OffloadedCache):
-            raise ValueError(f"cache must be an OffloadedCache, got {type(cache).__name__}")
+        if not isinstance(cache, HostKVCache):
+            raise ValueError(f"cache must be a HostKVCache, got {type(cache).__name__}")
         cache.check()
         if not isinstance(group, (int, np.integer)) or not 1 <= group <= 8:
             raise ValueError(f"group must be an integer in 1..8 query heads per KV head, got {group!r}")

@@ -2,7 +2,7 @@
 
 A decoder's step is a fixed list of launches over static buffers, with every per-step size read on the GPU
 (``fathom.host.decoder``), and so is the cache's append of one token per session
-(``OffloadedCache.enqueue_append``). :class:`StepGraph` captures, for each of its layers in order, optionally the
+(``HostKVCache.enqueue_append``). :class:`StepGraph` captures, for each of its layers in order, optionally the
 append of the new token's K/V and then the step, as one ``torch.cuda.CUDAGraph``; a replay copies the inputs into
 the static buffers and launches the whole graph at once: the host cost of a decode token no longer grows with the
 number of kernel launches. Outputs equal the eager :meth:`Decoder.run` (tested).

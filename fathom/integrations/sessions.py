@@ -9,7 +9,7 @@ the attention output back as float32 torch:
   is :func:`~fathom.decode.decode_step` of each query group, so it equals the
   reference decode by construction. Appends only seal new blocks: nothing
   sealed is re-quantized, and only new blocks are dequantized for the scorer.
-* :class:`OffloadedSessions` (GPU): :class:`fathom.host.cache.OffloadedCache`
+* :class:`OffloadedSessions` (GPU): :class:`fathom.host.cache.HostKVCache`
   (bf16 rows and bit planes in pinned host memory) and
   :class:`fathom.host.decoder.Decoder`; full K/V never come back to the GPU, except for the dense attention of a
   continuation chunk (:meth:`~OffloadedSessions.extend`). Each layer's step is one captured CUDA graph; idle
@@ -216,7 +216,7 @@ class ReferenceSessions:
 
 
 class OffloadedSessions:
-    """The GPU path: :class:`fathom.host.cache.OffloadedCache` and :class:`fathom.host.decoder.Decoder`, each
+    """The GPU path: :class:`fathom.host.cache.HostKVCache` and :class:`fathom.host.decoder.Decoder`, each
     layer's step (with the append of its token) captured once as a :class:`fathom.host.graph.StepGraph`.
 
     Arguments as :class:`ReferenceSessions`; ``shape.max_tokens`` is required (pinned memory is reserved up front;
@@ -226,7 +226,7 @@ class OffloadedSessions:
 
     def __init__(self, shape: SessionShape, method: Method, selection: Selection, scale: float,
                  calibration: Calibration | None = None, needs_calibration: bool = False):
-        from fathom.host.cache import CacheShape, OffloadedCache
+        from fathom.host.cache import CacheShape, HostKVCache
 
         if shape.max_tokens is None:
             raise ValueError("shape.max_tokens is needed: the offloaded cache reserves its memory up front")
@@ -234,7 +234,7 @@ class OffloadedSessions:
         self.needs_calibration = needs_calibration or method.scans_rotated
         cache_shape = CacheShape(sessions=shape.sessions, layers=shape.layers, kv_heads=shape.kv_heads,
                                  head_dim=shape.head_dim, max_tokens=shape.max_tokens)
-        self.cache = OffloadedCache(cache_shape, rotated=method.scans_rotated)
+        self.cache = HostKVCache(cache_shape, rotated=method.scans_rotated)
         self.stats: list[LayerStats | None] = [None] * shape.layers
         self._make_decoder()
         if calibration is not None:
