@@ -47,6 +47,7 @@ from bench.capture import global_layers
 from bench.decoding import MethodSpec
 from bench.report import RESULTS, markdown_table, write_json
 from bench.ruler.score import wilson
+from fathom import methods
 
 ATTENTION = "fathom_teacher"
 FATHOM_BUDGETS = (32, 48, 64, 92, 136)
@@ -61,7 +62,7 @@ def method_grid(head_dim: int, basis: str) -> list[str]:
     rs = sorted({head_dim // 8, head_dim // 4, 16, 32})
     families = ["fathom"] + (["fathom-rotated"] if basis == "rotated" else [])
     return (["dense", "oracle"] + [f"{f}@{b}" for f in families for b in FATHOM_BUDGETS]
-            + [f"{m}@{decoding.fixed_channel_budget(r)}" for m in ("sparq", "double-sparsity", "loki") for r in rs]
+            + [f"{m}@{decoding.fixed_channel_budget(r)}" for m in decoding.FIXED_CHANNELS for r in rs]
             + ["thumbnail", "landmark"])
 
 
@@ -224,8 +225,9 @@ def check_args(args) -> tuple[list[MethodSpec], Path | None, str]:
         decoding.check_calibration(calibration, args.model)
         basis = str(np.load(calibration)["preferred_basis"]) or "raw"
     specs = decoding.parse_specs(args.methods or method_grid(info.head_dim, basis), info.head_dim)
-    if any(s.method == "fathom-plan" for s in specs):
-        raise UsageError("--methods: fathom-plan needs per-layer budgets the agreement bench does not plan")
+    planned = [s.method for s in specs if methods.entry(s.method).per_layer]
+    if planned:
+        raise UsageError(f"--methods: {planned[0]} needs per-layer budgets the agreement bench does not plan")
     decoding.require_calibration(specs, calibration, args.model)
     return specs, calibration, basis
 

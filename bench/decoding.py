@@ -1,6 +1,6 @@
 """Which Fathom method a decoding bench runs: ``name@bits`` specs, their FathomCache, the model's calibration.
 
-A spec names a method of :data:`fathom.integrations.transformers.METHODS` and,
+A spec names a method of :data:`fathom.methods.CATALOG` and,
 where the method reads a budget, its bits per token, always written (design §4):
 ``fathom@48``, ``sparq@68`` (r = 16 channels at 4.25 bits: a fixed-channel
 method's bits are 4.25·r), ``double-sparsity@136``; the methods without a
@@ -26,26 +26,19 @@ from pathlib import Path
 from bench.cli import UsageError
 from bench import models
 from bench.report import RESULTS
+from fathom import methods
 from fathom.bits import fixed_channel_bits
 
-# Methods of FathomCache that read no budget (dense, oracle and landmark read none; thumbnail is 2 planes of all).
-NO_BUDGET = ("dense", "oracle", "thumbnail", "landmark")
-BUDGETED = ("fathom", "fathom-rotated", "fathom-plan", "sparq", "double-sparsity", "loki")
-# of BUDGETED, the methods whose budget names r channels at 4 bits: BITS = 4.25·r (FathomSettings' FIXED_CHANNELS)
-FIXED_CHANNELS = ("sparq", "double-sparsity", "loki")
-
-
-def _budget_form(name: str) -> str:
-    """How a budgeted method's spec is written, with an example that parses."""
-    if name in FIXED_CHANNELS:
-        return f"{name}@BITS with BITS = 4.25·r for r channels, e.g. {name}@68 (r = 16)"
-    return f"{name}@BITS with BITS the scan bits per token, e.g. {name}@48"
+# The catalog's methods by budget rule (fathom.methods.CATALOG): bare, @bits, and @bits naming r channels
+NO_BUDGET = methods.names("none")
+FIXED_CHANNELS = methods.names("channels")
+BUDGETED = methods.names("bits") + FIXED_CHANNELS
 
 
 def spec_help(exclude: tuple[str, ...] = ()) -> str:
     """The ``--methods`` help of a decoding bench: which methods take bits and how (``exclude``: refused there)."""
     bare = [m for m in NO_BUDGET if m not in exclude]
-    flat = [m for m in BUDGETED if m not in FIXED_CHANNELS and m not in exclude]
+    flat = [m for m in methods.names("bits") if m not in exclude]
     return (f"method specs: {', '.join(bare)} bare (they read no budget); {', '.join(flat)} need @BITS, the scan "
             f"bits per token (e.g. fathom@48); the fixed-channel methods {', '.join(FIXED_CHANNELS)} need @BITS = "
             f"4.25·r for r channels (e.g. sparq@68 is r = 16)")
@@ -62,38 +55,22 @@ class MethodSpec:
     def label(self) -> str:
         return self.method if self.budget is None else f"{self.method}@{self.budget:g}"
 
-    def settings(self):
-        """FathomCache's settings of this spec (:class:`fathom.integrations.transformers.FathomSettings`)."""
-        from fathom.integrations.transformers import FathomSettings
-
-        return FathomSettings(self.method, **({} if self.budget is None else {"budget": self.budget}))
-
     def method_at(self, head_dim: int):
         """The :class:`fathom.methods.Method` FathomCache decodes with at head dim ``head_dim``."""
-        return self.settings().method_at(head_dim)
+        return methods.build(self.method, head_dim, self.budget)
 
     @classmethod
     def parse(cls, text: str, head_dim: int) -> MethodSpec:
         """``name`` or ``name@bits``, checked for a model of head dim ``head_dim`` (UsageError names the spec)."""
-        name, _, bits = text.partition("@")
-        if name in NO_BUDGET:
-            if bits:
-                raise UsageError(f"method {text!r}: {name} reads no budget; write it bare ({name!r})")
-            return cls(name)
-        if name not in BUDGETED:
-            raise UsageError(f"method {text!r}: the name must be one of {', '.join(NO_BUDGET + BUDGETED)}")
         try:
-            budget = float(bits)
-        except ValueError:
-            raise UsageError(f"method {text!r}: {name} takes a budget: write {_budget_form(name)}") from None
-        spec = cls(name, budget)
-        try:
-            settings = spec.settings()  # validates the budget
-            if name in FIXED_CHANNELS:
-                settings.channels(head_dim)  # r = bits / 4.25 must be an integer channel count <= d
+            name, budget = methods.read_spec(text)
+            if budget is not None:
+                methods.check_budget(name, budget)
+                if methods.entry(name).budget == "channels":
+                    methods.channels(budget, head_dim)  # r = bits / 4.25 must be an integer channel count <= d
         except ValueError as error:
             raise UsageError(f"method {text!r}: {error}") from None
-        return spec
+        return cls(name, budget)
 
     def cache(self, model, k: int | None = None, calibration: str | Path | None = None, **settings):
         """A fresh FathomCache of this method for one ``generate`` call of ``model`` (``settings``: FathomCache's,
@@ -139,7 +116,7 @@ def default_calibration(model: str, results: Path = RESULTS) -> Path | None:
 def require_calibration(specs: list[MethodSpec], calibration: Path | None, model: str) -> None:
     """Refuse specs that read calibration statistics (a basis, DS channels, calibration σ²) when ``model`` has
     no calibration file."""
-    needs = [s.label for s in specs if s.settings().needs_calibration()]
+    needs = [s.label for s in specs if methods.entry(s.method).needs_calibration()]
     if calibration is None and needs:
         raise UsageError(f"--calibration is needed by {', '.join(needs)} and {model} has none under bench/results "
                          f"(python -m bench fidelity --model {model} writes one)")

@@ -62,11 +62,11 @@ PROBE = """
 import time, torch
 t = time.perf_counter()
 from fathom import methods
-from fathom.host.cache import CacheShape, OffloadedCache
+from fathom.host.cache import CacheShape, HostKVCache
 from fathom.host.decoder import Decoder, DecoderSettings
 from fathom.host.graph import StepGraph
 from fathom.selection import Selection
-with OffloadedCache(CacheShape(sessions=1, layers=1, kv_heads=8, head_dim=128, max_tokens=8192)) as cache:
+with HostKVCache(CacheShape(sessions=1, layers=1, kv_heads=8, head_dim=128, max_tokens=8192)) as cache:
     k = torch.randn(1, 8, 4096, 128, device="cuda")
     cache.append(0, k, k)
     decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=256)), group=4)

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> Path:
     from tqdm import tqdm
 
     from fathom import methods
-    from fathom.host.cache import CacheShape, OffloadedCache
+    from fathom.host.cache import CacheShape, HostKVCache
     from fathom.host.decoder import Decoder, DecoderSettings
     from fathom.host.graph import StepGraph
     from fathom.selection import Selection
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> Path:
     samples = []
     started = time.perf_counter()
     for cycle in tqdm(range(args.cycles + 1), desc="soak", unit="cycle"):
-        with OffloadedCache(shape) as cache:
+        with HostKVCache(shape) as cache:
             for layer in range(shape.layers):
                 cache.append(layer, k, k)
             decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=512)), group=4)

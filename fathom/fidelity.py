@@ -22,12 +22,11 @@ from fathom.calibration import Calibration
 from fathom.capture import Capture
 from fathom.decode import HeadIndex, method_scores, step_bits
 from fathom import methods as M
-from fathom.methods import Method
+from fathom.methods import PLAN_BUDGETS, Method
 from fathom.quantize import BLOCK
 from fathom.selection import Selection, protocol_masks, select_many
 from fathom.waterfill import per_layer_plan
 
-PLAN_BUDGETS = (16, 24, 32, 48, 64, 92, 136)  # candidate per-layer budgets of the plan
 
 
 @dataclass(frozen=True)
@@ -85,8 +84,8 @@ class Tally:
             scan_bytes=float(self.scan[i].sum()), row_bytes=float(self.rows[i].sum() * row_bytes(d)),
             rows_per_head=float(self.rows[i].mean()), rel_error=float(self.error[i].mean()),
             rel_error_per_layer=[float(e) for e in self.error[i].mean(axis=1)],
-            channels_touched=float(self.touched[i].mean()) if m.scorer == "planes" else None,
-            mean_depth=float(self.depth[i].mean()) if m.scorer == "planes" else None,
+            channels_touched=float(self.touched[i].mean()) if m.scans_planes else None,
+            mean_depth=float(self.depth[i].mean()) if m.scans_planes else None,
             rel_error_per_head=self.error[i].tolist(), oracle_overlap=float(self.overlap[i].mean()),
             oracle_overlap_per_head=self.overlap[i].tolist(),
         ) for i, m in enumerate(self.methods)]
@@ -94,7 +93,7 @@ class Tally:
 
 def needs_rotated(methods: list[Method], calibration: Calibration | None) -> bool:
     """Whether any method scans the rotated store (refused without a calibration: it holds the basis)."""
-    rotated = any(m.basis == "rotated" and m.scorer == "planes" for m in methods)
+    rotated = any(m.scans_rotated for m in methods)
     if rotated and calibration is None:
         raise ValueError("calibration is needed for rotated-basis methods (fathom-rotated, loki)")
     return rotated

@@ -18,6 +18,17 @@ oracle              —         exact scores (exact top-k)
 dense               —         no selection: the fidelity reference
 ==================  ========  ==========================================================
 
+The catalog (:data:`CATALOG`) is the one place a method is named: per method its spec name (FathomCache's
+``method=``, a bench's ``name@bits``), its budget rule (scan bits, or ``4.25·r`` bits for r channels, or none),
+what it reads (the rotated basis, Double Sparsity's ranking, σ²) and its factory; :func:`parse` and
+:func:`build` make its :class:`Method` at a head dim::
+
+    >>> from fathom import methods
+    >>> methods.parse("sparq@68", 128).policy
+    QueryTopChannels(r=16)
+    >>> methods.entry("double-sparsity").needs_calibration()
+    True
+
 Example (at r = d, SparQ reads everything at 4 bits)::
 
     >>> import numpy as np
@@ -31,6 +42,7 @@ Example (at r = d, SparQ reads everything at 4 bits)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -43,6 +55,7 @@ VARIANCE_SOURCES = ("store", "calibration")
 # calibration variance is the KLT eigenvalue of the coordinate; on raw channels the store's own mean squared block
 # scale.
 DEFAULT_VARIANCE = {"raw": "store", "rotated": "calibration"}
+PLAN_BUDGETS = (16, 24, 32, 48, 64, 92, 136)  # candidate per-layer budgets of the plan (fathom-plan)
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,10 @@ class Waterfill:
     def nominal_bits(self, d: int) -> float:
         return float(self.budget)
 
+    def layer_budgets(self, layers: int) -> tuple[float, ...]:
+        """The budget of each of ``layers`` layers: the one budget everywhere."""
+        return (self.budget,) * layers
+
     def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
         sigma2 = stats.sigma2 if self.variance == "calibration" else stats.sigma2_store
         if sigma2 is None:
@@ -108,6 +125,10 @@ class LayerWaterfill:
 
     def nominal_bits(self, d: int) -> float:
         return float(self.target)
+
+    def layer_budgets(self, layers: int) -> tuple[float, ...]:
+        """The budget of each layer: the plan's (the caller checks that it covers ``layers``)."""
+        return self.budgets
 
     def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
         if stats.layer is None or not 0 <= stats.layer < len(self.budgets):
@@ -140,6 +161,10 @@ class FixedChannels:
         if self.ranking not in ("double-sparsity", "basis"):
             raise ValueError(f"ranking must be 'double-sparsity' or 'basis', got {self.ranking!r}")
 
+    @property
+    def reads_ds_rank(self) -> bool:
+        return self.ranking == "double-sparsity"
+
     def nominal_bits(self, d: int) -> float:
         return fixed_channel_bits(self.r)
 
@@ -155,6 +180,10 @@ class UniformDepth:
     """Every channel at the same depth: the 2-bit thumbnail at depth 2."""
 
     depth: int
+
+    @property
+    def reads_ds_rank(self) -> bool:
+        return False
 
     def nominal_bits(self, d: int) -> float:
         return float(scan_bits(np.full(d, self.depth)))
@@ -184,6 +213,16 @@ class Method:
             raise ValueError(f"basis must be one of {BASES}, got {self.basis!r}")
         if (self.scorer == "planes") != (self.policy is not None):
             raise ValueError("policy must be given exactly when scorer == 'planes'")
+
+    @property
+    def scans_planes(self) -> bool:
+        """Whether it scores through a depth policy over a plane store (else its own scorer, or none: dense)."""
+        return self.scorer == "planes"
+
+    @property
+    def scans_rotated(self) -> bool:
+        """Whether it scans the rotated store (fathom-rotated, loki): the store then needs a basis."""
+        return self.scans_planes and self.basis == "rotated"
 
     def nominal_bits(self, d: int) -> float:
         """Scan bits per token by design §4 (the budget for fathom; 0 for dense)."""
@@ -259,3 +298,145 @@ def baselines(d: int) -> list[Method]:
     quarter, eighth = d // 4, d // 8
     return [dense(), oracle(), landmark(), thumbnail(2), sparq(eighth), sparq(quarter),
             double_sparsity(eighth), double_sparsity(quarter), loki(eighth), loki(quarter)]
+
+
+# --- The catalog: every method a user names (FathomCache's ``method=``, a bench's ``name@bits``) -----------------
+
+BUDGET_RULES = ("bits", "channels", "none")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One method of the catalog: its spec name, what its budget means, what it reads, and its factory.
+
+    ``budget``: "bits" (the scan bits per token, ``make(budget, variance, plan)``), "channels" (``4.25·r`` bits
+    name r channels at 4 bits, ``make(r)``) or "none" (``make()``). ``basis``: the store it scans (None: it
+    scans no planes). ``reads_sigma2``: water-filled on σ² (from the store, or from calibration when
+    ``variance="calibration"`` or the rotated basis asks for it). ``reads_ds_rank``: Double Sparsity's offline
+    channel ranking. ``per_layer``: its budget is the mean of per-layer budgets planned on data (over
+    :data:`PLAN_BUDGETS`). ``aliases``: older spellings the parser still accepts.
+    """
+
+    name: str
+    budget: str
+    make: Callable[..., Method]
+    basis: str | None = "raw"
+    reads_sigma2: bool = False
+    reads_ds_rank: bool = False
+    per_layer: bool = False
+    aliases: tuple[str, ...] = ()
+
+    def needs_calibration(self, variance: str | None = None) -> bool:
+        """Whether it reads calibration statistics (a basis, DS channels, or calibration σ²)."""
+        sigma2 = self.reads_sigma2 and (variance or DEFAULT_VARIANCE[self.basis]) == "calibration"
+        return self.basis == "rotated" or self.reads_ds_rank or sigma2
+
+    def calibration_needs(self) -> set[str]:
+        """What a calibration computed for it holds (``fathom.cuda.calibration.NEEDS``): σ² always, the basis
+        when it scans the rotated store, the DS ranking when it reads one."""
+        return {"sigma2"} | ({"basis"} if self.basis == "rotated" else set()) | \
+            ({"ds_rank"} if self.reads_ds_rank else set())
+
+    def budget_form(self) -> str:
+        """How its spec is written, with an example that parses."""
+        if self.budget == "channels":
+            return f"{self.name}@BITS with BITS = 4.25·r for r channels, e.g. {self.name}@68 (r = 16)"
+        if self.budget == "bits":
+            return f"{self.name}@BITS with BITS the scan bits per token, e.g. {self.name}@48"
+        return self.name
+
+
+CATALOG: dict[str, Entry] = {e.name: e for e in (
+    Entry("dense", "none", dense, basis=None),
+    Entry("oracle", "none", oracle, basis=None),
+    Entry("fathom", "bits", lambda budget, variance, plan: fathom(budget, variance), reads_sigma2=True),
+    Entry("fathom-rotated", "bits", lambda budget, variance, plan: fathom_rotated(budget, variance),
+          basis="rotated", reads_sigma2=True),
+    Entry("fathom-plan", "bits", lambda budget, variance, plan: fathom_plan(plan, budget, "raw", variance),
+          reads_sigma2=True, per_layer=True),
+    Entry("sparq", "channels", sparq),
+    Entry("double-sparsity", "channels", double_sparsity, reads_ds_rank=True),
+    Entry("loki", "channels", loki, basis="rotated"),
+    # FathomCache and the decoding benches have always spelled it "thumbnail"; Method.name says the depth.
+    Entry("thumbnail", "none", thumbnail, aliases=("thumbnail-2bit",)),
+    Entry("landmark", "none", landmark, basis=None),
+)}
+NAMES = tuple(CATALOG)
+_SPELLINGS = {alias: e.name for e in CATALOG.values() for alias in (e.name, *e.aliases)}
+
+
+def entry(name: str) -> Entry:
+    """The catalog entry of ``name`` (an alias is accepted); ValueError names the known methods."""
+    if name not in _SPELLINGS:
+        raise ValueError(f"method must be one of {', '.join(NAMES)}; got {name!r}")
+    return CATALOG[_SPELLINGS[name]]
+
+
+def is_known(name: str) -> bool:
+    """Whether ``name`` spells a method of the catalog (its name or an alias)."""
+    return name in _SPELLINGS
+
+
+def names(budget: str) -> tuple[str, ...]:
+    """The catalog's names whose budget rule is ``budget`` ("bits", "channels" or "none"), in catalog order."""
+    return tuple(n for n, e in CATALOG.items() if e.budget == budget)
+
+
+def check_budget(name: str, budget: float, planned: bool = False) -> None:
+    """Refuse a budget ``name`` cannot run at (``planned``: fathom-plan's per-layer budgets are given)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not np.isfinite(budget) or budget <= 0:
+        raise ValueError(f"budget must be a finite number of bits per token > 0, got {budget!r}")
+    if entry(name).per_layer and not planned and not PLAN_BUDGETS[0] <= budget <= PLAN_BUDGETS[-1]:
+        raise ValueError(f"budget must lie in {PLAN_BUDGETS[0]}..{PLAN_BUDGETS[-1]} bits to plan fathom-plan "
+                         f"over the candidates {PLAN_BUDGETS} (or pass plan=), got {budget}")
+
+
+def channels(budget: float, d: int, r: int | None = None) -> int:
+    """r of a fixed-channel method at head dim ``d``: ``r`` when given, else ``budget / 4.25``."""
+    r_ = r if r is not None else budget / fixed_channel_bits(1)
+    if r_ != int(r_) or not 1 <= r_ <= d:
+        raise ValueError(f"budget must be r·4.25 bits for an integer r in 1..{d} (e.g. 68 for r = 16), or pass "
+                         f"r=; got budget = {budget}, r = {r}")
+    return int(r_)
+
+
+def build(name: str, d: int, budget: float | None = None, r: int | None = None, variance: str | None = None,
+          plan: tuple[float, ...] | None = None) -> Method:
+    """The :class:`Method` ``name`` at head dim ``d`` (``budget``: its bits, see :class:`Entry`; ``r``: the
+    channels of a fixed-channel method instead; ``plan``: fathom-plan's per-layer budgets)."""
+    e = entry(name)
+    if e.budget == "channels":
+        return e.make(channels(budget, d, r))
+    if e.budget == "bits":
+        return e.make(budget, variance, plan)
+    return e.make()
+
+
+def read_spec(text: str) -> tuple[str, float | None]:
+    """``name`` or ``name@bits`` -> (catalog name, bits or None); the budget is not yet checked against a head
+    dim (:func:`parse` does). ValueError says how the spec is written."""
+    name, _, bits = text.partition("@")
+    if not is_known(name):
+        raise ValueError(f"the name must be one of {', '.join(names('none') + names('bits') + names('channels'))}")
+    e = entry(name)
+    if e.budget == "none":
+        if bits:
+            raise ValueError(f"{name} reads no budget; write it bare ({name!r})")
+        return e.name, None
+    try:
+        budget = float(bits)
+    except ValueError:
+        raise ValueError(f"{name} takes a budget: write {e.budget_form()}") from None
+    return e.name, budget
+
+
+def parse(text: str, d: int, variance: str | None = None) -> Method:
+    """The method a spec names at head dim ``d``: ``parse("sparq@68", 128)`` is ``sparq(16)``; ``"fathom@48"``
+    water-fills 48 bits; bare names (``"dense"``, ``"thumbnail"``) read no budget. fathom-plan is planned on
+    data (:func:`fathom.fidelity.plan_layers`): a spec gives only its mean budget, so it is refused here."""
+    name, budget = read_spec(text)
+    if entry(name).per_layer:
+        raise ValueError(f"{name}'s per-layer budgets are planned on data: build it with fathom_plan()")
+    if budget is not None:
+        check_budget(name, budget)
+    return build(name, d, budget, variance=variance)

@@ -121,3 +121,37 @@ def test_method_settings_are_checked():
     k, v, q = head(3)
     with pytest.raises(ValueError, match="rotated store"):
         decode_step(q, k, v, HeadIndex.build(k, None), M.loki(2), Selection(k=8))
+
+
+def test_the_catalog_parses_every_spec_to_the_factory_method_and_the_label_of_today():
+    d = 128
+    assert M.parse("fathom@48", d) == M.fathom(48)
+    assert M.parse("fathom-rotated@64", d) == M.fathom_rotated(64)
+    assert M.parse("sparq@68", d) == M.sparq(16)
+    assert M.parse("double-sparsity@136", d) == M.double_sparsity(32)
+    assert M.parse("loki@68", d) == M.loki(16)
+    for name, factory in (("dense", M.dense), ("oracle", M.oracle), ("landmark", M.landmark)):
+        assert M.parse(name, d) == factory()
+    # the decoding benches' "thumbnail" and Method.name's "thumbnail-2bit" are one method
+    assert M.parse("thumbnail", d) == M.parse("thumbnail-2bit", d) == M.thumbnail(2)
+    assert [M.parse(s, d).label(d) for s in ("sparq@68", "thumbnail", "dense")] == \
+        ["sparq@68", "thumbnail-2bit@288", "dense"]
+
+
+@pytest.mark.parametrize("spec, message", [("sparq", "sparq takes a budget: write sparq@BITS"),
+                                           ("dense@8", "dense reads no budget"),
+                                           ("sparq@67", "integer r in 1..128"),
+                                           ("nope@1", "the name must be one of dense, oracle"),
+                                           ("fathom@0", "budget must be a finite number"),
+                                           ("fathom-plan@48", "planned on data")])
+def test_the_catalog_refuses_a_spec_it_cannot_build_and_says_how_to_write_it(spec, message):
+    with pytest.raises(ValueError, match=message):
+        M.parse(spec, 128)
+
+
+def test_what_each_method_reads_comes_from_its_catalog_entry():
+    needs = {name: M.entry(name).calibration_needs() for name in M.NAMES}
+    assert needs["loki"] == needs["fathom-rotated"] == {"sigma2", "basis"}
+    assert needs["double-sparsity"] == {"sigma2", "ds_rank"}
+    assert [n for n in M.NAMES if M.entry(n).needs_calibration()] == ["fathom-rotated", "double-sparsity", "loki"]
+    assert M.entry("fathom").needs_calibration("calibration")

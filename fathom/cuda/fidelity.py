@@ -192,7 +192,7 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
                 h = _Head(capture, layer, head, calibration, rotated, sel, keep, candidate, causal, device)
                 depths = {}
                 for i, m in enumerate(methods):
-                    if m.scorer == "planes":
+                    if m.scans_planes:
                         depths[i] = plane_depths(m, h.q_store[m.basis], h.stats[m.basis],
                                                  running_scale_variance(h.scales[m.basis], blocks), layer)
                     tally.add_scan(i, layer, head, depths.get(i), blocks)
@@ -210,7 +210,7 @@ def _measure(h: _Head, methods: list[Method], chunk: range, depths: dict[int, np
     P, G, _ = h.q.shape
     scores = torch.zeros((len(chunk), P, G, h.n_sealed), device=h.device)
     for basis in ("raw", "rotated"):
-        at = [j for j, i in enumerate(chunk) if methods[i].scorer == "planes" and methods[i].basis == basis]
+        at = [j for j, i in enumerate(chunk) if methods[i].scans_planes and methods[i].basis == basis]
         if at:
             scores[at] = h.plane_scores(basis, np.stack([depths[chunk[j]] for j in at]))
     for j, i in enumerate(chunk):

@@ -5,9 +5,10 @@
 module        what it holds or does
 ============  ==========================================================================================
 ``pinned``    page-locked, device-mapped host memory with an explicit lifetime (cuda-python)
-``cache``     ``OffloadedCache``: the K/V rows, landmarks and growing bit-plane stores (raw or rotated
+``cache``     ``HostKVCache``: the K/V rows, landmarks and growing bit-plane stores (raw or rotated
               basis, in pinned host memory or HBM) of S sessions × L layers × H KV heads; appends run on
               the caller's current torch stream, with no host synchronisation
+``launch``    ``Launch`` (a kernel launch with its arguments bound) and the one loop that runs a list of them
 ``strategy``  a method resolved once into the device work that scores the sealed tokens (plane scan,
               row scan, or none for dense)
 ``decoder``   the per-layer step as a fixed list of launches on the caller's current torch stream:

@@ -16,7 +16,7 @@ holds the rotated store (planes of ``k @ R``, for fathom-rotated and loki); rows
 ``store="device"`` keeps the stores in HBM instead (the regime where the method is not expected to be faster).
 The pinned memory for ``max_tokens`` per session is reserved when the cache is made — on a worker thread, layer by
 layer, so that a prefill computes while later layers are still being allocated: a layer's first use waits for its
-own memory only — and released by :meth:`OffloadedCache.close`; :meth:`OffloadedCache.reset` empties a session
+own memory only — and released by :meth:`HostKVCache.close`; :meth:`HostKVCache.reset` empties a session
 for reuse without reallocating. A cache larger than the host's available memory is refused when it is made.
 
 Every append and every decode step runs on the caller's current torch stream, and reads each session's length
@@ -29,7 +29,7 @@ reports as a ``ValueError``; appends queued after the rejected one are dropped w
 Example::
 
     shape = CacheShape(sessions=2, layers=36, kv_heads=8, head_dim=128, max_tokens=131072)
-    with OffloadedCache(shape) as cache:
+    with HostKVCache(shape) as cache:
         cache.append(layer, k, v)                 # k, v [S, H, m, d] on the GPU: every session gets m tokens
         cache.append(layer, k1, v1, sessions=[1])  # or some sessions only: they grow independently
 """
@@ -166,7 +166,7 @@ class LayerStore:
                        "marks16": as_array(marks16).view(np.uint16), "lengths": as_array(self.lengths)}
 
 
-class OffloadedCache:
+class HostKVCache:
     """K/V rows, landmarks and the bit-plane store of every (session, layer, KV head), in pinned host memory.
 
     Args:
@@ -244,7 +244,7 @@ class OffloadedCache:
     def check(self, layer: int | None = None) -> None:
         """Refuse a closed cache or a bad layer index, and report an error a kernel flagged since the last call."""
         if self.closed:
-            raise ValueError("this OffloadedCache has been closed")
+            raise ValueError("this HostKVCache has been closed")
         if layer is not None and not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.shape.layers):
             raise ValueError(f"layer must be an integer in 0..{self.shape.layers - 1}, got {layer!r}")
         flags = self.status.host[:, :DRY_RUN]
@@ -404,7 +404,7 @@ class OffloadedCache:
         self._lengths[...] = 0
         self.status.host[...] = 0
 
-    def grown(self, max_tokens: int) -> OffloadedCache:
+    def grown(self, max_tokens: int) -> HostKVCache:
         """A cache of the same sessions, layers and stores holding ``max_tokens`` per session, with everything this
         one holds copied in (rows, landmarks, records, tails, σ² sums, lengths, bases); this one is closed.
         The records keep their addresses per (group, segment): a segment count grown at the end."""
@@ -412,7 +412,7 @@ class OffloadedCache:
         s = self.shape
         if not isinstance(max_tokens, (int, np.integer)) or max_tokens < s.max_tokens:
             raise ValueError(f"max_tokens must be an integer >= the current {s.max_tokens}, got {max_tokens!r}")
-        bigger = OffloadedCache(replace(s, max_tokens=int(max_tokens)), rotated=self.rotated)
+        bigger = HostKVCache(replace(s, max_tokens=int(max_tokens)), rotated=self.rotated)
         if not SIMULATED:
             torch.cuda.synchronize()  # host-side copies below: every kernel writing the old memory is done
         T, segments, per_segment = s.max_tokens, s.segments, s.head_dim * s.layout.record_words
@@ -469,9 +469,9 @@ class OffloadedCache:
 
 
 class _LayerStores(Sequence):
-    """The layers of an :class:`OffloadedCache` as a sequence that makes each store at its first use."""
+    """The layers of an :class:`HostKVCache` as a sequence that makes each store at its first use."""
 
-    def __init__(self, cache: OffloadedCache):
+    def __init__(self, cache: HostKVCache):
         self._cache = cache
 
     def __len__(self) -> int:
@@ -502,21 +502,3 @@ def _group_index(sessions: torch.Tensor, heads: int) -> torch.Tensor:
     """Groups of ``sessions`` (KV head fastest), ``[S'·H]``."""
     return (sessions.long()[:, None] * heads + torch.arange(heads, device=sessions.device)).reshape(-1)
 
-
-def sealed_planes(cache: OffloadedCache, layer: int, group: int, basis: str = "raw") -> tuple[np.ndarray, np.ndarray]:
-    """One group's sealed planes ``uint64 [d, 4, n_blocks]`` and scales ``float16 [d, n_blocks]``, read back on the
-    host through the store's layout (for tests; syncs)."""
-    store = cache.layer(layer)
-    if not SIMULATED:
-        torch.cuda.synchronize()
-    n_blocks = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK
-    return cache.shape.layout.read(store.stores[basis].records.cpu().numpy(), group, n_blocks)
-
-
-def sealed_landmarks(cache: OffloadedCache, layer: int, group: int) -> np.ndarray:
-    """One group's landmarks of the sealed blocks, ``float16 [n_sealed / 8, d]``, read on the host (syncs)."""
-    store = cache.layer(layer)
-    if not SIMULATED:
-        torch.cuda.synchronize()
-    n_sealed = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK * BLOCK
-    return store.marks.host[group, :n_sealed // LANDMARK_TOKENS, 0].copy().view(np.float16)

@@ -45,12 +45,13 @@ from fathom.cuda.block import RADIX
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
 from fathom.cuda.topk import select, union_blocks, union_rows
 from fathom.decode import step_bits
-from fathom.host.cache import OffloadedCache
+from fathom.host.cache import HostKVCache
+from fathom.host.launch import Launch, run_launches
 from fathom.host.strategy import StepBuffers, resolve
 from fathom.quantize import BLOCK
 from fathom.selection import Selection
 
-STAGES = ("plan", "scan", "select", "union", "rows", "attention")
+STAGES = ("plan", "scan", "select", "union", "rows", "attention")  # a step's stages in order (run's on_stage)
 # Launch sizes: the simulator runs every thread as a Python thread, so its defaults are the smallest that work.
 DEFAULT_SCAN_WARPS = 1 if SIMULATED else 32
 DEFAULT_THREADS = 32 if SIMULATED else 256
@@ -81,17 +82,8 @@ class DecoderSettings:
             raise ValueError(f"threads must lie in 32..1024, got {self.threads}")
 
 
-Launch = Callable[[object], None]  # fn(stream): one kernel launch (or torch op) with every argument bound
-
-
-def run_launches(launches, stream) -> None:
-    """Enqueue ``launches`` in order on ``stream`` (what a step, a warm-up and a CUDA graph capture all do)."""
-    for launch in launches:
-        launch(stream)
-
-
 class Decoder:
-    """Sparse decode over an :class:`OffloadedCache` for query groups of ``group`` heads per KV head.
+    """Sparse decode over a :class:`HostKVCache` for query groups of ``group`` heads per KV head.
 
     Args:
         cache: the offloaded cache (its sessions, layers, KV heads, head dim and stores).
@@ -101,10 +93,10 @@ class Decoder:
         ds_rank: Double Sparsity's offline channel order ``[L, H, d]`` (double-sparsity).
     """
 
-    def __init__(self, cache: OffloadedCache, settings: DecoderSettings, group: int,
+    def __init__(self, cache: HostKVCache, settings: DecoderSettings, group: int,
                  sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None):
-        if not isinstance(cache, OffloadedCache):
-            raise ValueError(f"cache must be an OffloadedCache, got {type(cache).__name__}")
+        if not isinstance(cache, HostKVCache):
+            raise ValueError(f"cache must be a HostKVCache, got {type(cache).__name__}")
         cache.check()
         if not isinstance(group, (int, np.integer)) or not 1 <= group <= 8:
             raise ValueError(f"group must be an integer in 1..8 query heads per KV head, got {group!r}")
@@ -175,11 +167,17 @@ class Decoder:
             self._steps[layer] = self._build(layer)
         return self._steps[layer]
 
+    def launches_between(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> list[Launch]:
+        """:meth:`launches` of ``layer`` bracketed by copies: its query from ``q [S, H·G, d]`` into the decoder's
+        buffer first, its output into ``out`` (float32, same shape) last (what a captured token replays)."""
+        q_in, layer_out = self.q_in[layer], self.out[layer]
+        return [lambda stream: q_in.copy_(q)] + self.launches(layer) + [lambda stream: out.copy_(layer_out)]
+
     def set_calibration(self, layer: int, sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None) -> None:
         """Replace ``layer``'s calibration (``sigma2``, ``ds_rank`` ``[H, d]``, where the method reads them) in the
         tensors the step reads, so steps already captured in a CUDA graph read the new values."""
         self.cache.check(layer)
-        if self.strategy is not None and hasattr(self.strategy, "set_calibration"):
+        if self.strategy is not None:
             self.strategy.set_calibration(layer, sigma2, ds_rank)
 
     def check(self, layer: int, q: torch.Tensor | None = None) -> None:
@@ -245,26 +243,12 @@ class Decoder:
 
     # -- what the last step read (host syncs) ---------------------------------------------------------------
 
-    def selected(self, layer: int) -> np.ndarray:
-        """The last step's selection over each group's context as bool ``[S·H, G, max n]`` (a host copy)."""
-        n = self.cache.lengths(layer)
-        heads = self.cache.shape.kv_heads
-        mask = np.zeros((self.cache.shape.groups, self.group, int(n.max())), bool)
-        rows, bits, counts = self.row_index.cpu().numpy(), self.head_mask.cpu().numpy(), self.n_rows.cpu().numpy()
-        for g in range(mask.shape[0]):
-            if self.dense:
-                mask[g, :, :n[g // heads]] = True
-                continue
-            selected = (bits[g, :counts[g], None] >> np.arange(self.group)) & 1
-            mask[g][:, rows[g, :counts[g]]] = selected.T.astype(bool)
-        return mask
-
     def scan_nbytes(self, layer: int) -> float:
         """Bytes the last step's scan read from the store (planes + scales, landmarks or K rows), by the one bit
         accounting (``fathom.decode.step_bits``): the depths actually read, else the method's bits."""
         heads = self.cache.shape.kv_heads
         sealed = np.repeat(self.cache.lengths(layer) // BLOCK * BLOCK, heads)
-        planes = self.strategy is not None and self.settings.method.scorer == "planes"
+        planes = self.strategy is not None and self.settings.method.scans_planes
         depths = self.depths.cpu().numpy() if planes else None
         bits = np.broadcast_to(step_bits(self.settings.method, depths, self.cache.shape.head_dim), sealed.shape)
         return float((bits * sealed).sum() / 8)

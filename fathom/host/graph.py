@@ -2,7 +2,7 @@
 
 A decoder's step is a fixed list of launches over static buffers, with every per-step size read on the GPU
 (``fathom.host.decoder``), and so is the cache's append of one token per session
-(``OffloadedCache.enqueue_append``). :class:`StepGraph` captures, for each of its layers in order, optionally the
+(``HostKVCache.enqueue_append``). :class:`StepGraph` captures, for each of its layers in order, optionally the
 append of the new token's K/V and then the step, as one ``torch.cuda.CUDAGraph``; a replay copies the inputs into
 the static buffers and launches the whole graph at once: the host cost of a decode token no longer grows with the
 number of kernel launches. Outputs equal the eager :meth:`Decoder.run` (tested).
@@ -35,7 +35,8 @@ import torch
 from numba import cuda
 
 from fathom.cuda.interop import DEVICE, SIMULATED
-from fathom.host.decoder import Decoder, Launch, run_launches
+from fathom.host.decoder import Decoder
+from fathom.host.launch import Launch, run_launches
 
 
 class StepGraph:
@@ -144,9 +145,7 @@ def _token_launches(decoder: Decoder, layers: list[int], q_in, k_in, v_in, out) 
         if k_in is not None:
             launches.append(lambda stream, i=i, layer=layer: cache.enqueue_append(layer, k_in[i], v_in[i], sessions,
                                                                                    stream))
-        launches.append(lambda stream, i=i, layer=layer: decoder.q_in[layer].copy_(q_in[i]))
-        launches += decoder.launches(layer)
-        launches.append(lambda stream, i=i, layer=layer: out[i].copy_(decoder.out[layer]))
+        launches += decoder.launches_between(layer, q_in[i], out[i])
     return launches
 
 

@@ -9,7 +9,7 @@ thread while the prefill runs (``fathom.host.cache``).
 The same bytes are a NumPy array on the host and, through ``__cuda_array_interface__``, a torch tensor on the GPU
 that kernels read over PCIe (zero-copy). The memory is freed by :meth:`MappedBuffer.close` (or leaving a ``with``
 block), never by garbage collection, so its lifetime is the owner's decision; views taken before ``close`` are
-invalid afterwards (their owner must not use them: ``fathom.host.cache.OffloadedCache`` refuses every call once
+invalid afterwards (their owner must not use them: ``fathom.host.cache.HostKVCache`` refuses every call once
 closed), and asking a closed buffer for a view raises.
 
 Under the CUDA simulator there is no device: the buffer is ordinary host memory with the same interface, so the

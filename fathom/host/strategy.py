@@ -4,20 +4,21 @@
 that into device work exactly once, when a decoder is made, so the step itself never dispatches on the method:
 
 =================  ============================================================================================
-``PlaneScan``      a depth plan on the GPU (water-filling, SparQ's top channels, or fixed depths), then the one
-                   plane scan (``fathom.cuda.scan``) over the raw or rotated store
+``PlaneScan``      a depth plan on the GPU, then the one plane scan (``fathom.cuda.scan``) over the raw or
+                   rotated store; the depth plan is the policy's entry of :data:`DEPTH_PLANS`:
+                   ``WaterfillDepths``, ``TopChannelDepths`` (SparQ) or ``FixedDepths``
 ``RowScan``        exact scores over the bf16 K rows (oracle) or block scores over the fp16 landmarks (landmark)
-``Dense``          no scan: every row is attended
+(none)             dense: no scan, every row is attended
 =================  ============================================================================================
 
-Each exposes ``plan(layer)`` and ``scan(layer)``: lists of launches ``fn(stream)`` with every argument fixed, which
-the decoder runs eagerly or captures into a CUDA graph.
+Which one a method gets is read from :data:`SCANS` by its scorer. Each exposes ``plan(layer)`` and
+``scan(layer)``: lists of launches ``fn(stream)`` with every argument fixed, which the decoder runs eagerly or
+captures into a CUDA graph, and ``set_calibration`` (a no-op where nothing calibrated is read).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 import torch
@@ -28,9 +29,8 @@ from fathom.cuda.interop import DEVICE, as_array
 from fathom.cuda.plan import THREADS as PLAN_THREADS
 from fathom.cuda.plan import top_channels, waterfill
 from fathom.cuda.scan import scan_planes
+from fathom.host.launch import Launch
 from fathom.scoring import LANDMARK_TOKENS
-
-Launch = Callable[[object], None]  # fn(stream)
 
 
 @dataclass(frozen=True)
@@ -44,39 +44,93 @@ class StepBuffers:
     top_hist: torch.Tensor  # int32 [groups, G, 256]
 
 
+class WaterfillDepths:
+    """Water-filling on the GPU under each layer's budget (a flat budget or a per-layer plan); σ² read from the
+    store's running block scales or from calibration (kept in a tensor that :meth:`set_calibration` refreshes)."""
+
+    def __init__(self, method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
+                 ds_rank: np.ndarray | None):
+        self.cache, policy, shape = cache, method.policy, cache.shape
+        budgets = policy.layer_budgets(shape.layers)
+        if len(budgets) != shape.layers:
+            raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "
+                             f"{shape.layers} layers")
+        self.budgets = budgets
+        self.sigma2 = None if policy.variance == "store" else _per_group(shape, "sigma2", sigma2, torch.float64)
+
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
+        if self.sigma2 is not None and sigma2 is not None:
+            one_layer = replace(self.cache.shape, layers=1)
+            self.sigma2[layer].copy_(_per_group(one_layer, "sigma2", np.asarray(sigma2)[None], torch.float64)[0])
+
+    def launch(self, layer: int, basis: str, q_store, buf: StepBuffers) -> Launch:
+        store, shape = self.cache.layers[layer], self.cache.shape
+        from_store = self.sigma2 is None
+        sigma2 = as_array(store.stores[basis].scale_sq_sum if from_store else self.sigma2[layer])
+        budget, lengths, depths = self.budgets[layer], store.arrays["lengths"], as_array(buf.depths)
+        heads, threads = shape.kv_heads, min(PLAN_THREADS, shape.head_dim)
+        return lambda stream: waterfill(q_store, sigma2, budget, depths, lengths, heads, from_store, threads, stream)
+
+
+class TopChannelDepths:
+    """SparQ's depth 4 on the r channels with the largest ``Σ_h |q[h, c]|``, chosen on the GPU per step."""
+
+    def __init__(self, method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
+                 ds_rank: np.ndarray | None):
+        self.cache, self.r = cache, method.policy.r
+
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
+        """Reads no calibration."""
+
+    def launch(self, layer: int, basis: str, q_store, buf: StepBuffers) -> Launch:
+        depths, r, threads = as_array(buf.depths), self.r, min(PLAN_THREADS, self.cache.shape.head_dim)
+        return lambda stream: top_channels(q_store, r, depths, threads, stream)
+
+
+class FixedDepths:
+    """Query-independent depths (Double Sparsity's ranked channels, Loki's first coordinates, the thumbnail's
+    uniform depth) computed once per (layer, KV head) and copied into the step's depths."""
+
+    def __init__(self, method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
+                 ds_rank: np.ndarray | None):
+        self.cache, self.policy, self.group, shape = cache, method.policy, group, cache.shape
+        self.fixed = torch.as_tensor(np.repeat(_fixed_depths(self.policy, shape, group, ds_rank)[:, None],
+                                               shape.sessions, 1).reshape(shape.layers, shape.groups, -1),
+                                     device=DEVICE)
+
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
+        if ds_rank is not None:
+            one_layer = replace(self.cache.shape, layers=1)
+            depths = _fixed_depths(self.policy, one_layer, self.group, np.asarray(ds_rank)[None])[0]
+            self.fixed[layer].copy_(torch.as_tensor(np.repeat(depths[None], one_layer.sessions, 0).reshape(
+                one_layer.groups, -1), device=DEVICE))
+
+    def launch(self, layer: int, basis: str, q_store, buf: StepBuffers) -> Launch:
+        fixed = self.fixed[layer]
+        return lambda stream: buf.depths.copy_(fixed)
+
+
+# The GPU depth plan of each depth policy of fathom.methods.
+DEPTH_PLANS = {methods.Waterfill: WaterfillDepths, methods.LayerWaterfill: WaterfillDepths,
+               methods.QueryTopChannels: TopChannelDepths, methods.FixedChannels: FixedDepths,
+               methods.UniformDepth: FixedDepths}
+
+
 class PlaneScan:
-    """Depths planned on the GPU, then the plane scan of the ``basis`` store."""
+    """Depths planned on the GPU (the policy's :data:`DEPTH_PLANS` entry), then the plane scan of the ``basis``
+    store."""
 
     def __init__(self, method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
                  ds_rank: np.ndarray | None, warps: int):
-        self.cache, self.basis, self.warps = cache, method.basis, warps
-        policy, shape = method.policy, cache.shape
-        self.policy = policy
-        self.group = group
-        if isinstance(policy, (methods.Waterfill, methods.LayerWaterfill)):
-            budgets = [policy.budget] * shape.layers if isinstance(policy, methods.Waterfill) else list(policy.budgets)
-            if len(budgets) != shape.layers:
-                raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "
-                                 f"{shape.layers} layers")
-            self.budgets = budgets
-            self.sigma2 = None if policy.variance == "store" else _per_group(shape, "sigma2", sigma2, torch.float64)
-        elif isinstance(policy, (methods.FixedChannels, methods.UniformDepth)):
-            self.fixed = torch.as_tensor(np.repeat(_fixed_depths(policy, shape, group, ds_rank)[:, None],
-                                                   shape.sessions, 1).reshape(shape.layers, shape.groups, -1),
-                                         device=DEVICE)
-        elif not isinstance(policy, methods.QueryTopChannels):
+        if type(method.policy) not in DEPTH_PLANS:
             raise ValueError(f"no plane scan for the policy of {method.name!r}")
+        self.cache, self.basis, self.warps = cache, method.basis, warps
+        self.depth_plan = DEPTH_PLANS[type(method.policy)](method, cache, group, sigma2, ds_rank)
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
         """Copy one layer's calibration (``[H, d]`` each; what the policy reads of it) into the tensors the
         captured launches read: a CUDA graph of the step stays valid."""
-        one_layer = replace(self.cache.shape, layers=1)
-        if getattr(self, "sigma2", None) is not None and sigma2 is not None:
-            self.sigma2[layer].copy_(_per_group(one_layer, "sigma2", np.asarray(sigma2)[None], torch.float64)[0])
-        if hasattr(self, "fixed") and ds_rank is not None:
-            depths = _fixed_depths(self.policy, one_layer, self.group, np.asarray(ds_rank)[None])[0]
-            self.fixed[layer].copy_(torch.as_tensor(np.repeat(depths[None], one_layer.sessions, 0).reshape(
-                one_layer.groups, -1), device=DEVICE))
+        self.depth_plan.set_calibration(layer, sigma2, ds_rank)
 
     def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
         """The query into the store's basis, then the depths."""
@@ -85,22 +139,7 @@ class PlaneScan:
         if self.basis == "rotated":
             launches.append(lambda stream: torch.bmm(buf.q, store.basis, out=buf.q_store))
         q_store = as_array(buf.q_store if self.basis == "rotated" else buf.q)
-        depths = as_array(buf.depths)
-        threads = min(PLAN_THREADS, self.cache.shape.head_dim)
-        heads = self.cache.shape.kv_heads
-        policy = self.policy
-        if isinstance(policy, (methods.Waterfill, methods.LayerWaterfill)):
-            from_store = self.sigma2 is None
-            sigma2 = as_array(store.stores[self.basis].scale_sq_sum if from_store else self.sigma2[layer])
-            budget, lengths = self.budgets[layer], store.arrays["lengths"]
-            launches.append(lambda stream: waterfill(q_store, sigma2, budget, depths, lengths, heads, from_store,
-                                                     threads, stream))
-        elif isinstance(policy, methods.QueryTopChannels):
-            launches.append(lambda stream: top_channels(q_store, policy.r, depths, threads, stream))
-        else:
-            fixed = self.fixed[layer]
-            launches.append(lambda stream: buf.depths.copy_(fixed))
-        return launches
+        return launches + [self.depth_plan.launch(layer, self.basis, q_store, buf)]
 
     def scan(self, layer: int, buf: StepBuffers, sel) -> list[Launch]:
         store = self.cache.layers[layer]
@@ -119,6 +158,9 @@ class RowScan:
     def __init__(self, cache, rows: str):
         self.cache, self.rows = cache, rows
 
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
+        """Reads no calibration."""
+
     def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
         return []
 
@@ -132,17 +174,25 @@ class RowScan:
                                          top_hist, stream=stream)]
 
 
-def resolve(method: methods.Method, cache, group: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
-            warps: int) -> PlaneScan | RowScan | None:
-    """The scan of ``method`` on ``cache`` (None: dense, nothing scanned)."""
-    if method.scorer == "dense":
-        return None
-    if method.scorer in ("exact", "landmark"):
-        return RowScan(cache, "keys" if method.scorer == "exact" else "landmarks")
+def _plane_scan(method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
+                ds_rank: np.ndarray | None, warps: int) -> PlaneScan:
     if method.basis == "rotated" and not cache.rotated:
         raise ValueError(f"method {method.name!r} scans the rotated store but the cache holds only the raw store "
                          f"(make the cache with a basis)")
     return PlaneScan(method, cache, group, sigma2, ds_rank, warps)
+
+
+# The scan of each scorer of fathom.methods (dense: none, every row is attended).
+SCANS = {"planes": _plane_scan,
+         "exact": lambda method, cache, *_: RowScan(cache, "keys"),
+         "landmark": lambda method, cache, *_: RowScan(cache, "landmarks"),
+         "dense": lambda *_: None}
+
+
+def resolve(method: methods.Method, cache, group: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
+            warps: int) -> PlaneScan | RowScan | None:
+    """The scan of ``method`` on ``cache`` (None: dense, nothing scanned)."""
+    return SCANS[method.scorer](method, cache, group, sigma2, ds_rank, warps)
 
 
 def _per_group(s, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
@@ -160,8 +210,7 @@ def _fixed_depths(policy, s, group: int, ds_rank: np.ndarray | None) -> np.ndarr
     """Depths ``int8 [L, H, d]`` of a query-independent policy (double-sparsity, loki, thumbnail) over the layers
     of the cache shape ``s``."""
     shape = (s.layers, s.kv_heads, s.head_dim)
-    ranked = isinstance(policy, methods.FixedChannels) and policy.ranking == "double-sparsity"
-    if ranked:
+    if policy.reads_ds_rank:
         ranks = np.asarray(ds_rank) if ds_rank is not None else None
         if ranks is None or ranks.shape != shape or not all(
                 np.array_equal(np.sort(r), np.arange(s.head_dim)) for r in ranks.reshape(-1, s.head_dim)):

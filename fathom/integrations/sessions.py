@@ -9,7 +9,7 @@ the attention output back as float32 torch:
   is :func:`~fathom.decode.decode_step` of each query group, so it equals the
   reference decode by construction. Appends only seal new blocks: nothing
   sealed is re-quantized, and only new blocks are dequantized for the scorer.
-* :class:`OffloadedSessions` (GPU): :class:`fathom.host.cache.OffloadedCache`
+* :class:`OffloadedSessions` (GPU): :class:`fathom.host.cache.HostKVCache`
   (bf16 rows and bit planes in pinned host memory) and
   :class:`fathom.host.decoder.Decoder`; full K/V never come back to the GPU, except for the dense attention of a
   continuation chunk (:meth:`~OffloadedSessions.extend`). Each layer's step is one captured CUDA graph; idle
@@ -100,11 +100,6 @@ class LayerStats:
         return HeadStats(sigma2=self.sigma2(basis)[head], ds_rank=self.ds_rank[head], layer=layer)
 
 
-def scans_rotated(method: Method) -> bool:
-    """Whether ``method`` scans the rotated store (fathom-rotated, loki): the store then needs a basis."""
-    return method.scorer == "planes" and method.basis == "rotated"
-
-
 def capacity(tokens: int) -> int:
     """The per-session capacity reserved for ``tokens``: rounded up to a coarse bucket (1/8 of its power of two, at
     least one 64-token block), so that caches of similar lengths share a pool key and growth is rare."""
@@ -143,7 +138,7 @@ class ReferenceSessions:
         self.stats: list[LayerStats | None] = [None] * shape.layers
         if calibration is not None:
             self.stats = [LayerStats.of(calibration, layer) for layer in range(shape.layers)]
-        elif not (needs_calibration or scans_rotated(method)):
+        elif not (needs_calibration or method.scans_rotated):
             self.stats = [_unit_stats(shape) for _ in range(shape.layers)]
         self.indexes: list[list[list[HeadIndex]] | None] = [None] * shape.layers  # made on the layer's first append
         self.values: list[list[list[GrowingRows]] | None] = [None] * shape.layers
@@ -210,7 +205,7 @@ class ReferenceSessions:
             raise ValueError(f"layer {layer} has no calibration: method {self.method.name!r} needs one "
                              "(calibrate the layer before its first append)")
         S, H, d = self.shape.sessions, self.shape.kv_heads, self.shape.head_dim
-        rotated = scans_rotated(self.method)
+        rotated = self.method.scans_rotated
 
         def head_index(h: int) -> HeadIndex:
             head_stats = {b: stats.head(h, b, layer) for b in ("raw", "rotated")}
@@ -221,7 +216,7 @@ class ReferenceSessions:
 
 
 class OffloadedSessions:
-    """The GPU path: :class:`fathom.host.cache.OffloadedCache` and :class:`fathom.host.decoder.Decoder`, each
+    """The GPU path: :class:`fathom.host.cache.HostKVCache` and :class:`fathom.host.decoder.Decoder`, each
     layer's step (with the append of its token) captured once as a :class:`fathom.host.graph.StepGraph`.
 
     Arguments as :class:`ReferenceSessions`; ``shape.max_tokens`` is required (pinned memory is reserved up front;
@@ -231,15 +226,15 @@ class OffloadedSessions:
 
     def __init__(self, shape: SessionShape, method: Method, selection: Selection, scale: float,
                  calibration: Calibration | None = None, needs_calibration: bool = False):
-        from fathom.host.cache import CacheShape, OffloadedCache
+        from fathom.host.cache import CacheShape, HostKVCache
 
         if shape.max_tokens is None:
             raise ValueError("shape.max_tokens is needed: the offloaded cache reserves its memory up front")
         self.shape, self.method, self.selection, self.scale = shape, method, selection, scale
-        self.needs_calibration = needs_calibration or scans_rotated(method)
+        self.needs_calibration = needs_calibration or method.scans_rotated
         cache_shape = CacheShape(sessions=shape.sessions, layers=shape.layers, kv_heads=shape.kv_heads,
                                  head_dim=shape.head_dim, max_tokens=shape.max_tokens)
-        self.cache = OffloadedCache(cache_shape, rotated=scans_rotated(method))
+        self.cache = HostKVCache(cache_shape, rotated=method.scans_rotated)
         self.stats: list[LayerStats | None] = [None] * shape.layers
         self._make_decoder()
         if calibration is not None:

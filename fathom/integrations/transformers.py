@@ -60,10 +60,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from fathom import methods
-from fathom.bits import fixed_channel_bits
 from fathom.calibration import Calibration
 from fathom.capture import Capture
-from fathom.fidelity import PLAN_BUDGETS, plan_layers
+from fathom.fidelity import plan_layers
 from fathom.cuda.calibration import LayerCalibration, calibrate_layer, stack
 from fathom.integrations.sessions import (POOL, LayerStats, OffloadedSessions, ReferenceSessions, SessionShape,
                                           capacity)
@@ -71,9 +70,6 @@ from fathom.methods import Method
 from fathom.selection import Selection
 
 ATTENTION = "fathom"
-METHODS = ("dense", "oracle", "fathom", "fathom-rotated", "fathom-plan", "sparq", "double-sparsity", "loki",
-           "thumbnail", "landmark")
-FIXED_CHANNELS = ("sparq", "double-sparsity", "loki")  # r channels at 4 bits: budget = r · 4.25
 BACKENDS = ("auto", "reference", "offloaded")
 SETTINGS = ("r", "sink", "local", "variance", "plan", "calibration", "backend", "max_tokens", "pool")
 CALIBRATION_QUERIES = 128  # prompt queries per layer a calibration from the prompt uses (as the fidelity captures)
@@ -106,11 +102,8 @@ class FathomSettings:
     pool: bool = True
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
-        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) \
-                or not np.isfinite(self.budget) or self.budget <= 0:
-            raise ValueError(f"budget must be a finite number of bits per token > 0, got {self.budget!r}")
+        entry = methods.entry(self.method)
+        methods.check_budget(self.method, self.budget, planned=self.plan is not None)
         for name in ("k", "r", "max_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
@@ -120,8 +113,8 @@ class FathomSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.r is not None and self.method not in FIXED_CHANNELS:
-            raise ValueError(f"r is read by {', '.join(FIXED_CHANNELS)} only; method is {self.method!r}")
+        if self.r is not None and entry.budget != "channels":
+            raise ValueError(f"r is read by {', '.join(methods.names('channels'))} only; method is {self.method!r}")
         if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:
             raise ValueError(f"variance must be None or one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
         if not isinstance(self.pool, bool):
@@ -129,44 +122,24 @@ class FathomSettings:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.plan is not None:
-            if self.method != "fathom-plan":
+            if not entry.per_layer:
                 raise ValueError(f"plan is fathom-plan's per-layer budgets; method is {self.method!r}")
             if not all(isinstance(b, (int, float)) and np.isfinite(b) and b >= 0 for b in self.plan):
                 raise ValueError(f"plan must hold finite budgets >= 0, got {self.plan!r}")
             if np.mean(self.plan) > self.budget + 1e-9:
                 raise ValueError(f"plan must average at most budget = {self.budget}, got {np.mean(self.plan):g}")
-        elif self.method == "fathom-plan" and not PLAN_BUDGETS[0] <= self.budget <= PLAN_BUDGETS[-1]:
-            raise ValueError(f"budget must lie in {PLAN_BUDGETS[0]}..{PLAN_BUDGETS[-1]} bits to plan fathom-plan "
-                             f"over the candidates {PLAN_BUDGETS} (or pass plan=), got {self.budget}")
 
     def channels(self, d: int) -> int:
         """r of the fixed-channel methods (sparq, double-sparsity, loki) at head dim ``d``."""
-        r = self.r if self.r is not None else self.budget / fixed_channel_bits(1)
-        if r != int(r) or not 1 <= r <= d:
-            raise ValueError(f"budget must be r·4.25 bits for an integer r in 1..{d} (e.g. 68 for r = 16), or pass "
-                             f"r=; got budget = {self.budget}, r = {self.r}")
-        return int(r)
+        return methods.channels(self.budget, d, self.r)
 
     def needs_calibration(self) -> bool:
         """Whether the method reads calibration statistics (a basis, DS channels or calibration σ²)."""
-        waterfilled = self.method in ("fathom", "fathom-rotated", "fathom-plan")
-        return self.method in ("fathom-rotated", "loki", "double-sparsity") or \
-            (waterfilled and self.variance == "calibration")
+        return methods.entry(self.method).needs_calibration(self.variance)
 
     def method_at(self, d: int, plan: tuple[float, ...] | None = None) -> Method:
         """The :class:`~fathom.methods.Method` (fathom-plan: with the per-layer budgets ``plan``)."""
-        name = self.method
-        if name in FIXED_CHANNELS:
-            return {"sparq": methods.sparq, "double-sparsity": methods.double_sparsity,
-                    "loki": methods.loki}[name](self.channels(d))
-        if name == "fathom":
-            return methods.fathom(self.budget, self.variance)
-        if name == "fathom-rotated":
-            return methods.fathom_rotated(self.budget, self.variance)
-        if name == "fathom-plan":
-            return methods.fathom_plan(plan, self.budget, "raw", self.variance)
-        return {"dense": methods.dense, "oracle": methods.oracle, "landmark": methods.landmark,
-                "thumbnail": methods.thumbnail}[name]()
+        return methods.build(self.method, d, self.budget, self.r, self.variance, plan)
 
 
 @dataclass(frozen=True)
@@ -235,7 +208,7 @@ class _Decoding:
 
     def __init__(self, settings: FathomSettings, shape: _ModelShape, calibration: Calibration | None, config):
         self.settings, self.shape, self.given_calibration, self.config = settings, shape, calibration, config
-        self.plan_from_prompt = settings.method == "fathom-plan" and settings.plan is None
+        self.plan_from_prompt = methods.entry(settings.method).per_layer and settings.plan is None
         self.calibrate_from_prompt = settings.needs_calibration() and calibration is None
         self.selection: Selection | None = None
         self.method: Method | None = None
@@ -521,12 +494,7 @@ def _count(rows: slice | torch.Tensor) -> int:
 
 def _calibration_needs(settings: FathomSettings) -> set[str]:
     """What a calibration from the prompt computes for ``settings``' method (``fathom.cuda.calibration.NEEDS``)."""
-    needs = {"sigma2"}
-    if settings.method in ("fathom-rotated", "loki"):
-        needs.add("basis")
-    if settings.method == "double-sparsity":
-        needs.add("ds_rank")
-    return needs
+    return methods.entry(settings.method).calibration_needs()
 
 
 def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
@@ -657,7 +625,7 @@ class FathomCache(Cache):
         model: a causal LM loaded the usual way, with sdpa attention (the cache switches it to ``"fathom"``,
             whose layers without a FathomCache still run sdpa, and switches it back when the last cache on it is
             closed or garbage collected).
-        method: one of :data:`METHODS` (design §7).
+        method: a name of :data:`fathom.methods.CATALOG` (design §7).
         budget: bits per token (fathom, fathom-rotated; fathom-plan's mean). For sparq, double-sparsity and
             loki, ``r·4.25`` bits for r channels (68 -> r = 16, 136 -> r = 32) unless ``r=`` is given.
             Not read by dense, oracle, thumbnail (2 planes of every channel) and landmark.
@@ -693,7 +661,7 @@ class FathomCache(Cache):
         implementation = model.config._attn_implementation
         if implementation not in ("sdpa", ATTENTION):
             raise ValueError(f"model must use sdpa attention (attn_implementation='sdpa'), got {implementation!r}")
-        if method in FIXED_CHANNELS:
+        if methods.entry(method).budget == "channels":
             self.settings.channels(shape.head_dim)
         if self.settings.plan is not None and len(self.settings.plan) != len(shape.fathom_layers):
             raise ValueError(f"plan must have one budget per full-attention layer ({len(shape.fathom_layers)}), "

@@ -1,9 +1,12 @@
 """Shared test helpers for the GPU path."""
 
 import numpy as np
+import torch
 
+from fathom.cuda.interop import SIMULATED
 from fathom.layout import StoreLayout, plane_word, scale_index
-from fathom.quantize import PLANES
+from fathom.quantize import BLOCK, PLANES
+from fathom.scoring import LANDMARK_TOKENS
 
 
 def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, group: int, records: np.ndarray) -> None:
@@ -23,3 +26,40 @@ def top_byte_histogram(scores: np.ndarray) -> np.ndarray:
     bits = np.where(bits == 0x80000000, np.uint32(0), bits)  # −0 counts as +0
     keys = np.where(bits >> 31, ~bits, bits | np.uint32(0x80000000))
     return np.stack([np.bincount(row >> 24, minlength=256) for row in keys]).astype(np.int32)
+
+
+def selected(decoder, layer: int) -> np.ndarray:
+    """The decoder's last step's selection over each (session, KV head)'s context as bool ``[S·H, G, max n]``, read
+    back from its row list and head masks (a host copy)."""
+    n = decoder.cache.lengths(layer)
+    heads = decoder.cache.shape.kv_heads
+    mask = np.zeros((decoder.cache.shape.groups, decoder.group, int(n.max())), bool)
+    rows, bits = decoder.row_index.cpu().numpy(), decoder.head_mask.cpu().numpy()
+    counts = decoder.n_rows.cpu().numpy()
+    for g in range(mask.shape[0]):
+        if decoder.dense:
+            mask[g, :, :n[g // heads]] = True
+            continue
+        chosen = (bits[g, :counts[g], None] >> np.arange(decoder.group)) & 1
+        mask[g][:, rows[g, :counts[g]]] = chosen.T.astype(bool)
+    return mask
+
+
+def sealed_planes(cache, layer: int, group: int, basis: str = "raw") -> tuple[np.ndarray, np.ndarray]:
+    """One (session, KV head)'s sealed planes ``uint64 [d, 4, n_blocks]`` and scales ``float16 [d, n_blocks]`` of an
+    offloaded cache, read back on the host through the store's layout (syncs)."""
+    store = cache.layer(layer)
+    if not SIMULATED:
+        torch.cuda.synchronize()
+    n_blocks = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK
+    return cache.shape.layout.read(store.stores[basis].records.cpu().numpy(), group, n_blocks)
+
+
+def sealed_landmarks(cache, layer: int, group: int) -> np.ndarray:
+    """One (session, KV head)'s landmarks of the sealed blocks, ``float16 [n_sealed / 8, d]``, read on the host
+    (syncs)."""
+    store = cache.layer(layer)
+    if not SIMULATED:
+        torch.cuda.synchronize()
+    n_sealed = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK * BLOCK
+    return store.marks.host[group, :n_sealed // LANDMARK_TOKENS, 0].copy().view(np.float16)

@@ -16,12 +16,13 @@ from fathom import methods
 from fathom.attention import attention
 from fathom.cuda.interop import DEVICE, SIMULATED
 from fathom.decode import HeadIndex, decode_step, method_scores
-from fathom.host.cache import CacheShape, OffloadedCache, sealed_landmarks, sealed_planes
+from fathom.host.cache import CacheShape, HostKVCache
 from fathom.host.decoder import Decoder, DecoderSettings
 from fathom.host.graph import StepGraph
 from fathom.scoring import landmarks
 from fathom.selection import Selection
 from fathom.store import PlaneStore
+from tests.cuda.helpers import sealed_landmarks, sealed_planes, selected
 
 LAYER = 1  # layer 0 stays empty
 GROUP = 2
@@ -53,13 +54,13 @@ def _setup(shape: CacheShape, seed: int = 0, n: int = sum(PIECES)):
     return k, v, q, basis, sigma2, ds_rank
 
 
-def _append(cache: OffloadedCache, k: np.ndarray, v: np.ndarray, start: int, stop: int, sessions=None) -> None:
+def _append(cache: HostKVCache, k: np.ndarray, v: np.ndarray, start: int, stop: int, sessions=None) -> None:
     rows = slice(None) if sessions is None else sessions
     cache.append(LAYER, torch.from_numpy(k[rows, :, start:stop]).to(DEVICE),
                  torch.from_numpy(v[rows, :, start:stop]).to(DEVICE), sessions)
 
 
-def _fill(cache: OffloadedCache, k, v) -> None:
+def _fill(cache: HostKVCache, k, v) -> None:
     for start, stop in zip(np.cumsum((0,) + PIECES[:-1]), np.cumsum(PIECES)):
         _append(cache, k, v, start, stop)
 
@@ -73,7 +74,7 @@ def filled():
         if (sessions, rotated) not in made:
             shape = SHAPES[sessions]
             data = _setup(shape)
-            cache = OffloadedCache(shape, basis=data[3] if rotated else None)
+            cache = HostKVCache(shape, basis=data[3] if rotated else None)
             _fill(cache, data[0], data[1])
             made[sessions, rotated] = cache, data
         return made[sessions, rotated]
@@ -91,7 +92,7 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
                               lengths: np.ndarray, sel=SEL):
     """Every (session, KV head) of a step against ``decode_step`` on that session's first ``lengths[s]`` tokens."""
     method, shape = decoder.settings.method, decoder.cache.shape
-    got_masks = decoder.selected(LAYER)
+    got_masks = selected(decoder, LAYER)
     want_scan_bytes = 0.0
     for s in range(shape.sessions):
         n = int(lengths[s])
@@ -149,7 +150,7 @@ def test_ragged_sessions_appended_independently(method):
     """Three sessions of 140, 67 and 200 tokens, appended in different pieces, decoded in one call."""
     shape = SHAPES[3]
     k, v, q, *_ = data = _setup(shape, seed=2, n=200)
-    with OffloadedCache(shape) as cache:
+    with HostKVCache(shape) as cache:
         _append(cache, k, v, 0, 67)  # every session
         _append(cache, k, v, 67, 140, sessions=[0, 2])
         _append(cache, k, v, 140, 200, sessions=[2])
@@ -166,7 +167,7 @@ def test_steps_between_appends(method):
     it (the launches were built once, at construction)."""
     shape = SHAPES[3]
     k, v, q, *_ = data = _setup(shape, seed=1)
-    with OffloadedCache(shape) as cache:
+    with HostKVCache(shape) as cache:
         decoder = None
         for start, stop in ((0, 111), (111, 140)):
             _append(cache, k, v, start, stop)
@@ -182,7 +183,7 @@ def test_graph_replay_equals_eager():
     shape = SHAPES[3]
     k, v, q, *_ = data = _setup(shape, seed=4, n=192)
     method = methods.fathom(12.0)
-    with OffloadedCache(shape) as eager_cache, OffloadedCache(shape) as graph_cache:
+    with HostKVCache(shape) as eager_cache, HostKVCache(shape) as graph_cache:
         for cache in (eager_cache, graph_cache):
             _append(cache, k, v, 0, 190)
         eager = _decoder(eager_cache, method, data)
@@ -204,7 +205,7 @@ def test_cache_store_and_landmarks_match_reference():
     shape = SHAPES[3]
     k, v, _, basis, *_ = _setup(shape, seed=3)
     for rotation in (None, basis):
-        with OffloadedCache(shape, basis=rotation) as cache:
+        with HostKVCache(shape, basis=rotation) as cache:
             _fill(cache, k, v)
             for s in range(shape.sessions):
                 for name, store in [("raw", PlaneStore.from_keys(k[s, 0], segment_blocks=shape.segment_blocks))] + (
@@ -231,7 +232,7 @@ def test_reset_empties_a_session_for_reuse():
     shape = SHAPES[3]
     k, v, q, *rest = data = _setup(shape, seed=5)
     k_new, v_new, *_ = _setup(shape, seed=7)
-    with OffloadedCache(shape) as cache:
+    with HostKVCache(shape) as cache:
         _fill(cache, k, v)
         cache.reset(1)
         assert cache.lengths(LAYER).tolist() == [140, 0, 140]
@@ -245,7 +246,7 @@ def test_reset_empties_a_session_for_reuse():
 def test_bad_keys_are_refused_and_leave_the_cache_unchanged():
     shape = SHAPES[3]
     k, v, q, *_ = data = _setup(shape, seed=6)
-    with OffloadedCache(shape) as cache:
+    with HostKVCache(shape) as cache:
         _append(cache, k, v, 0, 100)
         before = sealed_planes(cache, LAYER, 0), cache.store_variance(LAYER).cpu().numpy().copy()
         for bad_k, bad_v in ((np.nan, 0.0), (np.inf, 0.0), (70000.0, 0.0), (0.0, np.nan)):
@@ -268,7 +269,7 @@ def test_bad_keys_are_refused_and_leave_the_cache_unchanged():
 def test_bad_input_raises_before_any_kernel():
     shape = SHAPES[3]
     k, v, q, *_ = _setup(shape)
-    cache = OffloadedCache(shape)
+    cache = HostKVCache(shape)
     _append(cache, k, v, 0, 100)
     decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), Selection(k=20)), GROUP)
     q_dev = torch.from_numpy(q).to(DEVICE)
@@ -309,7 +310,7 @@ def test_bad_input_raises_before_any_kernel():
     with pytest.raises(ValueError, match="group"):
         Decoder(cache, DecoderSettings(), 9)
     with pytest.raises(ValueError, match=r"basis\[0, 0\] must be orthonormal"):
-        OffloadedCache(shape, basis=np.ones((2, 1, D, D)))
+        HostKVCache(shape, basis=np.ones((2, 1, D, D)))
     with pytest.raises(ValueError, match="store must be one of"):
         CacheShape(1, 1, 1, D, 64, store="disk")
     with pytest.raises(ValueError, match="segment_blocks must be a power of two"):
@@ -319,7 +320,7 @@ def test_bad_input_raises_before_any_kernel():
                  lambda: cache.lengths(LAYER), lambda: StepGraph(decoder)):
         with pytest.raises(ValueError, match="closed"):
             call()
-    with OffloadedCache(shape) as empty:
+    with HostKVCache(shape) as empty:
         with pytest.raises(ValueError, match="holds no tokens"):
             Decoder(empty, DecoderSettings(methods.dense()), GROUP).run(LAYER, q_dev)
 
@@ -330,7 +331,7 @@ def test_device_resident_store_runs_the_same_step():
     k, v, q, *_ = _setup(shape)
     outs = []
     for where in ("host", "device"):
-        with OffloadedCache(CacheShape(**{**vars(shape), "store": where})) as cache:
+        with HostKVCache(CacheShape(**{**vars(shape), "store": where})) as cache:
             cache.append(LAYER, torch.from_numpy(k).to(DEVICE), torch.from_numpy(v).to(DEVICE))
             outs.append(Decoder(cache, DecoderSettings(methods.fathom(12.0), SEL), GROUP).run(
                 LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy())

@@ -26,23 +26,23 @@ def test_the_tensor_view_is_the_host_memory():
 
 
 def test_a_cache_beyond_the_hosts_memory_is_refused_before_allocating():
-    from fathom.host.cache import CacheShape, OffloadedCache
+    from fathom.host.cache import CacheShape, HostKVCache
 
     shape = CacheShape(sessions=64, layers=64, kv_heads=8, head_dim=128, max_tokens=1 << 24)  # ~17 TB
     with pytest.raises(ValueError, match="GB of pinned host memory.*max_tokens"):
-        OffloadedCache(shape)
+        HostKVCache(shape)
 
 
 def test_layers_are_pinned_in_the_background_and_made_at_first_use():
-    from fathom.host.cache import CacheShape, OffloadedCache
+    from fathom.host.cache import CacheShape, HostKVCache
 
     shape = CacheShape(sessions=1, layers=3, kv_heads=1, head_dim=8, max_tokens=128)
-    with OffloadedCache(shape) as cache:
+    with HostKVCache(shape) as cache:
         k = torch.ones((1, 1, 2, 8), device=DEVICE)
         cache.append(2, k, k)  # the last layer first: it waits for its own memory only
         assert cache.lengths(2).tolist() == [2] and cache.lengths(0).tolist() == [0]
         assert cache.pinned_bytes == cache.status.nbytes + 3 * sum(
             buffer.nbytes for buffer in (cache.layer(0).kv, cache.layer(0).marks, cache.layer(0).pinned.records["raw"]))
-    unused = OffloadedCache(shape)
+    unused = HostKVCache(shape)
     unused.close()  # closing while layers are still being pinned (or never used) frees them all
     assert unused.closed
