@@ -2,19 +2,22 @@
 
 import numpy as np
 
-from fathom.layout import StoreLayout, plane_word, scale_index
+from fathom.layout import StoreLayout
 from fathom.quantize import PLANES
 
 
-def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, group: int, records: np.ndarray) -> None:
-    """The inverse of ``StoreLayout.read``: one group's reference planes and scales into host ``records``."""
+def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, group: int, near: np.ndarray,
+                far: np.ndarray) -> None:
+    """The inverse of ``StoreLayout.read``: one group's reference planes ``uint64 [d, 4, n_blocks]`` and scales
+    ``float16 [d, n_blocks]`` into host ``near`` and ``far``."""
+    arrays = {True: near, False: far}
     for c in range(layout.d):
         for block in range(planes.shape[2]):
-            seg, b = divmod(block, layout.cap)
-            record = layout.record(group, seg, c)
             for p in range(PLANES):
-                records[plane_word(record, p, b, layout.scale_words, layout.cap)] = planes[c, p, block]
-            records.view(np.uint16)[scale_index(record, b)] = scales.view(np.uint16)[c, block]
+                in_near, index = layout.word(group, block, c, p)
+                arrays[in_near][index] = planes[c, p, block]
+            in_near, index = layout.scale(group, block, c)
+            arrays[in_near].view(np.uint16)[index] = scales.view(np.uint16)[c, block]
 
 
 def top_byte_histogram(scores: np.ndarray) -> np.ndarray:
