@@ -11,7 +11,8 @@ store is tiered by plane (``t = layout.hbm_planes``): each word is loaded from t
 planes ``< t`` from the near array in HBM, planes ``t .. b_c-1`` from the far array in mapped pinned host memory,
 over PCIe — so a run is one contiguous piece of each tier; ``t = 0`` is the all-host store, ``t = 4`` the all-HBM
 one. With ``cap = 128``-block segments and one CTA per segment a read is 1.3–4.3 KB contiguous, long enough to run
-at the link's rate (measured: 256-byte pieces of scattered runs reach a third of it). Each warp scores
+at the link's rate (measured: 256-byte pieces of scattered runs reach a third of it); a tiered read's far part is
+``(b_c − t)`` KB. Each warp scores
 ``blocks_per_warp`` 64-token blocks, two tokens per lane (token ``j`` of a block is bit ``j`` of its plane words),
 each query head accumulated in registers, so the kernel is compiled per (G, warps, blocks per warp). Sizes that
 change per step — each session's sealed blocks — are read from the device lengths, so one launch with a fixed grid
