@@ -8,8 +8,8 @@ memory (the target regime) and resident in HBM, interleaved (A B A B), medians o
 * **GPU time**: CUDA events around the token, queued behind a sleep kernel so the host's enqueue is not timed.
 * **Wall**: host time of an unqueued token, from the first call to the end of a sync.
 * **Host**: host time to enqueue the queued token (per layer), the figure a graph exists to cut.
-* **Floor**: the bytes that cross PCIe (scan + rows; rows only with the store in HBM) at the rate of one large
-  pinned host -> device copy measured in the same run.
+* **Floor**: the bytes that cross PCIe (scan + rows; rows only with the store in HBM; with ``--hbm-planes t`` the
+  scan's planes from ``t`` on) at the rate of one large pinned host -> device copy measured in the same run.
 * **Stages**: GPU time per stage of the eager token (CUDA events between stages), summed over layers.
 
 Keys and queries are synthetic, drawn per channel from the statistics of a real d = 128 capture
@@ -193,7 +193,8 @@ class Run:
         self.plan = [layer % self.physical for layer in range(LAYERS)]
         shape = CacheShape(sessions=setting.sessions, layers=self.physical, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                            max_tokens=max(setting.lengths) + HEADROOM,
-                           store="host" if setting.regime == "host" else "device")
+                           store="host" if setting.regime == "host" else "device",
+                           hbm_planes=args.hbm_planes if setting.regime == "host" else None)
         started = time.perf_counter()
         ds_rank, basis = data.calibration(self.physical)
         self.cache = HostKVCache(shape, basis=basis)
@@ -268,16 +269,18 @@ class Run:
         sample["host"].append(host)
         sample["stages"].append(stages)
 
-    def bytes(self, label: str) -> tuple[float, float, float]:
-        """Scan bytes, row bytes and mean scan bits per token of one eager token (host syncs, untimed)."""
+    def bytes(self, label: str) -> tuple[float, float, float, float]:
+        """Scan bytes, the part of them read over the link (the store's far tier, K rows, landmarks), row bytes
+        and mean scan bits per token of one eager token (host syncs, untimed)."""
         decoder = self.decoders[label]
-        scan = rows = tokens = 0.0
+        scan = scan_link = rows = tokens = 0.0
         for i, layer in enumerate(self.plan):
             decoder.run(layer, self.q[i])
             scan += decoder.scan_nbytes(layer)
+            scan_link += decoder.scan_nbytes_by_tier(layer)[1]
             rows += decoder.row_nbytes(layer)
             tokens += float((self.cache.lengths(layer) // 64 * 64).sum()) * KV_HEADS
-        return scan, rows, scan * 8 / max(tokens, 1)
+        return scan, scan_link, rows, scan * 8 / max(tokens, 1)
 
     def close(self) -> None:
         self.graphs.clear()
@@ -290,8 +293,8 @@ def records(run: Run, labels: list[str], link_gbps: float, hbm_gbps: float, args
 
     out = []
     for label in labels:
-        scan, rows, bits = run.bytes(label)
-        link_bytes = scan + rows if run.setting.regime == "host" else rows
+        scan, scan_link, rows, bits = run.bytes(label)
+        link_bytes = scan_link + rows if run.setting.regime == "host" else rows
         for mode in args.modes:
             sample = run.samples[label, mode]
             stage_ms = {name: statistics.median(s.get(name, 0.0) for s in run.samples[label, "eager"]["stages"])
@@ -306,6 +309,9 @@ def records(run: Run, labels: list[str], link_gbps: float, hbm_gbps: float, args
                         "host_ms": statistics.median(sample["host"]),
                         "host_us_per_layer": statistics.median(sample["host"]) * 1e3 / LAYERS,
                         "scan_bytes": scan, "row_bytes": rows, "link_bytes": link_bytes,
+                        "hbm_planes": run.cache.shape.layout.hbm_planes,
+                        "host_plane_fraction": scan_link / scan if scan else None,
+                        "hbm_gb": run.cache.hbm_bytes / 1e9, "pinned_gb": run.cache.pinned_bytes / 1e9,
                         "floor_ms": link_bytes / link_gbps / 1e6,
                         "hbm_scan_ms": scan / hbm_gbps / 1e6 if run.setting.regime == "hbm" else None,
                         "stages_ms": stage_ms, "fill_s": round(run.fill_s, 1)})
@@ -340,6 +346,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="labels, e.g. fathom@48,double-sparsity@136 (default every timed method)")
     parser.add_argument("--reps", type=int, default=3,
                         help="timed tokens per method, mode and setting (1..50; default %(default)s)")
+    parser.add_argument("--hbm-planes", type=int, default=0,
+                        help="host regime: the scales and this many planes per channel in HBM, the rest pinned "
+                             "(0..4; default %(default)s)")
     parser.add_argument("--host-gb", type=float, default=40.0,
                         help="pinned memory for the stores (GB; default %(default)s)")
     parser.add_argument("--stats", type=Path, default=DEFAULT_STATS,
@@ -374,6 +383,8 @@ def validate(args) -> list[dict] | None:
         raise UsageError(f"--max-tokens must be >= 4096, got {args.max_tokens}")
     if not 1 <= args.reps <= 50:
         raise UsageError(f"--reps must lie in 1..50, got {args.reps}")
+    if not 0 <= args.hbm_planes <= 4:
+        raise UsageError(f"--hbm-planes must lie in 0..4, got {args.hbm_planes}")
     if not 1 <= args.host_gb <= 1000:
         raise UsageError(f"--host-gb must lie in 1..1000, got {args.host_gb}")
     if args.readme is not None and (args.replot is None or README_START not in _read(args.readme)):

@@ -3,7 +3,7 @@ import pytest
 
 from fathom import methods as M
 from fathom import reference as ref
-from fathom.bits import fixed_channel_bits, full_key_bits, landmark_bits, row_bytes
+from fathom.bits import fixed_channel_bits, full_key_bits, landmark_bits, row_bytes, scan_bits, tier_scan_bits
 
 
 def test_bit_accounting_matches_the_spec_table():
@@ -21,6 +21,18 @@ def test_bit_accounting_matches_the_spec_table():
 def test_fixed_channel_fractions_scale_with_head_dim():
     bits = {m.label(64) for m in M.baselines(64)}
     assert {"sparq@34", "sparq@68", "double-sparsity@68", "loki@68", "thumbnail-2bit@144"} <= bits
+
+
+def test_tier_scan_bits_split_the_scan_bits_by_tier():
+    """Near: planes below t and the scales (t > 0); far: the planes from t on (and the scales at t = 0)."""
+    depths = np.array([[4, 0, 1, 2], [3, 3, 0, 0]])
+    assert tier_scan_bits(depths[0], 2) == (2 + 1 + 2 + 0.75, 2.0)
+    for t, near, far in [(0, [0, 0], [7.75, 6.5]), (1, [3.75, 2.5], [4, 4]), (4, [7.75, 6.5], [0, 0])]:
+        np.testing.assert_array_equal(tier_scan_bits(depths, t), (near, far))
+    for t in range(5):
+        np.testing.assert_array_equal(np.add(*tier_scan_bits(depths, t)), scan_bits(depths))
+    with pytest.raises(ValueError, match="hbm_planes"):
+        tier_scan_bits(depths, 5)
 
 
 def test_scan_bits_counts_planes_plus_a_quarter_bit_per_channel_touched():

@@ -13,8 +13,8 @@ module           what it does, and in what                                      
 ``plan``         Numba kernels: water-filling of every query group in one        ``waterfill.waterfill_batched``;
                  launch; SparQ's top channels                                    ``methods.QueryTopChannels``
 ``scan``         Numba kernel: approximate scores straight from the store        ``scoring.approx_scores``
-                 (pinned host memory or HBM), with the candidates' top-byte
-                 histogram
+                 (each plane from its tier: HBM or pinned host memory), with
+                 the candidates' top-byte histogram
 ``exact``        Numba kernel: oracle scores over the bf16 K rows, landmark      ``scoring.exact_scores`` /
                  scores over the fp16 mean keys, with the same histogram         ``scoring.landmark_scores``
 ``topk``         Numba kernels: top-k per head (+ sink, local, tail) by radix    ``selection.select`` /

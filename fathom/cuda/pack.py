@@ -1,5 +1,5 @@
-"""Seal the 64-token blocks an append completes: quantize, pack into the store's records, landmarks
-(design §2, §3, §7).
+"""Seal the 64-token blocks an append completes: quantize, pack into the store's records (each plane into its
+tier, ``fathom.layout``), landmarks (design §2, §3, §7).
 
 The twin of ``fathom.quantize.quantize`` + ``pack_planes`` (bit-identical: the block max is taken on the
 float32 bit patterns — for non-negative floats the bit order is the value order —, rounded to fp16 with integer
@@ -22,7 +22,7 @@ from numba import cuda
 
 from fathom.cuda.append import append_allowed
 from fathom.cuda.half import f16_bits_to_f32, f32_abs_bits_to_f16_bits, f32_to_bits, f32_to_f16_bits
-from fathom.cuda.layout import plane_word, record_offset, scale_index
+from fathom.cuda.layout import plane_in_near, plane_word, record_offset, scale_index, scales_in_near
 from fathom.quantize import BLOCK
 from fathom.scoring import LANDMARK_TOKENS
 
@@ -37,9 +37,18 @@ def _key(tail, new, g, gi, p, n0, c):
     return new[gi, p - n0, c]
 
 
+@cuda.jit(device=True, inline=True)
+def _put_plane(near, far, near_record, far_record, plane, b, scale_words, cap, hbm_planes, word):
+    """Write ``plane``'s word of block ``b`` into the tier holding the plane."""
+    if plane_in_near(plane, hbm_planes):
+        near[plane_word(near_record, plane, b, scale_words, cap, hbm_planes)] = word
+    else:
+        far[plane_word(far_record, plane, b, scale_words, cap, hbm_planes)] = word
+
+
 @cuda.jit(cache=True)
-def _seal_kernel(new, tail, lengths, sessions, heads, m, status, records, scales16, n_seg, cap, scale_words,
-                 record_words, scale_sq_sum, marks16, write_marks):
+def _seal_kernel(new, tail, lengths, sessions, heads, m, status, near, far, scales16, n_seg, cap, scale_words,
+                 near_record_words, far_record_words, hbm_planes, scale_sq_sum, marks16, write_marks):
     c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     gi = cuda.blockIdx.z
     d = new.shape[2]
@@ -73,12 +82,13 @@ def _seal_kernel(new, tail, lengths, sessions, heads, m, status, records, scales
         w3 |= np.uint64(u & 1) << bit
     seg = block // cap
     b = block - seg * cap
-    record = record_offset(g, seg, c, n_seg, d, record_words)
-    records[plane_word(record, 0, b, scale_words, cap)] = w0
-    records[plane_word(record, 1, b, scale_words, cap)] = w1
-    records[plane_word(record, 2, b, scale_words, cap)] = w2
-    records[plane_word(record, 3, b, scale_words, cap)] = w3
-    scales16[scale_index(record, b)] = h
+    near_record = record_offset(g, seg, c, n_seg, d, near_record_words)
+    far_record = record_offset(g, seg, c, n_seg, d, far_record_words)
+    _put_plane(near, far, near_record, far_record, 0, b, scale_words, cap, hbm_planes, w0)
+    _put_plane(near, far, near_record, far_record, 1, b, scale_words, cap, hbm_planes, w1)
+    _put_plane(near, far, near_record, far_record, 2, b, scale_words, cap, hbm_planes, w2)
+    _put_plane(near, far, near_record, far_record, 3, b, scale_words, cap, hbm_planes, w3)
+    scales16[scale_index(near_record if scales_in_near(hbm_planes) else far_record, b)] = h
     cuda.atomic.add(scale_sq_sum, (g, c), np.float64(scale) * np.float64(scale))  # the store's σ² (design §5)
     if write_marks:  # landmarks: the fp16 mean key of each 8-token block, summed in token order
         for mark in range(BLOCK // LANDMARK_TOKENS):
@@ -89,7 +99,7 @@ def _seal_kernel(new, tail, lengths, sessions, heads, m, status, records, scales
             marks16[g, block * (BLOCK // LANDMARK_TOKENS) + mark, c] = f32_to_f16_bits(acc / np.float32(LANDMARK_TOKENS))
 
 
-def seal_blocks(new, tail, lengths, sessions, heads: int, status, records, scales, layout, scale_sq_sum, marks,
+def seal_blocks(new, tail, lengths, sessions, heads: int, status, near, far, scales, layout, scale_sq_sum, marks,
                 write_marks: bool, stream=0, threads: int = THREADS):
     """Quantize and pack the blocks that appending ``new`` completes; nothing if ``status`` flags the append.
 
@@ -99,8 +109,10 @@ def seal_blocks(new, tail, lengths, sessions, heads: int, status, records, scale
         lengths: int32 ``[S]`` session lengths before this append (on the GPU).
         sessions: int32 ``[S']`` the appended sessions; heads: KV heads per session (H).
         status: int32 error flags of the layer (``[0]``: bad key, ``[1]``: bad value, set by ``append_rows``).
-        records: uint64 ``[layout.words]`` the store (host-mapped or HBM); scales: the same memory as uint16
-            ``[4 · layout.words]`` (fp16 scale bits); layout: :class:`fathom.layout.StoreLayout`.
+        near: uint64 ``[layout.near_words]`` the store's near tier (HBM: scales and planes ``0 .. t-1``); far:
+            uint64 ``[layout.far_words]`` its far tier (host-mapped: planes ``t .. 3``, and the scales at t = 0);
+            scales: the tier holding the scales (near if ``t > 0``, else far) as uint16 (fp16 scale bits);
+            layout: :class:`fathom.layout.StoreLayout` (``t = layout.hbm_planes``).
         scale_sq_sum: float64 ``[S·H, d]``: each sealed block's ``s²`` is added (the store's σ² statistic).
         marks: uint16 ``[S·H, T / 8, d]`` fp16 landmark bits, written when ``write_marks`` (the raw store's call).
     """
@@ -109,5 +121,6 @@ def seal_blocks(new, tail, lengths, sessions, heads: int, status, records, scale
         blocks = (m + BLOCK - 1) // BLOCK + 1  # at most this many blocks complete
         grid = (math.ceil(d / threads), blocks, groups)
         _seal_kernel[grid, min(threads, d), stream](
-            new, tail, lengths, sessions, heads, m, status, records, scales, layout.segments,
-            layout.cap, layout.scale_words, layout.record_words, scale_sq_sum, marks, write_marks)
+            new, tail, lengths, sessions, heads, m, status, near, far, scales, layout.segments, layout.cap,
+            layout.scale_words, layout.near_record_words, layout.far_record_words, layout.hbm_planes, scale_sq_sum,
+            marks, write_marks)

@@ -4,18 +4,22 @@ The twin of ``fathom.scoring.approx_scores`` (within float32 tolerance: the sum 
 order, with FMAs) that also counts the top byte of every candidate's score for the selection
 (``fathom.cuda.topk``), so the selection reads the scores once.
 
-One CUDA block (CTA) per (query group, part of a segment): it reads, for every channel the depths read, the one
-contiguous run ``[scales | planes 0 .. t-1]`` of the channel's record (``fathom.layout``) — from mapped pinned host
-memory over PCIe, or from HBM — in chunks of whole runs through shared memory, the next chunk's loads in flight
-(held in registers) while the current one is scored. With ``cap = 128``-block segments and one CTA per segment a
-read is 1.3–4.3 KB contiguous, long enough to run at the link's rate (measured: 256-byte pieces of scattered runs
-reach a third of it). Each warp scores ``blocks_per_warp`` 64-token blocks, two tokens per lane (token ``j`` of a
-block is bit ``j`` of its plane words), each query head accumulated in registers, so the kernel is compiled per
-(G, warps, blocks per warp). Sizes that change per step — each session's sealed blocks — are read from the
-device lengths, so one launch with a fixed grid serves every step.
+One CUDA block (CTA) per (query group, part of a segment): it reads, for every channel ``c`` the depths read (to
+depth ``b_c``), the channel's run ``[scales | planes 0 .. b_c-1]`` (``fathom.layout``) in chunks of whole runs
+through shared memory, the next chunk's loads in flight (held in registers) while the current one is scored. The
+store is tiered by plane (``t = layout.hbm_planes``): each word is loaded from the tier holding it — scales and
+planes ``< t`` from the near array in HBM, planes ``t .. b_c-1`` from the far array in mapped pinned host memory,
+over PCIe — so a run is one contiguous piece of each tier; ``t = 0`` is the all-host store, ``t = 4`` the all-HBM
+one. With ``cap = 128``-block segments and one CTA per segment a read is 1.3–4.3 KB contiguous, long enough to run
+at the link's rate (measured: 256-byte pieces of scattered runs reach a third of it); a tiered read's far part is
+``(b_c − t)`` KB. Each warp scores
+``blocks_per_warp`` 64-token blocks, two tokens per lane (token ``j`` of a block is bit ``j`` of its plane words),
+each query head accumulated in registers, so the kernel is compiled per (G, warps, blocks per warp). Sizes that
+change per step — each session's sealed blocks — are read from the device lengths, so one launch with a fixed grid
+serves every step.
 
-Score of token ``j`` in channel ``c`` read to depth ``t`` (design §2): with ``P`` the ``t``-bit prefix of its code,
-``k̂ = ((P + 0.5) · 2^(4-t) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``.
+Score of token ``j`` in channel ``c`` read to depth ``b`` (design §2): with ``P`` the ``b``-bit prefix of its code,
+``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from numba import cuda
 from fathom.cuda.block import RADIX, exclusive_scan, flush_histogram, order_key
 from fathom.cuda.half import f16_bits_to_f32, f32_to_bits
 from fathom.cuda.interop import launch_bounds
-from fathom.cuda.layout import plane_word, record_offset
+from fathom.cuda.layout import plane_in_near, plane_word, record_offset, scales_in_near
 from fathom.layout import SCALES_PER_WORD
 from fathom.quantize import BLOCK, PLANES
 
@@ -69,9 +73,10 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
         return lo
 
     @cuda.jit(device=True, inline=True)
-    def load_chunk(held, records, start, chan, chunk_first, x, g, seg, local0, valid, n_seg, d, cap,
-                   scale_words, record_words, part_scale_words, t):
-        """Issue this thread's loads of chunk ``x`` into ``held`` (no use of the values: they stay in flight)."""
+    def load_chunk(held, near, far, start, chan, chunk_first, x, g, seg, local0, valid, n_seg, d, cap, scale_words,
+                   near_record_words, far_record_words, hbm_planes, part_scale_words, t):
+        """Issue this thread's loads of chunk ``x`` into ``held`` (no use of the values: they stay in flight), each
+        word from the tier holding it."""
         lo = chunk_first[x]
         hi = chunk_first[x + 1]
         base = start[lo]
@@ -82,18 +87,25 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
             if f < extent:
                 i = find_slot(start, lo, hi, base + f)
                 off = base + f - start[i]
-                record = record_offset(g, seg, chan[i], n_seg, d, record_words)
+                near_record = record_offset(g, seg, chan[i], n_seg, d, near_record_words)
+                far_record = record_offset(g, seg, chan[i], n_seg, d, far_record_words)
                 if off < part_scale_words:
-                    held[r] = records[record + local0 // SCALES_PER_WORD + off]
+                    if scales_in_near(hbm_planes):
+                        held[r] = near[near_record + local0 // SCALES_PER_WORD + off]
+                    else:
+                        held[r] = far[far_record + local0 // SCALES_PER_WORD + off]
                 else:
                     plane = (off - part_scale_words) // per_cta
                     b = off - part_scale_words - plane * per_cta
                     if b < valid:
-                        held[r] = records[plane_word(record, plane, local0 + b, scale_words, cap)]
+                        if plane_in_near(plane, hbm_planes):
+                            held[r] = near[plane_word(near_record, plane, local0 + b, scale_words, cap, hbm_planes)]
+                        else:
+                            held[r] = far[plane_word(far_record, plane, local0 + b, scale_words, cap, hbm_planes)]
 
     @cuda.jit(**launch_bounds(threads))
-    def kernel(q, depths, lengths, heads_per_session, records, n_seg, cap, scale_words, record_words, sink, local,
-               scores, top_hist):
+    def kernel(q, depths, lengths, heads_per_session, near, far, n_seg, cap, scale_words, near_record_words,
+               far_record_words, hbm_planes, sink, local, scores, top_hist):
         g = cuda.blockIdx.y
         parts = cap // per_cta
         seg = cuda.blockIdx.x // parts
@@ -160,8 +172,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                 acc[x, h] = np.float32(0)
         held = cuda.local.array(held_words, np.uint64)
         if n_chunks > 0:
-            load_chunk(held, records, start, chan, chunk_first, 0, g, seg, local0, valid, n_seg, d, cap,
-                       scale_words, record_words, part_scale_words, t)
+            load_chunk(held, near, far, start, chan, chunk_first, 0, g, seg, local0, valid, n_seg, d, cap,
+                       scale_words, near_record_words, far_record_words, hbm_planes, part_scale_words, t)
         for x in range(n_chunks):
             cuda.syncthreads()  # the previous chunk is scored: its buffer may be overwritten
             for r in range(held_words):
@@ -170,8 +182,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                     buffer[f] = held[r]
             cuda.syncthreads()
             if x + 1 < n_chunks:  # the next chunk's loads fly while this one is scored
-                load_chunk(held, records, start, chan, chunk_first, x + 1, g, seg, local0, valid, n_seg, d,
-                           cap, scale_words, record_words, part_scale_words, t)
+                load_chunk(held, near, far, start, chan, chunk_first, x + 1, g, seg, local0, valid, n_seg, d,
+                           cap, scale_words, near_record_words, far_record_words, hbm_planes, part_scale_words, t)
             lo = chunk_first[x]
             hi = chunk_first[x + 1]
             for jb in range(per_warp):
@@ -229,14 +241,16 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
     return kernel
 
 
-def scan_planes(q, depths, lengths, heads_per_session: int, records, layout, sink: int, local: int, scores, top_hist,
-                warps: int = 32, stream=0) -> None:
+def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, sink: int, local: int, scores,
+                top_hist, warps: int = 32, stream=0) -> None:
     """Scores of every sealed token and the top-byte histogram of the candidates, straight from the store.
 
     Args:
         q: float32 ``[groups, G, d]`` query groups in the store's basis; depths: int8 ``[groups, d]`` in 0..4.
         lengths: int32 ``[S]`` session lengths (on the GPU); group ``g`` is session ``g // heads_per_session``.
-        records: uint64 ``[layout.words]`` the store (host-mapped or HBM); layout: :class:`fathom.layout.StoreLayout`.
+        near: uint64 ``[layout.near_words]`` the store's near tier (HBM: scales and planes ``0 .. t-1``); far:
+            uint64 ``[layout.far_words]`` its far tier (host-mapped: planes ``t .. 3``, and the scales at t = 0);
+            layout: :class:`fathom.layout.StoreLayout` (``t = layout.hbm_planes``).
         sink, local: design §6 (candidates are sealed tokens ``sink .. min(n_sealed, n − local)``).
         scores: float32 ``[groups, G, ≥ n]``: columns ``0 .. n_sealed`` written; top_hist: int32
             ``[groups, G, 256]``, counts added (``fathom.cuda.topk.select`` consumes and clears them).
@@ -253,5 +267,5 @@ def scan_planes(q, depths, lengths, heads_per_session: int, records, layout, sin
     if groups:
         grid = (layout.segments * (layout.cap // (warps * per_warp)), groups)
         _scan_kernel(heads, warps, per_warp)[grid, 32 * warps, stream](
-            q, depths, lengths, heads_per_session, records, layout.segments, layout.cap, layout.scale_words,
-            layout.record_words, sink, local, scores, top_hist)
+            q, depths, lengths, heads_per_session, near, far, layout.segments, layout.cap, layout.scale_words,
+            layout.near_record_words, layout.far_record_words, layout.hbm_planes, sink, local, scores, top_hist)

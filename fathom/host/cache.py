@@ -6,14 +6,19 @@ Per layer::
 
     kv       uint64 [groups, T, 2, d / 4]   bf16 K and V of each token side by side (4 values per word)
     marks    uint64 [groups, T / 8, 1, d / 4]   fp16 mean key of each sealed 8-token block (landmark's scan)
-    records  uint64 [groups · segments · d · record_words]   the store, one record per (group, segment, channel)
-             (``fathom.layout``); a second one for the rotated store when the cache has a basis
+    near     uint64 [groups · segments · d · near_record_words]   in HBM: the store's scales and first t planes,
+    far      uint64 [groups · segments · d · far_record_words]    pinned: its planes t .. 3 — one record per
+             (group, segment, channel) in each (``fathom.layout``); a second pair for the rotated store when the
+             cache has a basis
     lengths  int32 [S] on the GPU: tokens held per session — sessions grow independently (ragged)
 
 Segments hold ``cap`` blocks of 64 tokens; a sealed block is packed once by the GPU and never rewritten; the
 not-yet-full tail block stays exact (float32, on the GPU) and is always selected. With a ``basis`` the cache also
 holds the rotated store (planes of ``k @ R``, for fathom-rotated and loki); rows and landmarks stay raw.
-``store="device"`` keeps the stores in HBM instead (the regime where the method is not expected to be faster).
+The store is **tiered by plane** (design §8): every query reads a channel's plane 1 before its plane 2, so the
+scales and the first ``t = hbm_planes`` planes of every channel stay in HBM and only the deeper planes are read
+over PCIe. ``store="host"`` is ``t = 0`` (all pinned: the target regime), ``store="device"`` ``t = 4`` (all in HBM,
+the regime where the method is not expected to be faster); :func:`hbm_planes_for` picks ``t`` for an HBM budget.
 The pinned memory for ``max_tokens`` per session is reserved when the cache is made — on a worker thread, layer by
 layer, so that a prefill computes while later layers are still being allocated: a layer's first use waits for its
 own memory only — and released by :meth:`HostKVCache.close`; :meth:`HostKVCache.reset` empties a session
@@ -52,7 +57,7 @@ from fathom.cuda.interop import DEVICE, SIMULATED, as_array
 from fathom.cuda.pack import seal_blocks
 from fathom.host.pinned import MappedBuffer
 from fathom.layout import StoreLayout
-from fathom.quantize import BLOCK
+from fathom.quantize import BLOCK, PLANES
 from fathom.scoring import LANDMARK_TOKENS
 from fathom.store import DEFAULT_SEGMENT_BLOCKS
 
@@ -65,7 +70,9 @@ _FLAG_NAMES = {BAD_KEY: "a key that is NaN, inf or beyond the float16 range (|k|
 @dataclass(frozen=True)
 class CacheShape:
     """Sizes of an offloaded cache; ``max_tokens`` per session is reserved up front. ``store``: where the bit
-    planes live, ``"host"`` (pinned, mapped: the target regime) or ``"device"`` (HBM)."""
+    planes live, ``"host"`` (pinned, mapped: the target regime) or ``"device"`` (HBM); ``hbm_planes``, when given,
+    tiers the store instead: the scales and planes ``0 .. hbm_planes-1`` in HBM, the rest pinned (``store`` is then
+    not read; ``"host"`` is 0 planes in HBM, ``"device"`` 4)."""
 
     sessions: int
     layers: int
@@ -74,6 +81,7 @@ class CacheShape:
     max_tokens: int
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS
     store: str = "host"
+    hbm_planes: int | None = None
 
     def __post_init__(self):
         for name in ("sessions", "layers", "kv_heads", "head_dim", "max_tokens", "segment_blocks"):
@@ -87,6 +95,9 @@ class CacheShape:
             raise ValueError(f"segment_blocks must be a power of two, got {self.segment_blocks}")
         if self.store not in STORES:
             raise ValueError(f"store must be one of {STORES}, got {self.store!r}")
+        if self.hbm_planes is not None and (not isinstance(self.hbm_planes, (int, np.integer))
+                                            or isinstance(self.hbm_planes, bool) or not 0 <= self.hbm_planes <= PLANES):
+            raise ValueError(f"hbm_planes must be None or an integer in 0..{PLANES}, got {self.hbm_planes!r}")
 
     @property
     def groups(self) -> int:
@@ -99,22 +110,38 @@ class CacheShape:
 
     @property
     def layout(self) -> StoreLayout:
-        return StoreLayout(self.groups, self.segments, self.head_dim, self.segment_blocks)
+        """The store's layout; its ``hbm_planes`` is the tier this shape resolves to."""
+        tier = self.hbm_planes if self.hbm_planes is not None else (0 if self.store == "host" else PLANES)
+        return StoreLayout(self.groups, self.segments, self.head_dim, self.segment_blocks, int(tier))
+
+
+def hbm_planes_for(budget_bytes: float, shape: CacheShape, stores: int = 1) -> int:
+    """The most planes per channel (0..4) whose near arrays — scales and those planes of every record, over all
+    ``shape.layers`` layers and ``stores`` stores per layer (2 with the rotated store) — fit in ``budget_bytes`` of
+    HBM. (``shape.store`` and ``shape.hbm_planes`` are not read.) The tier is the same for every layer: a budget
+    between two tiers leaves the rest unused."""
+    if not budget_bytes >= 0:
+        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes!r}")
+    fits = [t for t in range(PLANES + 1)
+            if 8 * shape.layers * stores * replace(shape.layout, hbm_planes=t).near_words <= budget_bytes]
+    return max(fits)
 
 
 @dataclass
 class Store:
-    """One basis' bit-plane store of a layer: records (as words and as fp16 scale bits), σ² sums, open block."""
+    """One basis' bit-plane store of a layer: its two tiers of records, σ² sums, open block."""
 
-    records: torch.Tensor  # uint64 [layout.words]
+    near: torch.Tensor  # uint64 [layout.near_words] in HBM: scales and planes 0 .. t-1
+    far: torch.Tensor  # uint64 [layout.far_words] pinned and mapped: planes t .. 3 (and the scales at t = 0)
     scale_sq_sum: torch.Tensor  # float64 [groups, d]
     tail: torch.Tensor  # float32 [groups, 64, d]
-    arrays: dict = field(default_factory=dict)  # Numba views, made once
+    arrays: dict = field(default_factory=dict)  # Numba views, made once: near, far, scales (fp16 bits), ...
 
 
 @dataclass
 class PinnedLayer:
-    """A layer's pinned host buffers: K/V rows, landmarks and, for ``store="host"``, the records of each basis."""
+    """A layer's pinned host buffers: K/V rows, landmarks and the far tier of each basis' store (none when every
+    plane is in HBM)."""
 
     kv: MappedBuffer
     marks: MappedBuffer
@@ -125,16 +152,15 @@ class PinnedLayer:
         words = shape.head_dim // 4
         return cls(MappedBuffer((shape.groups, shape.max_tokens, 2, words), np.uint64),
                    MappedBuffer((shape.groups, shape.max_tokens // LANDMARK_TOKENS, 1, words), np.uint64),
-                   {name: MappedBuffer((shape.layout.words,), np.uint64) for name in bases
-                    if shape.store == "host"})
+                   {name: MappedBuffer((shape.layout.far_words,), np.uint64) for name in bases
+                    if shape.layout.far_words})
 
     @staticmethod
     def nbytes(shape: CacheShape, bases: tuple[str, ...]) -> int:
         """Bytes :meth:`allocate` pins for ``shape``, computed without allocating."""
         row_words = shape.groups * shape.max_tokens * 2 * (shape.head_dim // 4)
         mark_words = shape.groups * (shape.max_tokens // LANDMARK_TOKENS) * (shape.head_dim // 4)
-        record_words = shape.layout.words * len(bases) if shape.store == "host" else 0
-        return 8 * (row_words + mark_words + record_words)
+        return 8 * (row_words + mark_words + shape.layout.far_words * len(bases))
 
     def close(self) -> None:
         for buffer in (self.kv, self.marks, *self.records.values()):
@@ -150,14 +176,16 @@ class LayerStore:
         self.kv, self.marks = pinned.kv, pinned.marks
         self.basis = basis  # float32 [groups, d, d] or None
         self.stores: dict[str, Store] = {}
+        layout = shape.layout
         for name in ("raw",) if basis is None else ("raw", "rotated"):
-            if shape.store == "host":
-                records = pinned.records[name].tensor()
-            else:
-                records = torch.zeros(shape.layout.words, dtype=torch.uint64, device=DEVICE)
-            store = Store(records, torch.zeros((groups, d), dtype=torch.float64, device=DEVICE),
+            near = torch.zeros(layout.near_words, dtype=torch.uint64, device=DEVICE)
+            far = pinned.records[name].tensor() if name in pinned.records else \
+                torch.zeros(0, dtype=torch.uint64, device=DEVICE)  # every plane in HBM: an empty far tier
+            store = Store(near, far, torch.zeros((groups, d), dtype=torch.float64, device=DEVICE),
                           torch.zeros((groups, BLOCK, d), dtype=torch.float32, device=DEVICE))
-            store.arrays = {"records": as_array(records), "scales": as_array(records.view(torch.int16)).view(np.uint16),
+            with_scales = near if layout.hbm_planes else far
+            store.arrays = {"near": as_array(near), "far": as_array(far),
+                            "scales": as_array(with_scales.view(torch.int16)).view(np.uint16),
                             "scale_sq_sum": as_array(store.scale_sq_sum), "tail": as_array(store.tail)}
             self.stores[name] = store
         self.lengths = torch.zeros(shape.sessions, dtype=torch.int32, device=DEVICE)
@@ -228,9 +256,16 @@ class HostKVCache:
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes of pinned host memory the cache holds (rows, landmarks, host-resident stores, flags)."""
+        """Bytes of pinned host memory the cache holds (rows, landmarks, the stores' far tiers, flags)."""
         bases = ("raw", "rotated") if self.rotated else ("raw",)
         return self.status.nbytes + self.shape.layers * PinnedLayer.nbytes(self.shape, bases)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Bytes of HBM the stores' near tiers take (scales and the first ``hbm_planes`` planes); the tails, σ² sums
+        and lengths beside them are not counted."""
+        stores = 2 if self.rotated else 1
+        return 8 * self.shape.layers * stores * self.shape.layout.near_words
 
     def most_held(self) -> int:
         """Tokens of the fullest session of any layer (the host's mirror: no sync)."""
@@ -361,7 +396,7 @@ class HostKVCache:
                     lengths, index, heads, status, store.arrays["kv"], stream)
         for name, st in store.stores.items():
             source = k_arr if name == "raw" else ks_arr
-            seal_blocks(source, st.arrays["tail"], lengths, index, heads, status, st.arrays["records"],
+            seal_blocks(source, st.arrays["tail"], lengths, index, heads, status, st.arrays["near"], st.arrays["far"],
                         st.arrays["scales"], self.shape.layout, st.arrays["scale_sq_sum"], store.arrays["marks16"],
                         name == "raw", stream)
         raw, rotated = store.stores["raw"], store.stores.get("rotated", store.stores["raw"])
@@ -405,9 +440,10 @@ class HostKVCache:
         self.status.host[...] = 0
 
     def grown(self, max_tokens: int) -> HostKVCache:
-        """A cache of the same sessions, layers and stores holding ``max_tokens`` per session, with everything this
-        one holds copied in (rows, landmarks, records, tails, σ² sums, lengths, bases); this one is closed.
-        The records keep their addresses per (group, segment): a segment count grown at the end."""
+        """A cache of the same sessions, layers and stores (and tier) holding ``max_tokens`` per session, with
+        everything this one holds copied in (rows, landmarks, records of both tiers, tails, σ² sums, lengths, bases);
+        this one is closed. The records keep their addresses per (group, segment): a segment count grown at the
+        end."""
         self.check()
         s = self.shape
         if not isinstance(max_tokens, (int, np.integer)) or max_tokens < s.max_tokens:
@@ -415,7 +451,7 @@ class HostKVCache:
         bigger = HostKVCache(replace(s, max_tokens=int(max_tokens)), rotated=self.rotated)
         if not SIMULATED:
             torch.cuda.synchronize()  # host-side copies below: every kernel writing the old memory is done
-        T, segments, per_segment = s.max_tokens, s.segments, s.head_dim * s.layout.record_words
+        T, segments, layout = s.max_tokens, s.segments, s.layout
         for old, new in zip(self.layers, bigger.layers):
             new.kv.host[:, :T] = old.kv.host
             new.marks.host[:, :old.marks.shape[1]] = old.marks.host
@@ -424,8 +460,12 @@ class HostKVCache:
                 new.basis.copy_(old.basis)
             for name, st in old.stores.items():
                 target = new.stores[name]
-                target.records.view(s.groups, -1, per_segment)[:, :segments].copy_(
-                    st.records.view(s.groups, segments, per_segment))
+                for old_tier, new_tier, record_words in ((st.near, target.near, layout.near_record_words),
+                                                         (st.far, target.far, layout.far_record_words)):
+                    if record_words:  # an empty tier has nothing to copy (and no segments to view)
+                        per_segment = s.head_dim * record_words
+                        new_tier.view(s.groups, -1, per_segment)[:, :segments].copy_(
+                            old_tier.view(s.groups, segments, per_segment))
                 target.scale_sq_sum.copy_(st.scale_sq_sum)
                 target.tail.copy_(st.tail)
         bigger.status.host[...] = self.status.host

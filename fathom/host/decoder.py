@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from fathom import methods
-from fathom.bits import row_bytes
+from fathom.bits import row_bytes, tier_scan_bits
 from fathom.cuda.attention import CHUNK_ROWS, attend, gather_rows
 from fathom.cuda.block import RADIX
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
@@ -252,6 +252,17 @@ class Decoder:
         depths = self.depths.cpu().numpy() if planes else None
         bits = np.broadcast_to(step_bits(self.settings.method, depths, self.cache.shape.head_dim), sealed.shape)
         return float((bits * sealed).sum() / 8)
+
+    def scan_nbytes_by_tier(self, layer: int) -> tuple[float, float]:
+        """:meth:`scan_nbytes` split by where the bytes were read: ``(hbm, link)``, HBM for the scales and planes
+        the store's near tier holds (``CacheShape.hbm_planes``), over the link (pinned host memory) for the rest
+        (``fathom.bits.tier_scan_bits``); K rows and landmarks are all pinned. ``link / (hbm + link)`` is the host
+        plane fraction of a plane method."""
+        if self.strategy is None or self.settings.method.scorer != "planes":
+            return 0.0, self.scan_nbytes(layer)
+        sealed = np.repeat(self.cache.lengths(layer) // BLOCK * BLOCK, self.cache.shape.kv_heads)
+        near, far = tier_scan_bits(self.depths.cpu().numpy(), self.cache.shape.layout.hbm_planes)
+        return float((near * sealed).sum() / 8), float((far * sealed).sum() / 8)
 
     def row_nbytes(self, layer: int) -> float:
         """Bytes of K and V rows the last step fetched."""

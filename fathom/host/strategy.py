@@ -143,12 +143,12 @@ class PlaneScan:
 
     def scan(self, layer: int, buf: StepBuffers, sel) -> list[Launch]:
         store = self.cache.layers[layer]
-        records = store.stores[self.basis].arrays["records"]
+        near, far = store.stores[self.basis].arrays["near"], store.stores[self.basis].arrays["far"]
         q_store = as_array(buf.q_store if self.basis == "rotated" else buf.q)
         depths, lengths = as_array(buf.depths), store.arrays["lengths"]
         scores, top_hist = as_array(buf.scores), as_array(buf.top_hist)
         heads, layout, warps = self.cache.shape.kv_heads, self.cache.shape.layout, self.warps
-        return [lambda stream: scan_planes(q_store, depths, lengths, heads, records, layout, sel.sink, sel.local,
+        return [lambda stream: scan_planes(q_store, depths, lengths, heads, near, far, layout, sel.sink, sel.local,
                                            scores, top_hist, warps, stream)]
 
 

@@ -4,20 +4,23 @@ import numpy as np
 import torch
 
 from fathom.cuda.interop import SIMULATED
-from fathom.layout import StoreLayout, plane_word, scale_index
+from fathom.layout import StoreLayout
 from fathom.quantize import BLOCK, PLANES
 from fathom.scoring import LANDMARK_TOKENS
 
 
-def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, group: int, records: np.ndarray) -> None:
-    """The inverse of ``StoreLayout.read``: one group's reference planes and scales into host ``records``."""
+def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, group: int, near: np.ndarray,
+                far: np.ndarray) -> None:
+    """The inverse of ``StoreLayout.read``: one group's reference planes ``uint64 [d, 4, n_blocks]`` and scales
+    ``float16 [d, n_blocks]`` into host ``near`` and ``far``."""
+    arrays = {True: near, False: far}
     for c in range(layout.d):
         for block in range(planes.shape[2]):
-            seg, b = divmod(block, layout.cap)
-            record = layout.record(group, seg, c)
             for p in range(PLANES):
-                records[plane_word(record, p, b, layout.scale_words, layout.cap)] = planes[c, p, block]
-            records.view(np.uint16)[scale_index(record, b)] = scales.view(np.uint16)[c, block]
+                in_near, index = layout.word(group, block, c, p)
+                arrays[in_near][index] = planes[c, p, block]
+            in_near, index = layout.scale(group, block, c)
+            arrays[in_near].view(np.uint16)[index] = scales.view(np.uint16)[c, block]
 
 
 def top_byte_histogram(scores: np.ndarray) -> np.ndarray:
@@ -52,7 +55,8 @@ def sealed_planes(cache, layer: int, group: int, basis: str = "raw") -> tuple[np
     if not SIMULATED:
         torch.cuda.synchronize()
     n_blocks = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK
-    return cache.shape.layout.read(store.stores[basis].records.cpu().numpy(), group, n_blocks)
+    st = store.stores[basis]
+    return cache.shape.layout.read(st.near.cpu().numpy(), st.far.cpu().numpy(), group, n_blocks)
 
 
 def sealed_landmarks(cache, layer: int, group: int) -> np.ndarray:

@@ -8,6 +8,8 @@ except where the reference's scores tie at the k-th within float32 tolerance (th
 attention output must match within float32 tolerance.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -220,6 +222,23 @@ def test_cache_store_and_landmarks_match_reference():
                                               landmarks(k[s, 0, :store.n_sealed]).view(np.uint16))
 
 
+@pytest.mark.parametrize("hbm_planes", [0, 2, 4])
+def test_a_grown_cache_keeps_both_tiers_of_its_store(hbm_planes):
+    """``grown`` copies each tier's records segment by segment (an empty tier: nothing), at every kind of tier."""
+    shape = replace(SHAPES[3], hbm_planes=hbm_planes)
+    k, v, *_ = _setup(shape, seed=3)
+    cache = HostKVCache(shape)
+    _fill(cache, k, v)
+    before = [sealed_planes(cache, LAYER, g) for g in range(shape.groups)]
+    grown = cache.grown(2 * shape.max_tokens)
+    with grown:
+        assert grown.shape.layout.hbm_planes == hbm_planes and grown.shape.segments > shape.segments
+        for g, (planes, scales) in enumerate(before):
+            got_planes, got_scales = sealed_planes(grown, LAYER, g)
+            np.testing.assert_array_equal(got_planes, planes)
+            np.testing.assert_array_equal(got_scales.view(np.uint16), scales.view(np.uint16))
+
+
 def test_oracle_with_k_beyond_the_context_is_dense(filled):
     cache, data = filled(3, False)
     q = torch.from_numpy(data[2]).to(DEVICE)
@@ -325,14 +344,27 @@ def test_bad_input_raises_before_any_kernel():
             Decoder(empty, DecoderSettings(methods.dense()), GROUP).run(LAYER, q_dev)
 
 
-@pytest.mark.skipif(SIMULATED, reason="HBM-resident store: on the GPU only (the simulator has one memory)")
-def test_device_resident_store_runs_the_same_step():
+@pytest.mark.parametrize("tier", [
+    pytest.param({"hbm_planes": 2}, id="hbm_planes=2"),
+    pytest.param({"store": "device"}, id="device", marks=pytest.mark.skipif(
+        SIMULATED, reason="HBM-resident store: on the GPU only (the simulator has one memory)"))])
+def test_a_store_in_hbm_runs_the_same_step(tier):
+    """The scales and first planes (t = 2) or the whole store (device) in HBM: the same planes read back, the same
+    step and the same scan bytes as the all-host store, split between HBM and the link by tier."""
     shape = SHAPES[3]
     k, v, q, *_ = _setup(shape)
-    outs = []
-    for where in ("host", "device"):
-        with HostKVCache(CacheShape(**{**vars(shape), "store": where})) as cache:
+    outs, planes, split = [], [], []
+    for where in ({}, tier):
+        with HostKVCache(replace(shape, **where)) as cache:
             cache.append(LAYER, torch.from_numpy(k).to(DEVICE), torch.from_numpy(v).to(DEVICE))
-            outs.append(Decoder(cache, DecoderSettings(methods.fathom(12.0), SEL), GROUP).run(
-                LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy())
+            decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), SEL), GROUP)
+            outs.append(decoder.run(LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy())
+            planes.append([sealed_planes(cache, LAYER, g) for g in range(shape.groups)])
+            split.append(decoder.scan_nbytes_by_tier(LAYER))
+            assert sum(split[-1]) == decoder.scan_nbytes(LAYER)
     np.testing.assert_array_equal(*outs)
+    for (host_planes, host_scales), (tier_planes, tier_scales) in zip(*planes):
+        np.testing.assert_array_equal(tier_planes, host_planes)
+        np.testing.assert_array_equal(tier_scales.view(np.uint16), host_scales.view(np.uint16))
+    (host_hbm, host_link), (tier_hbm, tier_link) = split
+    assert host_hbm == 0 and tier_hbm > 0 and tier_link < host_link

@@ -46,3 +46,27 @@ def test_layers_are_pinned_in_the_background_and_made_at_first_use():
     unused = HostKVCache(shape)
     unused.close()  # closing while layers are still being pinned (or never used) frees them all
     assert unused.closed
+
+
+def test_a_tiered_cache_pins_only_the_planes_beyond_its_tier():
+    """At tier t the store's scales and first t planes are in HBM (``hbm_bytes``), the rest pinned (``pinned_bytes``);
+    ``hbm_planes_for`` gives back t for exactly those bytes; ``store`` alone means t = 0 ("host") or 4 ("device")."""
+    from dataclasses import replace
+
+    from fathom.host.cache import CacheShape, HostKVCache, hbm_planes_for
+
+    base = CacheShape(sessions=1, layers=2, kv_heads=1, head_dim=8, max_tokens=128)
+    assert base.layout.hbm_planes == 0 and replace(base, store="device").layout.hbm_planes == 4
+    for t in range(5):
+        shape = replace(base, hbm_planes=t)
+        with HostKVCache(shape) as cache:
+            layer = cache.layer(0)
+            far = layer.pinned.records.get("raw")
+            assert (far is None) == (t == 4)  # nothing pinned for the store when every plane is in HBM
+            assert cache.pinned_bytes == cache.status.nbytes + 2 * (
+                layer.kv.nbytes + layer.marks.nbytes + (far.nbytes if far else 0))
+            assert cache.hbm_bytes == 2 * 8 * layer.stores["raw"].near.numel()
+            assert hbm_planes_for(cache.hbm_bytes, shape) == t
+            assert t == 0 or hbm_planes_for(cache.hbm_bytes - 1, shape) == t - 1
+    with pytest.raises(ValueError, match="hbm_planes"):
+        replace(base, hbm_planes=5)
