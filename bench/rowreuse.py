@@ -95,9 +95,10 @@ def reuse_summary(rows: dict[tuple[int, int, int], list[np.ndarray]], capacities
 
 
 def generate_rows(model, prompt, ids: np.ndarray, spec: MethodSpec, new_tokens: int, k: int | None,
-                  calibration: Path | None, bar=None) -> tuple[dict, np.ndarray, int]:
+                  calibration: Path | None, no_repeat_ngram: int = 0, bar=None) -> tuple[dict, np.ndarray, int]:
     """Decode ``new_tokens`` steps greedily after ``prompt`` (the dense prefill of ``ids``) with ``spec`` on the
-    reference backend -> (the recorded rows, the generated token ids, the top-k used)."""
+    reference backend -> (the recorded rows, the generated token ids, the top-k used). ``no_repeat_ngram`` > 0:
+    the greedy token never repeats an n-gram of that length (generate's ``no_repeat_ngram_size``)."""
     import torch
 
     cache = spec.cache(model, k=k, calibration=calibration, backend="reference", prompt=prompt)
@@ -106,7 +107,8 @@ def generate_rows(model, prompt, ids: np.ndarray, spec: MethodSpec, new_tokens: 
     inputs = torch.cat([torch.as_tensor(ids)[None], prompt.next_token[:, None]], dim=1)
     with torch.inference_mode():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), past_key_values=cache,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             no_repeat_ngram_size=no_repeat_ngram)
     selection_k = cache.selection.k
     cache.close()
     return recorder.rows, out[0, len(ids):].numpy(), selection_k
@@ -124,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default oracle,fathom@48)")
     parser.add_argument("--capacities", type=cli.int_list, default=[1, 2, 4, 8],
                         help="LRU capacities in units of a head's mean rows per step (default 1,2,4,8)")
+    parser.add_argument("--no-repeat-ngram", type=int, default=0,
+                        help="greedy, but never repeating an n-gram of this length (small models loop on plain "
+                             "greedy decoding; default %(default)s: plain greedy)")
     parser.add_argument("--corpus", default="paul-graham",
                         help=f"the prompt's text, one of {', '.join(corpora.CORPORA)} (default %(default)s)")
     parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, design §6)")
@@ -133,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"model / corpus cache folder (default ${fetch.CACHE_ENV} or ~/.cache/fathom)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     parser.add_argument("--name", default=None,
-                        help="file name stem (default rowreuse-<models>-<contexts>-T<new tokens>)")
+                        help="file name stem (default rowreuse-<models>-<contexts>-T<new tokens>[-nr<n>])")
 
 
 def check_args(args) -> dict[str, tuple[list[MethodSpec], Path | None]]:
@@ -141,6 +146,7 @@ def check_args(args) -> dict[str, tuple[list[MethodSpec], Path | None]]:
     args.out = cli.writable_folder("--out", args.out)
     cli.file_stem("--name", args.name)
     cli.at_least("--new-tokens", args.new_tokens, 2)
+    cli.at_least("--no-repeat-ngram", args.no_repeat_ngram, 0)
     if args.k is not None:
         cli.at_least("-k", args.k, 1)
     for c in args.capacities:
@@ -202,18 +208,20 @@ def run(args: argparse.Namespace) -> Path:
                     bar.set_description(f"rowreuse {name} {context_label(context)} {spec.label}")
                     began = time.perf_counter()
                     rows, generated, k = generate_rows(model, prompt, ids, spec, args.new_tokens, args.k,
-                                                       calibration, bar)
+                                                       calibration, args.no_repeat_ngram, bar)
                     runs.append({"model": name, "context": context, "prompt_tokens": len(ids),
                                  "method": spec.label, "k": k, **reuse_summary(rows, args.capacities),
                                  "decode_s": round(time.perf_counter() - began, 1),
                                  "generated": tokenizer.decode(generated)})
     name = args.name or (f"rowreuse-{'-'.join(args.models)}-{'-'.join(context_label(c) for c in args.contexts)}"
-                         f"-T{args.new_tokens}")
-    title = (f"{', '.join(args.models)} on {args.corpus}: {args.new_tokens} greedy generated tokens ending at "
+                         f"-T{args.new_tokens}" + (f"-nr{args.no_repeat_ngram}" if args.no_repeat_ngram else ""))
+    greedy = f"greedy (no repeated {args.no_repeat_ngram}-gram)" if args.no_repeat_ngram else "greedy"
+    title = (f"{', '.join(args.models)} on {args.corpus}: {args.new_tokens} {greedy} generated tokens ending at "
              f"{', '.join(context_label(c) for c in args.contexts)}, reference backend; rows beyond sink "
              "/ local / tail, per (layer, KV head)")
     path = write_json(args.out / f"{name}.json", args.command_line, {
         "models": args.models, "corpus": args.corpus, "contexts": args.contexts, "new_tokens": args.new_tokens,
+        "no_repeat_ngram": args.no_repeat_ngram,
         "capacities": args.capacities, "calibration": {m: None if c is None else str(c) for m, (_, c) in plan.items()},
         "hit_rate": "per head: hits / selected rows, mean over steps 1..T-1 (step 0 finds the cache cold); "
                     "then the mean and the 10th percentile over (layer, session, KV head)",

@@ -65,6 +65,7 @@ def test_a_step_records_its_fetched_rows_without_sink_local_and_tail():
 
 @pytest.mark.parametrize("argv, message", [
     (["--new-tokens", "1"], "--new-tokens must be >= 2"),
+    (["--no-repeat-ngram", "-1"], "--no-repeat-ngram must be >= 0"),
     (["--capacities", "0,2"], "--capacities must be >= 1"),
     (["--contexts", "256"], "--contexts must lie in 512..8192"),
     (["--contexts", "16384"], "--contexts must lie in 512..8192 (smollm2-135m"),
@@ -107,7 +108,7 @@ def test_a_tiny_run_end_to_end(monkeypatch, tmp_path, capsys):
     stem = "rowreuse-tiny-512-640-T6"
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.{ext}" for ext in ("json", "md", "png")]
     result = json.loads((tmp_path / f"{stem}.json").read_text())
-    assert result["command"].startswith("python -m bench rowreuse --models tiny")
+    assert result["command"].startswith("python -m bench rowreuse --models tiny") and result["no_repeat_ngram"] == 0
     assert [(r["context"], r["method"]) for r in result["runs"]] == [
         (512, "oracle"), (512, "fathom@24"), (640, "oracle"), (640, "fathom@24")]
     for r in result["runs"]:
