@@ -1,6 +1,7 @@
 """``python -m bench <command>``: fidelity (error against bits), headline (summary table), ruler (RULER through
 lm-eval and FathomCache), agreement (greedy-token agreement with dense), timing (the decode token on the GPU), generate (a model through
-transformers' generate, HF's caches and FathomCache side by side), soak
+transformers' generate, HF's caches and FathomCache side by side), rowreuse (how often generated tokens
+fetch the rows earlier tokens fetched: an HBM row cache's hit rate), soak
 (memory over many caches), channel-stats (real channel statistics for the timing's keys), fetch (models and
 corpora into the cache)."""
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import agreement, channel_stats, cli, fetch, fidelity, generate, headline, ruler, soak, timing
+from bench import (agreement, channel_stats, cli, fetch, fidelity, generate, headline, rowreuse, ruler, soak,
+                   timing)
 from bench.report import command_line
 
 
@@ -40,6 +42,8 @@ def _run(argv: list[str]) -> None:
                                                           "and CUDA graph"))
     generate.add_arguments(commands.add_parser("generate", help="a model decoding through transformers' generate: "
                                                               "HF's caches and FathomCache side by side"))
+    rowreuse.add_arguments(commands.add_parser("rowreuse", help="row reuse between generated tokens: an HBM row "
+                                                              "cache's hit rate (CPU reference)"))
     soak.add_arguments(commands.add_parser("soak", help="create / use / close an offloaded cache many times: memory "
                                                       "stays flat"))
     channel_stats.add_arguments(commands.add_parser("channel-stats", help="per-channel key/query statistics of a "
@@ -48,7 +52,7 @@ def _run(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
     run = {"fidelity": fidelity.run, "headline": headline.run, "ruler": ruler.run, "agreement": agreement.run,
-           "timing": timing.run, "generate": generate.run, "soak": soak.run,
+           "timing": timing.run, "generate": generate.run, "rowreuse": rowreuse.run, "soak": soak.run,
            "channel-stats": channel_stats.run}[args.command]
     written = run(args)
     # the result and its siblings (a fidelity run's .md, .png, .calibration.npz): the last thing printed

@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from fathom.calibration import Calibration
-from fathom.decode import HeadIndex, decode_step
+from fathom.decode import DecodeStep, HeadIndex, decode_step
 from fathom.growing import GrowingRows
 from fathom.methods import HeadStats, Method
 from fathom.quantize import BLOCK
@@ -130,6 +131,11 @@ class ReferenceSessions:
         calibration: per (layer, KV head) stats over the ``shape.layers`` layers; needed by rotated-store
             methods (their basis), double-sparsity (its channels) and ``variance="calibration"``. Without one,
             such a method takes each layer's from :meth:`calibrate` before the layer's first append.
+
+    ``on_step`` (default None) is an observer: when set, :meth:`step` calls ``on_step(layer, session, head,
+    decoded)`` after each (session, KV head) with its :class:`~fathom.decode.DecodeStep` (``decoded.mask [G, n]``:
+    the rows each query head selected), e.g. to follow which rows successive steps fetch (``python -m bench
+    rowreuse``).
     """
 
     def __init__(self, shape: SessionShape, method: Method, selection: Selection, scale: float,
@@ -142,6 +148,7 @@ class ReferenceSessions:
             self.stats = [_unit_stats(shape) for _ in range(shape.layers)]
         self.indexes: list[list[list[HeadIndex]] | None] = [None] * shape.layers  # made on the layer's first append
         self.values: list[list[list[GrowingRows]] | None] = [None] * shape.layers
+        self.on_step: Callable[[int, int, int, DecodeStep], None] | None = None
 
     def calibrate(self, layer: int, stats: LayerStats) -> None:
         """``layer``'s calibration, before it holds a token."""
@@ -192,6 +199,8 @@ class ReferenceSessions:
                 step = decode_step(queries[s, h * G:(h + 1) * G], index.keys, self.values[layer][s][h].array, index,
                                    self.method, self.selection, self.scale, layer)
                 out[s, h * G:(h + 1) * G] = step.output
+                if self.on_step is not None:
+                    self.on_step(layer, s, h, step)
         return torch.from_numpy(out).to(q.device)
 
     def close(self) -> None:

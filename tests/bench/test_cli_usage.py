@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import (agreement, channel_stats, cli, corpora, decoding, fetch, fidelity, headline, models, ruler, soak,
-                   timing)
+from bench import (agreement, channel_stats, cli, corpora, decoding, fetch, fidelity, headline, models, rowreuse,
+                   ruler, soak, timing)
 from bench.__main__ import main
 from bench.report import RESULTS
 from fathom import methods
@@ -20,7 +20,7 @@ from tests.cli import refused
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 BENCHES = README.parent / "docs" / "benches.md"  # the fidelity bench's other settings
-COMMANDS = [fidelity, headline, ruler, agreement, timing, soak, channel_stats]
+COMMANDS = [fidelity, headline, ruler, agreement, rowreuse, timing, soak, channel_stats]
 
 
 def argparse_refused(argv: list[str], capsys) -> str:
@@ -109,9 +109,9 @@ def test_every_option_type_is_a_named_function(module):
 
 # --- --out naming a file where a folder is wanted, and the reverse ----------------------------------------------
 
-@pytest.mark.parametrize("command", [["fidelity", "--synthetic", "--quick"], ["agreement"], ["ruler", "lm-eval"],
-                                     ["ruler", "score", "--generations", "g"], ["timing"], ["soak"],
-                                     ["channel-stats"]], ids=" ".join)
+@pytest.mark.parametrize("command", [["fidelity", "--synthetic", "--quick"], ["agreement"], ["rowreuse"],
+                                     ["ruler", "lm-eval"], ["ruler", "score", "--generations", "g"], ["timing"],
+                                     ["soak"], ["channel-stats"]], ids=" ".join)
 def test_an_out_that_names_an_existing_file_is_refused_as_not_a_folder(nothing_loads, capsys, command):
     file = nothing_loads / "results.txt"
     file.write_text("a file")
@@ -172,7 +172,7 @@ def test_the_methods_help_says_which_methods_take_bits_and_it_is_true(capsys, mo
 # --- --help: plain text, the choices, the defaults --------------------------------------------------------------
 
 HELPS = [[], ["fidelity"], ["headline"], ["ruler"], ["ruler", "lm-eval"], ["ruler", "samples"], ["ruler", "generate"],
-         ["ruler", "score"], ["agreement"], ["timing"], ["soak"], ["channel-stats"], ["fetch"]]
+         ["ruler", "score"], ["agreement"], ["rowreuse"], ["timing"], ["soak"], ["channel-stats"], ["fetch"]]
 
 
 @pytest.mark.parametrize("argv", HELPS, ids=lambda argv: " ".join(argv) or "bench")
@@ -196,7 +196,7 @@ def test_fidelity_help_lists_the_models_and_corpora_and_readmes_figures(capsys, 
         assert figure in text and figure in docs, figure
 
 
-@pytest.mark.parametrize("module", [fidelity, agreement, ruler, timing], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [fidelity, agreement, rowreuse, ruler, timing], ids=lambda m: m.__name__)
 def test_every_option_with_a_default_says_it_in_its_help(module):
     for action in options(parser_of(module)):
         if action.default not in (None, False, argparse.SUPPRESS) and action.help is not None:
@@ -206,8 +206,8 @@ def test_every_option_with_a_default_says_it_in_its_help(module):
 # --- bad input ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [["agreement"], ["ruler", "lm-eval"], ["ruler", "score", "--generations", "g"],
-                                     ["timing"], ["soak"]], ids=" ".join)
+@pytest.mark.parametrize("command", [["agreement"], ["rowreuse"], ["ruler", "lm-eval"],
+                                     ["ruler", "score", "--generations", "g"], ["timing"], ["soak"]], ids=" ".join)
 def test_every_command_refuses_an_unwritable_out_and_a_name_outside_it_first(tmp_path, capsys, command):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

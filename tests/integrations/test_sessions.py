@@ -95,12 +95,15 @@ def test_a_session_shape_refuses_a_size_that_is_not_positive(field):
                          ids=lambda m: m.name)
 def test_reference_sessions_step_equals_the_reference_decode_step(method):
     """Ragged sessions (prompts of 130 and 70 tokens) grown token by token against decode_step over an index
-    built at once on the same keys, at every step, for every (layer, session, KV head)."""
+    built at once on the same keys, at every step, for every (layer, session, KV head); the ``on_step`` observer
+    sees each of those steps."""
     rng = np.random.default_rng(0)
     S, L, H, G, d, steps, scale = 2, 2, 2, 2, 8, 4, 0.3
     calibration = _calibration(rng, L, H, d)
     sel = Selection(k=6, sink=2, local=8)
     sessions = ReferenceSessions(SessionShape(S, L, H, G, d), method, sel, scale, calibration)
+    observed = {}
+    sessions.on_step = lambda layer, s, h, step: observed.setdefault((layer, s, h), []).append(step)
     spread = np.exp(rng.uniform(-1, 1, d)).astype(np.float32)
     keys = [[rng.standard_normal((H, n, d)).astype(np.float32) * spread for n in (130, 70)] for _ in range(L)]
     values = [[rng.standard_normal((H, n, d)).astype(np.float32) for n in (130, 70)] for _ in range(L)]
@@ -122,7 +125,10 @@ def test_reference_sessions_step_equals_the_reference_decode_step(method):
                     step = decode_step(q[s, h * G:(h + 1) * G], keys[layer][s][h], values[layer][s][h], index,
                                        method, sel, scale, layer)
                     np.testing.assert_array_equal(out[s, h * G:(h + 1) * G], step.output.astype(np.float32))
+                    np.testing.assert_array_equal(observed[layer, s, h][-1].mask, step.mask)
     np.testing.assert_array_equal(sessions.lengths(0), [130 + steps, 70 + steps])
+    assert sorted(observed) == [(layer, s, h) for layer in range(L) for s in range(S) for h in range(H)]
+    assert all(len(seen) == steps for seen in observed.values())
 
 
 @pytest.mark.parametrize("method", ["dense", "fathom", "fathom-rotated", "double-sparsity"])
