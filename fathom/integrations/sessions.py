@@ -61,7 +61,8 @@ from fathom.selection import Selection
 class SessionShape:
     """``sessions`` × ``layers`` × ``kv_heads`` streams of ``head_dim``; ``group`` query heads per KV head;
     ``max_tokens`` per session (the offloaded cache reserves it up front and grows it when a session needs more;
-    the reference grows as it goes)."""
+    the reference grows as it goes); ``hbm_planes``: the offloaded store's scales and this many planes per channel
+    in HBM, the rest pinned (``fathom.layout``; 0: all pinned)."""
 
     sessions: int
     layers: int
@@ -69,6 +70,7 @@ class SessionShape:
     group: int
     head_dim: int
     max_tokens: int | None = None
+    hbm_planes: int = 0
 
     def __post_init__(self):
         for name in ("sessions", "layers", "kv_heads", "group", "head_dim"):
@@ -76,6 +78,22 @@ class SessionShape:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if not 0 <= self.hbm_planes <= 4:
+            raise ValueError(f"hbm_planes must be in 0..4, got {self.hbm_planes}")
+
+    def planes_within(self, hbm_bytes: float, rotated: bool) -> int:
+        """The most planes per channel whose near tier (scales and those planes of every layer's store, both
+        stores when ``rotated``) fits in ``hbm_bytes`` at this shape's ``max_tokens`` (``hbm_planes_for``)."""
+        from fathom.host.cache import hbm_planes_for
+
+        return hbm_planes_for(hbm_bytes, self.cache_shape(), stores=2 if rotated else 1)
+
+    def cache_shape(self):
+        """The offloaded cache's :class:`~fathom.host.cache.CacheShape` of these sessions."""
+        from fathom.host.cache import CacheShape
+
+        return CacheShape(sessions=self.sessions, layers=self.layers, kv_heads=self.kv_heads,
+                          head_dim=self.head_dim, max_tokens=self.max_tokens, hbm_planes=self.hbm_planes)
 
 
 @dataclass(frozen=True)
@@ -235,15 +253,13 @@ class OffloadedSessions:
 
     def __init__(self, shape: SessionShape, method: Method, selection: Selection, scale: float,
                  calibration: Calibration | None = None, needs_calibration: bool = False):
-        from fathom.host.cache import CacheShape, HostKVCache
+        from fathom.host.cache import HostKVCache
 
         if shape.max_tokens is None:
             raise ValueError("shape.max_tokens is needed: the offloaded cache reserves its memory up front")
         self.shape, self.method, self.selection, self.scale = shape, method, selection, scale
         self.needs_calibration = needs_calibration or method.scans_rotated
-        cache_shape = CacheShape(sessions=shape.sessions, layers=shape.layers, kv_heads=shape.kv_heads,
-                                 head_dim=shape.head_dim, max_tokens=shape.max_tokens)
-        self.cache = HostKVCache(cache_shape, rotated=method.scans_rotated)
+        self.cache = HostKVCache(shape.cache_shape(), rotated=method.scans_rotated)
         self.stats: list[LayerStats | None] = [None] * shape.layers
         self._make_decoder()
         if calibration is not None:

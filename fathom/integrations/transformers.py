@@ -49,7 +49,7 @@ from __future__ import annotations
 import threading
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +71,7 @@ from fathom.selection import Selection
 
 ATTENTION = "fathom"
 BACKENDS = ("auto", "reference", "offloaded")
-SETTINGS = ("r", "sink", "local", "variance", "plan", "calibration", "backend", "max_tokens", "pool")
+SETTINGS = ("r", "sink", "local", "variance", "plan", "calibration", "backend", "max_tokens", "hbm_gb", "pool")
 CALIBRATION_QUERIES = 128  # prompt queries per layer a calibration from the prompt uses (as the fidelity captures)
 RESERVE_TOKENS = 4096  # room reserved past the longest prompt when max_tokens is not given (grown beyond it)
 
@@ -86,7 +86,10 @@ class FathomSettings:
     longest prompt). ``plan``: fathom-plan's per-layer budgets, one per full-attention layer (None: planned
     on the prompt). ``max_tokens``: per session, offloaded backend (None: the longest prompt plus
     :data:`RESERVE_TOKENS`, in a bucket of :func:`~fathom.integrations.sessions.capacity`; grown when needed).
-    ``pool``: offloaded sessions are handed to ``fathom.integrations.sessions.POOL`` when the cache closes.
+    ``hbm_gb``: HBM the offloaded store's scales and top bit planes may take (GB; 0: every plane pinned in host
+    memory): the most planes per channel that fit at the cache's capacity when it is made (``fathom.layout``'s
+    tiers; a grown cache keeps its tier). ``pool``: offloaded sessions are handed to
+    ``fathom.integrations.sessions.POOL`` when the cache closes.
     """
 
     method: str = "fathom"
@@ -99,6 +102,7 @@ class FathomSettings:
     plan: tuple[float, ...] | None = None
     backend: str = "auto"
     max_tokens: int | None = None
+    hbm_gb: float = 0.0
     pool: bool = True
 
     def __post_init__(self):
@@ -117,6 +121,11 @@ class FathomSettings:
             raise ValueError(f"r is read by {', '.join(methods.names('channels'))} only; method is {self.method!r}")
         if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:
             raise ValueError(f"variance must be None or one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
+        if isinstance(self.hbm_gb, bool) or not isinstance(self.hbm_gb, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(self.hbm_gb) or self.hbm_gb < 0:
+            raise ValueError(f"hbm_gb must be a finite number of GB >= 0, got {self.hbm_gb!r}")
+        if self.hbm_gb > 0 and self.backend == "reference":
+            raise ValueError("hbm_gb places the offloaded store's top planes in HBM: the reference backend has none")
         if not isinstance(self.pool, bool):
             raise ValueError(f"pool must be True or False, got {self.pool!r}")
         if self.backend not in BACKENDS:
@@ -351,6 +360,9 @@ class _Decoding:
         max_tokens = self.settings.max_tokens or capacity(longest + RESERVE_TOKENS)
         shape = SessionShape(batch, len(s.fathom_layers), s.kv_heads, s.group, s.head_dim, max_tokens)
         self.method = self.settings.method_at(s.head_dim, plan if plan is not None else self.settings.plan)
+        if offloaded and self.settings.hbm_gb > 0:
+            hbm_planes = shape.planes_within(self.settings.hbm_gb * 1e9, self.method.scans_rotated)
+            shape = replace(shape, hbm_planes=hbm_planes)
         needs = self.settings.needs_calibration()
         if not offloaded:
             self.sessions = ReferenceSessions(shape, self.method, self.selection, self.scale,
@@ -638,7 +650,8 @@ class FathomCache(Cache):
             path or a :class:`~fathom.calibration.Calibration`; without one, computed from the prompt when a
             method needs it), ``backend`` ("auto": offloaded when the model is on a CUDA device, else the
             NumPy "reference"), ``max_tokens`` (per session, offloaded; default the longest prompt plus
-            :data:`RESERVE_TOKENS`, rounded up to a bucket, and grown when a session needs more), ``pool``
+            :data:`RESERVE_TOKENS`, rounded up to a bucket, and grown when a session needs more), ``hbm_gb`` (HBM
+            for the offloaded store's scales and top bit planes, GB; 0: all pinned in host memory), ``pool``
             (True: offloaded sessions go back to ``fathom.integrations.sessions.POOL`` when the cache is closed,
             and the next cache of the same shape, method and capacity starts from them).
 
@@ -670,6 +683,10 @@ class FathomCache(Cache):
             from fathom.cuda.interop import DEVICE
             if model.device.type != DEVICE.type:
                 raise ValueError(f"backend 'offloaded' needs the model on {DEVICE.type}, it is on {model.device}")
+        if self.settings.hbm_gb > 0 and self.settings.backend == "auto" and model.device.type != "cuda":
+            raise ValueError(f"hbm_gb places the offloaded store's top planes in HBM: the model is on {model.device}, "
+                             "where the cache decodes on the reference backend (pass backend='offloaded' under the "
+                             "CUDA simulator)")
         calibration = _load_calibration(calibration, shape)
         self.decoding = _Decoding(self.settings, shape, calibration, model.config)
         slots = {layer: slot for slot, layer in enumerate(shape.fathom_layers)}

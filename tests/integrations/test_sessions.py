@@ -149,6 +149,35 @@ def test_offloaded_sessions_decode_as_the_reference_does(method):
     offloaded.close()
 
 
+def test_an_hbm_budget_tiers_the_offloaded_store_and_decodes_the_same_tokens():
+    """hbm_gb puts the scales and the planes that fit in HBM (here 2 of 4) and decodes what the all-pinned store
+    does; a budget on the reference backend is refused when the cache is made."""
+    from dataclasses import replace
+
+    from fathom.cuda.interop import DEVICE
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
+    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
+    layout = SessionShape(2, 1, 1, 2, 16, 80).cache_shape().layout
+    two_planes_gb = 1.01 * 8 * replace(layout, hbm_planes=2).near_words / 1e9  # a third plane needs far more
+    pinned = FathomCache(model, "fathom", backend="offloaded", **settings)
+    tiered = FathomCache(model, "fathom", backend="offloaded", hbm_gb=two_planes_gb, **settings)
+    torch.testing.assert_close(generate(model, ids, mask, tiered, new=3), generate(model, ids, mask, pinned, new=3),
+                               rtol=0, atol=0)
+    assert tiered.decoding.sessions.cache.shape.layout.hbm_planes == 2
+    assert tiered.decoding.sessions.cache.hbm_bytes > 0
+    pinned.close()
+    tiered.close()
+    with pytest.raises(ValueError, match="hbm_gb .* reference backend"):
+        FathomCache(model, "fathom", backend="reference", hbm_gb=1.0)
+    with pytest.raises(ValueError, match="hbm_gb must be a finite number"):
+        FathomCache(model, "fathom", hbm_gb=-1)
+
+
 def test_offloaded_sessions_are_pooled_grown_and_continue_a_conversation_as_the_reference_does():
     """A closed cache's sessions serve the next cache of the same key (same tokens as the reference); a
     conversation's second turn past max_tokens grows the pinned store and still generates the reference's tokens."""
