@@ -16,9 +16,10 @@ a loop that overlaps the host with the GPU keeps doing so, and one that leaves t
 Per record: ``prefill_s`` (the prefill forward; for a FathomCache it includes reserving pinned memory,
 the calibration from the prompt and the appends), ``first_step_ms`` (the first decode step: graph captures,
 kernel warm-up), ``steady_ms`` (median per-token wall time after ``--warmup`` steps), ``tokens_per_s`` (batch /
-steady), ``turn_first_token_ms`` (a conversation's second turn on the pooled call's cache: its output and
-``--turn-tokens`` more tokens fed back, time to the turn's first token — the chunk's forward, no rebuild), the same three for a second cache of the same key made right after (``pooled_*``: pinned memory, graphs
-and kernels reused), ``setup_s`` (what the first cache of a key pays once: its prefill + first step minus the
+steady), the same three for a second cache of the same key made right after (``pooled_*``: pinned memory, graphs
+and kernels reused), ``turn_first_token_ms`` (a conversation's second turn on the pooled call's cache: its output
+and ``--turn-tokens`` more tokens fed back, time to the turn's first token — the chunk's forward, no rebuild),
+``setup_s`` (what the first cache of a key pays once: its prefill + first step minus the
 pooled cache's), ``gpu_busy_ms`` (kernel and copy time per steady token, torch.profiler over ``--profile`` steps
 of the pooled run, copies that overlap kernels counted twice; for ``+graph`` systems the token graph replayed
 alone behind a sleep, CUDA events, median — a profiler window cannot be cut per token there, since the next
@@ -393,7 +394,7 @@ def _close(cache) -> None:
 
 def attention_gpu_ms(cache, reps: int = 5) -> float | None:
     """GPU time of one token through every layer's Fathom step (its append included), on the cache as the run left
-    it: each layer's captured step replayed with random inputs, queued behind a sleep kernel, CUDA events, median."""
+    it: each layer's captured step replayed with random inputs (:func:`_replay_gpu_ms`)."""
     import torch
 
     from fathom.integrations.sessions import OffloadedSessions
@@ -406,23 +407,18 @@ def attention_gpu_ms(cache, reps: int = 5) -> float | None:
     kv = torch.randn(2, s.sessions, s.kv_heads, s.head_dim, device="cuda")
     sessions.reserve(reps + 1)
     graphs = [sessions.graph(layer) for layer in range(s.layers)]
-    times = []
-    for _ in range(reps + 1):
-        sessions.begin_token()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(50_000_000)
-        start.record()
+
+    def token():
+        sessions.begin_token()  # host checks only: the GPU is still behind the sleep
         for layer, graph in enumerate(graphs):
             graph.replay(q[layer], kv[0][:, :, None], kv[1][:, :, None])
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[1:])
+
+    return _replay_gpu_ms(token, reps)
 
 
 def token_graph_gpu_ms(cache, reps: int = 5) -> float | None:
-    """GPU time of one replay of the cache's token graph (the whole decode token), queued behind a sleep kernel,
-    CUDA events, median of ``reps`` after one; None when the room reserved for the cache runs out first."""
+    """GPU time of one replay of the cache's token graph (the whole decode token) (:func:`_replay_gpu_ms`); None
+    when the room reserved for the cache runs out first."""
     import torch
 
     graphs = list(cache.decoding.sessions.token_graphs.values())
@@ -432,19 +428,26 @@ def token_graph_gpu_ms(cache, reps: int = 5) -> float | None:
     batch = graph.token.shape[0]
     token = torch.ones(batch, dtype=torch.long, device="cuda")
     position = torch.full((batch,), cache.get_seq_length(), dtype=torch.long, device="cuda")
-    times = []
     try:
-        for _ in range(reps + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(50_000_000)
-            start.record()
-            graph(token, position)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-            position += 1
+        return _replay_gpu_ms(lambda: graph(token, position), reps)
     except ValueError:  # the store would have to grow: the graph is no longer valid for it
         return None
+
+
+def _replay_gpu_ms(replay, reps: int) -> float:
+    """Median GPU time of ``replay()`` over ``reps`` runs after one, each queued behind a sleep kernel so that the
+    host's launching is not timed (CUDA events)."""
+    import torch
+
+    times = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(50_000_000)
+        start.record()
+        replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
     return statistics.median(times[1:])
 
 
@@ -475,7 +478,8 @@ COLUMNS = [("model", "model", ""), ("context", "context", "d"), ("batch", "batch
            ("prefill_s", "prefill s", ".2f"), ("prefill_vs_hf", "prefill / HF", ".2f"),
            ("pooled_prefill_s", "pooled prefill s", ".2f"),
            ("first_step_ms", "first step ms", ".0f"), ("pooled_first_step_ms", "pooled first step ms", ".0f"),
-           ("setup_s", "setup s", ".2f"), ("turn_first_token_ms", "turn-2 first token ms", ".0f"), ("steady_ms", "steady ms/token", ".1f"), ("tokens_per_s", "tok/s", ".1f"),
+           ("setup_s", "setup s", ".2f"), ("turn_first_token_ms", "turn-2 first token ms", ".0f"),
+           ("steady_ms", "steady ms/token", ".1f"), ("tokens_per_s", "tok/s", ".1f"),
            ("attention_gpu_ms", "attention GPU ms", ".1f"), ("gpu_busy_ms", "GPU busy ms", ".1f"),
            ("host_ms_per_token", "host ms/token", ".1f"), ("hbm_gb", "HBM GB", ".1f"), ("pinned_gb", "pinned GB", ".1f")]
 

@@ -148,19 +148,19 @@ class PinnedLayer:
     records: dict[str, MappedBuffer]
 
     @classmethod
-    def allocate(cls, shape: CacheShape, bases: tuple[str, ...]) -> PinnedLayer:
+    def allocate(cls, shape: CacheShape, store_names: tuple[str, ...]) -> PinnedLayer:
         words = shape.head_dim // 4
         return cls(MappedBuffer((shape.groups, shape.max_tokens, 2, words), np.uint64),
                    MappedBuffer((shape.groups, shape.max_tokens // LANDMARK_TOKENS, 1, words), np.uint64),
-                   {name: MappedBuffer((shape.layout.far_words,), np.uint64) for name in bases
+                   {name: MappedBuffer((shape.layout.far_words,), np.uint64) for name in store_names
                     if shape.layout.far_words})
 
     @staticmethod
-    def nbytes(shape: CacheShape, bases: tuple[str, ...]) -> int:
+    def nbytes(shape: CacheShape, store_names: tuple[str, ...]) -> int:
         """Bytes :meth:`allocate` pins for ``shape``, computed without allocating."""
         row_words = shape.groups * shape.max_tokens * 2 * (shape.head_dim // 4)
         mark_words = shape.groups * (shape.max_tokens // LANDMARK_TOKENS) * (shape.head_dim // 4)
-        return 8 * (row_words + mark_words + shape.layout.far_words * len(bases))
+        return 8 * (row_words + mark_words + shape.layout.far_words * len(store_names))
 
     def close(self) -> None:
         for buffer in (self.kv, self.marks, *self.records.values()):
@@ -215,8 +215,8 @@ class HostKVCache:
             for layer in range(s.layers):
                 self._check_basis(layer, basis[layer])
         self.rotated = basis is not None or bool(rotated)
-        bases = ("raw", "rotated") if self.rotated else ("raw",)
-        _check_host_memory(s.layers * PinnedLayer.nbytes(s, bases), s)
+        self.store_names = ("raw", "rotated") if self.rotated else ("raw",)  # the stores each layer holds
+        _check_host_memory(s.layers * PinnedLayer.nbytes(s, self.store_names), s)
         self.closed = False
         self.status = MappedBuffer((s.layers, 4), np.int32)  # error flags, read by the host without a sync
         self._status = as_array(self.status.tensor())
@@ -224,7 +224,8 @@ class HostKVCache:
         self._bases = [identity.clone() if self.rotated else None for _ in range(s.layers)]
         # Pinning runs at a few GB/s: layer by layer on a worker thread, so a prefill computes meanwhile
         allocator = ThreadPoolExecutor(1, thread_name_prefix="fathom-pinned")
-        self._pinned: list[Future] = [allocator.submit(PinnedLayer.allocate, s, bases) for _ in range(s.layers)]
+        self._pinned: list[Future] = [allocator.submit(PinnedLayer.allocate, s, self.store_names)
+                                      for _ in range(s.layers)]
         allocator.shutdown(wait=False)  # the queued allocations still run; nothing more is queued
         self._stores: list[LayerStore | None] = [None] * s.layers  # made at the layer's first use
         if basis is not None:
@@ -257,15 +258,13 @@ class HostKVCache:
     @property
     def pinned_bytes(self) -> int:
         """Bytes of pinned host memory the cache holds (rows, landmarks, the stores' far tiers, flags)."""
-        bases = ("raw", "rotated") if self.rotated else ("raw",)
-        return self.status.nbytes + self.shape.layers * PinnedLayer.nbytes(self.shape, bases)
+        return self.status.nbytes + self.shape.layers * PinnedLayer.nbytes(self.shape, self.store_names)
 
     @property
     def hbm_bytes(self) -> int:
         """Bytes of HBM the stores' near tiers take (scales and the first ``hbm_planes`` planes); the tails, σ² sums
         and lengths beside them are not counted."""
-        stores = 2 if self.rotated else 1
-        return 8 * self.shape.layers * stores * self.shape.layout.near_words
+        return 8 * self.shape.layers * len(self.store_names) * self.shape.layout.near_words
 
     def most_held(self) -> int:
         """Tokens of the fullest session of any layer (the host's mirror: no sync)."""

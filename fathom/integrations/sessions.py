@@ -81,13 +81,6 @@ class SessionShape:
         if not 0 <= self.hbm_planes <= 4:
             raise ValueError(f"hbm_planes must be in 0..4, got {self.hbm_planes}")
 
-    def planes_within(self, hbm_bytes: float, rotated: bool) -> int:
-        """The most planes per channel whose near tier (scales and those planes of every layer's store, both
-        stores when ``rotated``) fits in ``hbm_bytes`` at this shape's ``max_tokens`` (``hbm_planes_for``)."""
-        from fathom.host.cache import hbm_planes_for
-
-        return hbm_planes_for(hbm_bytes, self.cache_shape(), stores=2 if rotated else 1)
-
     def cache_shape(self):
         """The offloaded cache's :class:`~fathom.host.cache.CacheShape` of these sessions."""
         from fathom.host.cache import CacheShape

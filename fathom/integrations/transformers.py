@@ -272,7 +272,7 @@ class _Decoding:
             # to the host, not one sync per layer in the middle of the prefill
             self.uncalibrated.append(slot)
         else:
-            self._calibrate(slot)
+            self._calibrate([slot])
         self._append(slot, k, v)
 
     def extend(self, slot: int, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
@@ -330,24 +330,21 @@ class _Decoding:
     def calibrate_waiting(self) -> None:
         """The layers whose calibration waited for the first step (:meth:`prefill`), calibrated now: the prompt's
         statistics reach the host in one go. Called before the first step, eager or captured."""
-        if not self.uncalibrated:
-            return
-        from_prompt = [slot for slot in self.uncalibrated if slot in self.layer_calibrations]
+        self._calibrate(self.uncalibrated)
+        self.uncalibrated = []
+
+    def _calibrate(self, slots: list[int]) -> None:
+        """Calibrate ``slots``: those with a calibration from the prompt from one stack of them (one copy to the
+        host), the others from the calibration given, if any."""
+        from_prompt = [slot for slot in slots if slot in self.layer_calibrations]
         if from_prompt:
             stacked = stack([self.layer_calibrations[slot] for slot in from_prompt], {})
             for i, slot in enumerate(from_prompt):
                 self.sessions.calibrate(slot, LayerStats.of(stacked, i))
-        for slot in self.uncalibrated:
-            if slot not in self.layer_calibrations and self.given_calibration is not None:
-                self.sessions.calibrate(slot, LayerStats.of(self.given_calibration, slot))
-        self.uncalibrated = []
-
-    def _calibrate(self, slot: int) -> None:
-        if slot in self.layer_calibrations:
-            one = stack([self.layer_calibrations[slot]], {})
-            self.sessions.calibrate(slot, LayerStats.of(one, 0))
-        elif self.given_calibration is not None:
-            self.sessions.calibrate(slot, LayerStats.of(self.given_calibration, slot))
+        if self.given_calibration is not None:
+            for slot in slots:
+                if slot not in self.layer_calibrations:
+                    self.sessions.calibrate(slot, LayerStats.of(self.given_calibration, slot))
 
     def _open(self, batch: int, device: torch.device, plan: tuple[float, ...] | None = None) -> None:
         if self.closed:
@@ -361,8 +358,10 @@ class _Decoding:
         shape = SessionShape(batch, len(s.fathom_layers), s.kv_heads, s.group, s.head_dim, max_tokens)
         self.method = self.settings.method_at(s.head_dim, plan if plan is not None else self.settings.plan)
         if offloaded and self.settings.hbm_gb > 0:
-            hbm_planes = shape.planes_within(self.settings.hbm_gb * 1e9, self.method.scans_rotated)
-            shape = replace(shape, hbm_planes=hbm_planes)
+            from fathom.host.cache import hbm_planes_for
+
+            stores = 2 if self.method.scans_rotated else 1
+            shape = replace(shape, hbm_planes=hbm_planes_for(self.settings.hbm_gb * 1e9, shape.cache_shape(), stores))
         needs = self.settings.needs_calibration()
         if not offloaded:
             self.sessions = ReferenceSessions(shape, self.method, self.selection, self.scale,
@@ -378,8 +377,8 @@ class _Decoding:
         calibration = self.calibration
         planned = plan_layers(capture, calibration, [self.settings.budget], self.selection)[0]
         self._open(batch, device, planned.policy.budgets)
+        self._calibrate(list(self.waiting))
         for slot, (k, v) in self.waiting.items():
-            self._calibrate(slot)
             self._append(slot, k, v)
         self.waiting.clear()
         self.prompt.clear()
