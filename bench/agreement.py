@@ -154,7 +154,7 @@ def batched_logits(model, prefix, last: int, teacher: np.ndarray, attention: Tea
     batched path)."""
     import torch
 
-    from fathom.integrations.transformers import attention_implementation
+    from fathom.integrations.attention import attention_implementation
 
     inputs = torch.as_tensor(np.concatenate([[last], teacher[:-1]]))[None]
     with attention_implementation(model, ATTENTION, attention), torch.inference_mode():

@@ -79,7 +79,7 @@ def capture(model, ids, positions: int | None = None, meta: dict | None = None) 
     """
     import torch
 
-    from fathom.integrations.transformers import attention_implementation
+    from fathom.integrations.attention import attention_implementation
 
     n = ids.shape[1]
     positions = positions or decode_positions(n)

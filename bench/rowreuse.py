@@ -11,7 +11,7 @@ every step and would live in an always-resident area.
 
 The prompt holds ``context − new_tokens`` tokens of the corpus, so the last
 step decodes at ``context``; one dense prefill per (model, context) is shared
-by the methods (:func:`~fathom.integrations.transformers.prefill`). Per
+by the methods (:func:`~fathom.integrations.prefill.prefill`). Per
 (layer, session, KV head) the row sets are replayed through
 :mod:`bench.row_cache`: keeping only the previous step's rows, and LRU caches
 of ``c ×`` that head's mean rows per step. Reported per method and context:
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> Path:
     plan = check_args(args)
     import torch
 
-    from fathom.integrations.transformers import prefill
+    from fathom.integrations.prefill import prefill
 
     start = time.perf_counter()
     text = corpora.load(args.corpus, args.cache)

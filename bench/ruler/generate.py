@@ -10,7 +10,7 @@ to the task's ``max_gen_toks`` or the model's end-of-sequence token. The text
 is decoded as ``HFLM`` decodes it (special tokens skipped); cutting at stop
 sequences and scoring happen in ``python -m bench ruler score``, with lm-eval.
 
-One dense prefill per batch serves every method: :func:`fathom.integrations.transformers.prefill`
+One dense prefill per batch serves every method: :func:`fathom.integrations.prefill.prefill`
 runs it once, each method's cache starts from it (``FathomCache(..., prompt=)``)
 and ``generate`` continues from the prefill's greedy token — the same tokens as
 a cache that prefills by itself (tested), at a sixth of the prefill time for
@@ -93,7 +93,7 @@ def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Pat
     """Every method on every sample, one dense prefill per batch; the JSON at ``out`` is rewritten after each
     batch and method (a cut run keeps what it finished, and ``done`` generations from such a run are not
     redone)."""
-    from fathom.integrations.transformers import prefill
+    from fathom.integrations.prefill import prefill
 
     generations = list(done or [])
     finished = {(g["id"], g["method"]) for g in generations}

@@ -1,0 +1,125 @@
+"""The prompt: one dense prefill shared by the FathomCaches of several methods (:class:`Prompt`, :func:`prefill`),
+and what every prefill reads off it (each batch row's non-pad positions, row 0's calibration queries)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from fathom.integrations.attention import ATTENTION, attention_implementation
+from fathom.integrations.settings import _ModelShape
+
+CALIBRATION_QUERIES = 128  # prompt queries per layer a calibration from the prompt uses (as the fidelity captures)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One dense prefill of a batch of prompts, to fill the FathomCaches of several methods without running it
+    again (:func:`prefill`; ``FathomCache(model, ..., prompt=prompt)``).
+
+    ``keys``, ``values``: per decoder layer ``[B, H, n, d]``; ``queries``: per full-attention layer row 0's
+    calibration queries ``[H·G, m, d]`` (None for sliding-window layers); ``valid bool [B, n]``: the non-pad
+    positions; ``scale``: the softmax scale; ``next_token int64 [B]``: the greedy token after each prompt.
+    """
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    queries: tuple[torch.Tensor | None, ...]
+    valid: torch.Tensor
+    scale: float
+    next_token: torch.Tensor
+
+
+class _PromptRecorder:
+    """The attention function of :func:`prefill`: the model's sdpa attention, recording what a FathomCache's
+    prefill would record."""
+
+    def __init__(self, layer_types: tuple[str, ...]):
+        self.layer_types = layer_types
+        self.keys, self.values, self.queries, self.valid, self.scales = {}, {}, {}, None, set()
+        self.row0: slice | torch.Tensor | None = None  # batch row 0's non-pad positions
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        i = module.layer_idx
+        self.keys[i], self.values[i] = key, value
+        if self.layer_types[i] == "full_attention":
+            if self.valid is None:
+                self.valid = _valid_keys(attention_mask, key)
+                self.row0 = _rows(self.valid)[0]  # one host read for the whole prefill
+            self.queries[i] = _calibration_queries(query, self.row0)
+            self.scales.add(kwargs.get("scaling") or module.scaling)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Prompt:
+    """Run the model's dense sdpa prefill over ``input_ids [B, n]`` (left-padded where ``attention_mask`` says)
+    once, for FathomCaches of several methods to start from.
+
+    A cache made with ``prompt=`` holds the prompt as if it had run this prefill itself; generate then continues
+    from ``prompt.next_token`` (the greedy token the prefill's logits give), which it decodes as its first step:
+    ``generate(cat([input_ids, next_token]), ..., max_new_tokens=N - 1)`` generates exactly what
+    ``generate(input_ids, ..., max_new_tokens=N)`` with a fresh cache would (tested).
+    """
+    shape = _ModelShape.of(model)
+    if model.config._attn_implementation not in ("sdpa", ATTENTION):
+        raise ValueError(f"model must use sdpa attention, got {model.config._attn_implementation!r}")
+    recorder = _PromptRecorder(shape.layer_types)
+    positions = None
+    if attention_mask is not None:  # as generate places left-padded rows: the first real token at position 0
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    with attention_implementation(model, "fathom_prompt", recorder), torch.inference_mode():
+        logits = model(input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                       logits_to_keep=1).logits
+    if len(recorder.scales) != 1:
+        raise ValueError(f"layers use different softmax scales {recorder.scales}; FathomCache decodes with one")
+    layers = range(len(shape.layer_types))
+    return Prompt(tuple(recorder.keys[i] for i in layers), tuple(recorder.values[i] for i in layers),
+                  tuple(recorder.queries.get(i) for i in layers), recorder.valid, recorder.scales.pop(),
+                  logits[:, -1].argmax(dim=-1))
+
+
+def _check_prompt(prompt: Prompt, shape: _ModelShape) -> None:
+    """A :class:`Prompt` of another model is refused before the cache holds any of it."""
+    if len(prompt.keys) != len(shape.layer_types):
+        raise ValueError(f"prompt holds {len(prompt.keys)} layers, the model has {len(shape.layer_types)}")
+    for i in shape.fathom_layers:
+        B, H, n, d = prompt.keys[i].shape
+        if (H, d) != (shape.kv_heads, shape.head_dim) or prompt.valid.shape != (B, n):
+            raise ValueError(f"prompt layer {i} holds keys [B, H, n, d] = {[B, H, n, d]}, the model has "
+                             f"H = {shape.kv_heads}, d = {shape.head_dim}")
+
+
+def _rows(valid: torch.Tensor) -> list[slice | torch.Tensor]:
+    """Each batch row's non-pad positions of ``valid bool [B, n]``: a slice when they are one run (left or no
+    padding), else their indices on the device. One read of ``valid`` on the host."""
+    rows = []
+    for row in valid.cpu().numpy():
+        positions = np.flatnonzero(row)
+        if len(positions) and positions[-1] - positions[0] + 1 != len(positions):
+            rows.append(torch.as_tensor(positions, device=valid.device))
+        else:
+            rows.append(slice(int(positions[0]), int(positions[-1]) + 1) if len(positions) else slice(0, 0))
+    return rows
+
+
+def _count(rows: slice | torch.Tensor) -> int:
+    """How many positions :func:`_rows` names for one batch row."""
+    return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
+
+
+def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, n]``: the prompt positions that are not padding (what the last query may attend to)."""
+    B, n = key.shape[0], key.shape[2]
+    if attention_mask is None:
+        return torch.ones((B, n), dtype=torch.bool, device=key.device)
+    last = attention_mask[:, 0, -1, :n].expand(B, n)
+    return last if last.dtype == torch.bool else last == 0
+
+
+def _calibration_queries(query: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """Row 0's queries at its last :data:`CALIBRATION_QUERIES` non-pad positions ``rows``: ``[H·G, m, d]`` of
+    ``query [B, H·G, n, d]`` (what a calibration or plan from the prompt reads)."""
+    return query[0][:, rows][:, -CALIBRATION_QUERIES:]

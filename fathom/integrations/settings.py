@@ -1,0 +1,146 @@
+"""What a :class:`~fathom.integrations.transformers.FathomCache` is made from: its settings (validated), the
+attention shapes read off the model's config, and the calibration it is given (loaded and checked)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fathom import methods
+from fathom.calibration import Calibration
+from fathom.methods import Method
+
+BACKENDS = ("auto", "reference", "offloaded")
+SETTINGS = ("r", "sink", "local", "variance", "plan", "calibration", "backend", "max_tokens", "hbm_gb", "pool")
+RESERVE_TOKENS = 4096  # room reserved past the longest prompt when max_tokens is not given (grown beyond it)
+
+
+@dataclass(frozen=True)
+class FathomSettings:
+    """What a :class:`FathomCache` decodes with (validated here; the model-dependent checks are the cache's).
+
+    ``budget``: bits per token for fathom, fathom-rotated and fathom-plan (the plan's mean); for sparq,
+    double-sparsity and loki it names ``r = budget / 4.25`` channels at 4 bits (68 -> 16, 136 -> 32) unless
+    ``r`` is given; other methods do not read it. ``k``: top-k per query head (None: design §6's k by the
+    longest prompt). ``plan``: fathom-plan's per-layer budgets, one per full-attention layer (None: planned
+    on the prompt). ``max_tokens``: per session, offloaded backend (None: the longest prompt plus
+    :data:`RESERVE_TOKENS`, in a bucket of :func:`~fathom.integrations.sessions.capacity`; grown when needed).
+    ``hbm_gb``: HBM the offloaded store's scales and top bit planes may take (GB; 0: every plane pinned in host
+    memory): the most planes per channel that fit at the cache's capacity when it is made (``fathom.layout``'s
+    tiers; a grown cache keeps its tier). ``pool``: offloaded sessions are handed to
+    ``fathom.integrations.sessions.POOL`` when the cache closes.
+    """
+
+    method: str = "fathom"
+    budget: float = 48
+    k: int | None = None
+    r: int | None = None
+    sink: int = 4
+    local: int = 32
+    variance: str | None = None  # None: the store basis' default σ² source (fathom.methods.DEFAULT_VARIANCE)
+    plan: tuple[float, ...] | None = None
+    backend: str = "auto"
+    max_tokens: int | None = None
+    hbm_gb: float = 0.0
+    pool: bool = True
+
+    def __post_init__(self):
+        entry = methods.entry(self.method)
+        methods.check_budget(self.method, self.budget, planned=self.plan is not None)
+        for name in ("k", "r", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                      or value < (0 if name == "k" else 1)):
+                raise ValueError(f"{name} must be None or an integer >= {0 if name == 'k' else 1}, got {value!r}")
+        for name in ("sink", "local"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.r is not None and entry.budget != "channels":
+            raise ValueError(f"r is read by {', '.join(methods.names('channels'))} only; method is {self.method!r}")
+        if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:
+            raise ValueError(f"variance must be None or one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
+        if isinstance(self.hbm_gb, bool) or not isinstance(self.hbm_gb, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(self.hbm_gb) or self.hbm_gb < 0:
+            raise ValueError(f"hbm_gb must be a finite number of GB >= 0, got {self.hbm_gb!r}")
+        if self.hbm_gb > 0 and self.backend == "reference":
+            raise ValueError("hbm_gb places the offloaded store's top planes in HBM: the reference backend has none")
+        if not isinstance(self.pool, bool):
+            raise ValueError(f"pool must be True or False, got {self.pool!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.plan is not None:
+            if not entry.per_layer:
+                raise ValueError(f"plan is fathom-plan's per-layer budgets; method is {self.method!r}")
+            if not all(isinstance(b, (int, float)) and np.isfinite(b) and b >= 0 for b in self.plan):
+                raise ValueError(f"plan must hold finite budgets >= 0, got {self.plan!r}")
+            if np.mean(self.plan) > self.budget + 1e-9:
+                raise ValueError(f"plan must average at most budget = {self.budget}, got {np.mean(self.plan):g}")
+
+    def channels(self, d: int) -> int:
+        """r of the fixed-channel methods (sparq, double-sparsity, loki) at head dim ``d``."""
+        return methods.channels(self.budget, d, self.r)
+
+    def needs_calibration(self) -> bool:
+        """Whether the method reads calibration statistics (a basis, DS channels or calibration σ²)."""
+        return methods.entry(self.method).needs_calibration(self.variance)
+
+    def method_at(self, d: int, plan: tuple[float, ...] | None = None) -> Method:
+        """The :class:`~fathom.methods.Method` (fathom-plan: with the per-layer budgets ``plan``)."""
+        return methods.build(self.method, d, self.budget, self.r, self.variance, plan)
+
+
+@dataclass(frozen=True)
+class _ModelShape:
+    """The attention shapes a cache needs, read off the model's config."""
+
+    layer_types: tuple[str, ...]
+    kv_heads: int
+    group: int
+    head_dim: int
+    sliding_window: int | None
+    context: int | None  # the model's context length, where its config states one
+
+    @property
+    def fathom_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @classmethod
+    def of(cls, model) -> _ModelShape:
+        config = model.config.get_text_config(decoder=True)
+        n_layers, q_heads = config.num_hidden_layers, config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+        types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"model has {', '.join(unknown)} layers; FathomCache supports full and sliding-window "
+                             "attention")
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ValueError("model soft-caps its attention logits; Fathom's exact attention does not")
+        return cls(types, kv_heads, q_heads // kv_heads, head_dim, getattr(config, "sliding_window", None),
+                   getattr(config, "max_position_embeddings", None))
+
+
+def _load_calibration(calibration, shape: _ModelShape) -> Calibration | None:
+    """A Calibration (or the path of one) checked against the model's full-attention layers."""
+    if calibration is None:
+        return None
+    if isinstance(calibration, (str, Path)):
+        if not Path(calibration).is_file():
+            raise ValueError(f"calibration must be a .calibration.npz file or a Calibration; no file {calibration}")
+        calibration = Calibration.load(calibration)
+    if not isinstance(calibration, Calibration):
+        raise ValueError(f"calibration must be a path or a fathom.calibration.Calibration, got "
+                         f"{type(calibration).__name__}")
+    layers = shape.fathom_layers
+    expected = (len(layers), shape.kv_heads, shape.head_dim)
+    if calibration.sigma2_raw.shape != expected:
+        raise ValueError(f"calibration must have [layers, KV heads, head dim] = {expected} (the model's "
+                         f"full-attention layers), got {calibration.sigma2_raw.shape}")
+    if calibration.meta.get("layers", layers) != layers:
+        raise ValueError(f"calibration covers layers {calibration.meta['layers']}, the model's full-attention "
+                         f"layers are {layers}")
+    return calibration
