@@ -31,13 +31,13 @@ class _Handoff(threading.local):
     layer: FathomLayer | None = None
 
 
-_handoff = _Handoff()
+handoff = _Handoff()
 
 
 def fathom_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, **kwargs):
     """The registered attention function: a :class:`FathomLayer`'s step, else transformers' sdpa attention."""
-    layer, _handoff.layer = _handoff.layer, None
+    layer, handoff.layer = handoff.layer, None
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if layer.layer_idx != module.layer_idx:
@@ -67,14 +67,14 @@ def attention_implementation(model, name: str, function):
 _SWITCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _switch(model) -> None:
+def switch_to_fathom(model) -> None:
     """Run ``model``'s attention through :data:`ATTENTION` while at least one FathomCache is open on it."""
     entry = _SWITCHED.setdefault(model, [model.config._attn_implementation, 0])
     entry[1] += 1
     model.set_attn_implementation(ATTENTION)
 
 
-def _switch_back(model) -> None:
+def switch_back(model) -> None:
     """One FathomCache fewer open on ``model`` (None: the model was garbage collected): the last one switches the
     model back to its own attention implementation."""
     entry = _SWITCHED.get(model) if model is not None else None

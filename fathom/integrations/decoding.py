@@ -1,4 +1,4 @@
-"""The decoding state the layers of one FathomCache share (:class:`_Decoding`): its sessions in the store, the
+"""The decoding state the layers of one FathomCache share (:class:`Decoding`): its sessions in the store, the
 prefill's bookkeeping, the calibration and plan from the prompt."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from fathom.calibration import Calibration
 from fathom.capture import Capture
 from fathom.cuda.calibration import LayerCalibration, calibrate_layer, stack
 from fathom.fidelity import plan_layers
-from fathom.integrations.prefill import _count, _rows
+from fathom.integrations.prefill import count_positions, nonpad_positions
 from fathom.integrations.sessions import (POOL, LayerStats, OffloadedSessions, ReferenceSessions, SessionShape,
                                           capacity)
-from fathom.integrations.settings import RESERVE_TOKENS, FathomSettings, _ModelShape
+from fathom.integrations.settings import RESERVE_TOKENS, FathomSettings, ModelShape
 from fathom.methods import Method
 from fathom.selection import Selection
 
 
-class _Decoding:
+class Decoding:
     """What the layers of one FathomCache share: settings, the sessions once opened, the prefill's bookkeeping.
 
     The sessions open at the first layer of the prefill, when everything they need is known (batch, k, scale,
@@ -31,7 +31,7 @@ class _Decoding:
     the first decode step.
     """
 
-    def __init__(self, settings: FathomSettings, shape: _ModelShape, calibration: Calibration | None, config):
+    def __init__(self, settings: FathomSettings, shape: ModelShape, calibration: Calibration | None, config):
         self.settings, self.shape, self.given_calibration, self.config = settings, shape, calibration, config
         self.plan_from_prompt = methods.entry(settings.method).per_layer and settings.plan is None
         self.calibrate_from_prompt = settings.needs_calibration() and calibration is None
@@ -59,15 +59,15 @@ class _Decoding:
         """The non-pad positions of each batch row of the prompt (``valid bool [B, n]``), read on the host once per
         prefill, at its first layer."""
         if slot == 0 or self.rows is None:
-            self.rows = _rows(valid)
+            self.rows = nonpad_positions(valid)
         return self.rows
 
     def prefill(self, slot: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
         """Record the prompt of one layer: ``k, v [B, H, n, d]`` at the positions :meth:`prompt_rows` gave, and
-        ``queries [H·G, m, d]``, row 0's calibration queries (:func:`_calibration_queries`)."""
+        ``queries [H·G, m, d]``, row 0's calibration queries (:func:`calibration_queries`)."""
         self._check_scale(scale)
         if self.selection is None:
-            longest = max(_count(r) for r in self.rows)
+            longest = max(count_positions(r) for r in self.rows)
             k_top = self.settings.k if self.settings.k is not None else Selection.for_context(longest).k
             self.selection = Selection(k=k_top, sink=self.settings.sink, local=self.settings.local)
         if self.calibrate_from_prompt:
@@ -169,7 +169,7 @@ class _Decoding:
             return
         s = self.shape
         offloaded = self.settings.backend == "offloaded" or (self.settings.backend == "auto" and device.type == "cuda")
-        longest = max(_count(r) for r in self.rows)
+        longest = max(count_positions(r) for r in self.rows)
         max_tokens = self.settings.max_tokens or capacity(longest + RESERVE_TOKENS)
         shape = SessionShape(batch, len(s.fathom_layers), s.kv_heads, s.group, s.head_dim, max_tokens)
         self.method = self.settings.method_at(s.head_dim, plan if plan is not None else self.settings.plan)

@@ -10,7 +10,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fathom.integrations.attention import ATTENTION, attention_implementation
-from fathom.integrations.settings import _ModelShape
+from fathom.integrations.settings import ModelShape
 
 CALIBRATION_QUERIES = 128  # prompt queries per layer a calibration from the prompt uses (as the fidelity captures)
 
@@ -47,9 +47,9 @@ class _PromptRecorder:
         self.keys[i], self.values[i] = key, value
         if self.layer_types[i] == "full_attention":
             if self.valid is None:
-                self.valid = _valid_keys(attention_mask, key)
-                self.row0 = _rows(self.valid)[0]  # one host read for the whole prefill
-            self.queries[i] = _calibration_queries(query, self.row0)
+                self.valid = valid_keys(attention_mask, key)
+                self.row0 = nonpad_positions(self.valid)[0]  # one host read for the whole prefill
+            self.queries[i] = calibration_queries(query, self.row0)
             self.scales.add(kwargs.get("scaling") or module.scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -63,7 +63,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     ``generate(cat([input_ids, next_token]), ..., max_new_tokens=N - 1)`` generates exactly what
     ``generate(input_ids, ..., max_new_tokens=N)`` with a fresh cache would (tested).
     """
-    shape = _ModelShape.of(model)
+    shape = ModelShape.of(model)
     if model.config._attn_implementation not in ("sdpa", ATTENTION):
         raise ValueError(f"model must use sdpa attention, got {model.config._attn_implementation!r}")
     recorder = _PromptRecorder(shape.layer_types)
@@ -81,7 +81,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
                   logits[:, -1].argmax(dim=-1))
 
 
-def _check_prompt(prompt: Prompt, shape: _ModelShape) -> None:
+def check_prompt(prompt: Prompt, shape: ModelShape) -> None:
     """A :class:`Prompt` of another model is refused before the cache holds any of it."""
     if len(prompt.keys) != len(shape.layer_types):
         raise ValueError(f"prompt holds {len(prompt.keys)} layers, the model has {len(shape.layer_types)}")
@@ -92,7 +92,7 @@ def _check_prompt(prompt: Prompt, shape: _ModelShape) -> None:
                              f"H = {shape.kv_heads}, d = {shape.head_dim}")
 
 
-def _rows(valid: torch.Tensor) -> list[slice | torch.Tensor]:
+def nonpad_positions(valid: torch.Tensor) -> list[slice | torch.Tensor]:
     """Each batch row's non-pad positions of ``valid bool [B, n]``: a slice when they are one run (left or no
     padding), else their indices on the device. One read of ``valid`` on the host."""
     rows = []
@@ -105,12 +105,12 @@ def _rows(valid: torch.Tensor) -> list[slice | torch.Tensor]:
     return rows
 
 
-def _count(rows: slice | torch.Tensor) -> int:
-    """How many positions :func:`_rows` names for one batch row."""
+def count_positions(rows: slice | torch.Tensor) -> int:
+    """How many positions :func:`nonpad_positions` names for one batch row."""
     return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
 
 
-def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+def valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
     """bool ``[B, n]``: the prompt positions that are not padding (what the last query may attend to)."""
     B, n = key.shape[0], key.shape[2]
     if attention_mask is None:
@@ -119,7 +119,7 @@ def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch
     return last if last.dtype == torch.bool else last == 0
 
 
-def _calibration_queries(query: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+def calibration_queries(query: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
     """Row 0's queries at its last :data:`CALIBRATION_QUERIES` non-pad positions ``rows``: ``[H·G, m, d]`` of
     ``query [B, H·G, n, d]`` (what a calibration or plan from the prompt reads)."""
     return query[0][:, rows][:, -CALIBRATION_QUERIES:]

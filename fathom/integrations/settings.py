@@ -93,7 +93,7 @@ class FathomSettings:
 
 
 @dataclass(frozen=True)
-class _ModelShape:
+class ModelShape:
     """The attention shapes a cache needs, read off the model's config."""
 
     layer_types: tuple[str, ...]
@@ -108,7 +108,7 @@ class _ModelShape:
         return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
 
     @classmethod
-    def of(cls, model) -> _ModelShape:
+    def of(cls, model) -> ModelShape:
         config = model.config.get_text_config(decoder=True)
         n_layers, q_heads = config.num_hidden_layers, config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
@@ -124,7 +124,7 @@ class _ModelShape:
                    getattr(config, "max_position_embeddings", None))
 
 
-def _load_calibration(calibration, shape: _ModelShape) -> Calibration | None:
+def load_calibration(calibration, shape: ModelShape) -> Calibration | None:
     """A Calibration (or the path of one) checked against the model's full-attention layers."""
     if calibration is None:
         return None

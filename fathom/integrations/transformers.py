@@ -61,13 +61,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fathom import methods
 from fathom.calibration import Calibration
-from fathom.integrations.attention import (ATTENTION, _handoff, _switch, _switch_back, attention_implementation,
+from fathom.integrations.attention import (ATTENTION, handoff, switch_to_fathom, switch_back, attention_implementation,
                                            fathom_attention)
-from fathom.integrations.decoding import _Decoding
-from fathom.integrations.prefill import (CALIBRATION_QUERIES, Prompt, _calibration_queries, _check_prompt,
-                                         _valid_keys, prefill)
-from fathom.integrations.settings import (BACKENDS, RESERVE_TOKENS, SETTINGS, FathomSettings, _load_calibration,
-                                          _ModelShape)
+from fathom.integrations.decoding import Decoding
+from fathom.integrations.prefill import (CALIBRATION_QUERIES, Prompt, calibration_queries, check_prompt,
+                                         valid_keys, prefill)
+from fathom.integrations.settings import (BACKENDS, RESERVE_TOKENS, SETTINGS, FathomSettings, load_calibration,
+                                          ModelShape)
 from fathom.methods import Method
 from fathom.selection import Selection
 
@@ -96,7 +96,7 @@ class FathomLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, decoding: _Decoding, layer_idx: int, slot: int):
+    def __init__(self, decoding: Decoding, layer_idx: int, slot: int):
         super().__init__()
         self.decoding, self.layer_idx, self.slot = decoding, layer_idx, slot
         self.length = 0  # positions seen (padded): what generate's cache positions and masks count
@@ -116,7 +116,7 @@ class FathomLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.length += key_states.shape[-2]
-        _handoff.layer = self
+        handoff.layer = self
         return key_states, value_states
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -130,11 +130,11 @@ class FathomLayer(CacheLayerMixin):
         m = query.shape[2]
         if self.length == m:  # the prefill
             dense = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-            rows = self.decoding.prompt_rows(self.slot, _valid_keys(attention_mask, key))
-            self.decoding.prefill(self.slot, _calibration_queries(query, rows[0]), key, value, scale)
+            rows = self.decoding.prompt_rows(self.slot, valid_keys(attention_mask, key))
+            self.decoding.prefill(self.slot, calibration_queries(query, rows[0]), key, value, scale)
             return dense
         if m > 1:
-            valid = _valid_keys(None if attention_mask is None else attention_mask[..., -m:], key)  # the chunk's keys
+            valid = valid_keys(None if attention_mask is None else attention_mask[..., -m:], key)  # the chunk's keys
             try:
                 out = self.decoding.extend(self.slot, query, key, value, valid, scale)
             except ValueError:
@@ -211,7 +211,7 @@ class FathomCache(Cache):
         if settings.get("plan") is not None:
             settings["plan"] = tuple(settings["plan"])
         self.settings = FathomSettings(method, budget, k, **settings)
-        shape = _ModelShape.of(model)
+        shape = ModelShape.of(model)
         implementation = model.config._attn_implementation
         if implementation not in ("sdpa", ATTENTION):
             raise ValueError(f"model must use sdpa attention (attn_implementation='sdpa'), got {implementation!r}")
@@ -228,16 +228,16 @@ class FathomCache(Cache):
             raise ValueError(f"hbm_gb places the offloaded store's top planes in HBM: the model is on {model.device}, "
                              "where the cache decodes on the reference backend (pass backend='offloaded' under the "
                              "CUDA simulator)")
-        calibration = _load_calibration(calibration, shape)
-        self.decoding = _Decoding(self.settings, shape, calibration, model.config)
+        calibration = load_calibration(calibration, shape)
+        self.decoding = Decoding(self.settings, shape, calibration, model.config)
         slots = {layer: slot for slot, layer in enumerate(shape.fathom_layers)}
         layers = [FathomLayer(self.decoding, i, slots[i]) if t == "full_attention"
                   else DynamicSlidingWindowLayer(sliding_window=shape.sliding_window)
                   for i, t in enumerate(shape.layer_types)]
         if prompt is not None:
-            _check_prompt(prompt, shape)
+            check_prompt(prompt, shape)
         super().__init__(layers=layers)
-        _switch(model)
+        switch_to_fathom(model)
         self._release = weakref.finalize(self, _release, self.decoding, weakref.ref(model))
         if prompt is not None:
             self._fill(prompt)
@@ -280,8 +280,8 @@ class FathomCache(Cache):
         self._release()
 
 
-def _release(decoding: _Decoding, model_ref) -> None:
+def _release(decoding: Decoding, model_ref) -> None:
     """A FathomCache's end (close or garbage collection): its sessions handed back, the model switched back to its
     own attention by the last cache open on it."""
     decoding.close_sessions()
-    _switch_back(model_ref())
+    switch_back(model_ref())
