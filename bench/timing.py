@@ -14,7 +14,12 @@ memory (the target regime) and resident in HBM, interleaved (A B A B), medians o
 
 Keys and queries are synthetic, drawn per channel from the statistics of a real d = 128 capture
 (``python -m bench channel-stats``: Qwen2.5-Coder-1.5B); Qwen3-8B layer ``l`` and KV head ``h`` take the
-capture's layer ``l % 28`` and head ``h % 2``. When pinned memory cannot hold every layer (``--host-gb``), the 36
+capture's layer ``l % 28`` and head ``h % 2``. Each token's queries step from the previous token's (per channel,
+correlation :data:`QUERY_CORRELATION`), so consecutive steps select overlapping rows as a real decode does.
+
+``--row-cache-rows N`` gives every (session, layer, KV head) an HBM row cache of N rows (``fathom.row_cache``);
+each method then runs alone on it, from empty, warmed up for :data:`ROW_CACHE_WARMUP` tokens, and its records
+carry the hit rate of its timed tokens (from the GPU's counters) and the rows' bytes over the link. When pinned memory cannot hold every layer (``--host-gb``), the 36
 layers are mapped onto fewer physical ones (layer ``l`` uses ``l % P``): the same bytes cross the link per token
 (each physical store is far larger than the GPU's L2), and each record says how many layers were physical.
 
@@ -46,6 +51,11 @@ HEADROOM = 4096  # tokens appended while timing
 # a graph replay, or of an eager token (~3 ms of Numba launches per layer)
 SLEEP_CYCLES = {"graph": 40_000_000, "eager": 300_000_000}
 HEAVY_MS = 1000.0  # methods whose token takes longer are timed with one repetition (dense, oracle at 1M)
+# The decode queries' step-to-step correlation per channel: at 0.8, oracle top-512 over the synthetic keys (32k)
+# re-selects 65% of the previous step's rows and an LRU of 4× a step's rows hits 89%, inside what bench rowreuse
+# measured on real generated tokens (59-71% and 89-93%)
+QUERY_CORRELATION = 0.8
+ROW_CACHE_WARMUP = 8  # untimed tokens per method and mode before a row cache's hit rate is counted
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,12 @@ class Synthetic:
         z = self.torch.randn((sessions, KV_HEADS, GROUP, HEAD_DIM), device="cuda", generator=self.gen)
         return (mean[None, :, None] + std[None, :, None] * z).reshape(sessions, KV_HEADS * GROUP, HEAD_DIM)
 
+    def query_walk(self, plan: list[int], sessions: int) -> QueryWalk:
+        """Decode queries of the layers ``plan`` that drift from token to token (:class:`QueryWalk`)."""
+        mean = self.torch.stack([self._pick("query_mean", layer) for layer in plan])[:, None, :, None]
+        std = self.torch.stack([self._pick("query_std", layer) for layer in plan])[:, None, :, None]
+        return QueryWalk(mean, std, sessions, self.gen)
+
     def calibration(self, layers: int) -> tuple[np.ndarray, np.ndarray]:
         """Double Sparsity's channel order (mean |q| · mean |k|, from samples) and Loki's basis (the key covariance
         is diagonal: its eigenbasis is the channels, ordered by score variance σ_k² · E[q²]), per physical layer."""
@@ -145,6 +161,25 @@ class Synthetic:
             order = np.argsort(-score_var, axis=-1, kind="stable")
             bases.append(np.eye(HEAD_DIM, dtype=np.float32)[:, order].transpose(1, 0, 2))  # [H, d, d]
         return np.stack(ranks), np.stack(bases)
+
+
+class QueryWalk:
+    """Per layer, session, KV head and query head, ``q = mean + std · z`` with ``z`` an AR(1) walk per channel:
+    ``z ← ρ z + √(1 − ρ²) ε`` each token (ρ = :data:`QUERY_CORRELATION`), so every token's query is distributed as
+    the capture's and consecutive tokens' overlap."""
+
+    def __init__(self, mean, std, sessions: int, gen):
+        import torch
+
+        self.torch, self.mean, self.std, self.gen = torch, mean, std, gen  # mean, std [L, 1, H, 1, d]
+        self.z = torch.randn((mean.shape[0], sessions, KV_HEADS, GROUP, HEAD_DIM), device="cuda", generator=gen)
+
+    def step(self):
+        """The next token's queries, float32 ``[L, S, H·G, d]``."""
+        noise = self.torch.randn(self.z.shape, device="cuda", generator=self.gen)
+        self.z.mul_(QUERY_CORRELATION).add_(noise, alpha=math.sqrt(1 - QUERY_CORRELATION ** 2))
+        q = self.mean + self.std * self.z
+        return q.reshape(q.shape[0], q.shape[1], KV_HEADS * GROUP, HEAD_DIM)
 
 
 def copy_rate(torch) -> float:
@@ -194,7 +229,8 @@ class Run:
         shape = CacheShape(sessions=setting.sessions, layers=self.physical, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                            max_tokens=max(setting.lengths) + HEADROOM,
                            store="host" if setting.regime == "host" else "device",
-                           hbm_planes=args.hbm_planes if setting.regime == "host" else None)
+                           hbm_planes=args.hbm_planes if setting.regime == "host" else None,
+                           row_cache_rows=args.row_cache_rows)
         started = time.perf_counter()
         ds_rank, basis = data.calibration(self.physical)
         self.cache = HostKVCache(shape, basis=basis)
@@ -206,7 +242,8 @@ class Run:
                     self.cache.append(layer, data.keys(layer, 1, m), data.values(1, m), sessions=[s])
         torch.cuda.synchronize()
         self.fill_s = time.perf_counter() - started
-        self.q = torch.stack([data.queries(layer, setting.sessions) for layer in self.plan])
+        self.walk = data.query_walk(self.plan, setting.sessions)
+        self.q = self.walk.step()
         self.k_new = torch.stack([data.keys(layer, setting.sessions, 1) for layer in self.plan])
         self.v_new = torch.stack([data.values(setting.sessions, 1) for _ in self.plan])
         table = method_table()
@@ -219,6 +256,8 @@ class Run:
                 self.graphs[label] = StepGraph(decoder, layers=self.plan, append=True)
         self.samples = {(label, mode): {"gpu": [], "wall": [], "host": [], "stages": []}
                         for label in labels for mode in args.modes}
+        self.nbytes: dict[str, dict] = {}  # per method: what one eager token read (:meth:`read_bytes`)
+        self.row_hit_rate: dict[str, float | None] = dict.fromkeys(labels)
 
     def eager_token(self, decoder, events=None) -> None:
         """Append + step of every layer, eagerly; with ``events``, a pair of events around each stage."""
@@ -242,6 +281,7 @@ class Run:
         decoder = self.decoders[label]
         events = [] if (queued and mode == "eager") else None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.q = self.walk.step()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         if queued:
@@ -269,18 +309,22 @@ class Run:
         sample["host"].append(host)
         sample["stages"].append(stages)
 
-    def bytes(self, label: str) -> tuple[float, float, float, float]:
-        """Scan bytes, the part of them read over the link (the store's far tier, K rows, landmarks), row bytes
-        and mean scan bits per token of one eager token (host syncs, untimed)."""
+    def read_bytes(self, label: str) -> None:
+        """What one eager token of ``label`` reads (host syncs, untimed), into ``nbytes[label]``: scan bytes and the
+        part of them over the link (the store's far tier, K rows, landmarks), row bytes and the part over the link
+        (the row cache's misses), mean scan bits per token."""
         decoder = self.decoders[label]
-        scan = scan_link = rows = tokens = 0.0
+        scan = scan_link = rows = row_link = tokens = 0.0
+        self.q = self.walk.step()
         for i, layer in enumerate(self.plan):
             decoder.run(layer, self.q[i])
             scan += decoder.scan_nbytes(layer)
             scan_link += decoder.scan_nbytes_by_tier(layer)[1]
             rows += decoder.row_nbytes(layer)
+            row_link += decoder.row_nbytes_by_tier(layer)[1]
             tokens += float((self.cache.lengths(layer) // 64 * 64).sum()) * KV_HEADS
-        return scan, scan_link, rows, scan * 8 / max(tokens, 1)
+        self.nbytes[label] = {"scan": scan, "scan_link": scan_link, "rows": rows, "row_link": row_link,
+                              "bits": scan * 8 / max(tokens, 1)}
 
     def close(self) -> None:
         self.graphs.clear()
@@ -293,8 +337,9 @@ def records(run: Run, labels: list[str], link_gbps: float, hbm_gbps: float, args
 
     out = []
     for label in labels:
-        scan, scan_link, rows, bits = run.bytes(label)
-        link_bytes = scan_link + rows if run.setting.regime == "host" else rows
+        read = run.nbytes[label]
+        scan, scan_link, rows, bits = read["scan"], read["scan_link"], read["rows"], read["bits"]
+        link_bytes = (scan_link if run.setting.regime == "host" else 0.0) + read["row_link"]
         for mode in args.modes:
             sample = run.samples[label, mode]
             stage_ms = {name: statistics.median(s.get(name, 0.0) for s in run.samples[label, "eager"]["stages"])
@@ -308,7 +353,9 @@ def records(run: Run, labels: list[str], link_gbps: float, hbm_gbps: float, args
                         "gpu_ms": statistics.median(sample["gpu"]), "wall_ms": statistics.median(sample["wall"]),
                         "host_ms": statistics.median(sample["host"]),
                         "host_us_per_layer": statistics.median(sample["host"]) * 1e3 / LAYERS,
-                        "scan_bytes": scan, "row_bytes": rows, "link_bytes": link_bytes,
+                        "scan_bytes": scan, "row_bytes": rows, "row_link_bytes": read["row_link"],
+                        "link_bytes": link_bytes, "row_cache_rows": run.cache.shape.row_cache_rows,
+                        "row_hit_rate": run.row_hit_rate[label],
                         "hbm_planes": run.cache.shape.layout.hbm_planes,
                         "host_plane_fraction": scan_link / scan if scan else None,
                         "hbm_gb": run.cache.hbm_bytes / 1e9, "pinned_gb": run.cache.pinned_bytes / 1e9,
@@ -349,6 +396,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hbm-planes", type=int, default=0,
                         help="host regime: the scales and this many planes per channel in HBM, the rest pinned "
                              "(0..4; default %(default)s)")
+    parser.add_argument("--row-cache-rows", type=int, default=0,
+                        help="HBM row cache slots per (session, layer, KV head), each method alone on it "
+                             "(0: none; default %(default)s)")
     parser.add_argument("--host-gb", type=float, default=40.0,
                         help="pinned memory for the stores (GB; default %(default)s)")
     parser.add_argument("--stats", type=Path, default=DEFAULT_STATS,
@@ -385,6 +435,8 @@ def validate(args) -> list[dict] | None:
         raise UsageError(f"--reps must lie in 1..50, got {args.reps}")
     if not 0 <= args.hbm_planes <= 4:
         raise UsageError(f"--hbm-planes must lie in 0..4, got {args.hbm_planes}")
+    if not 0 <= args.row_cache_rows <= 1 << 20:
+        raise UsageError(f"--row-cache-rows must lie in 0..{1 << 20}, got {args.row_cache_rows}")
     if not 1 <= args.host_gb <= 1000:
         raise UsageError(f"--host-gb must lie in 1..1000, got {args.host_gb}")
     if args.readme is not None and (args.replot is None or README_START not in _read(args.readme)):
@@ -451,20 +503,35 @@ def run(args: argparse.Namespace) -> Path:
         run_ = Run(setting, data, [m for m in labels if setting.regime == "host" or table[m].scans_planes], args)
         timed = list(run_.decoders)
         reps = {label: args.reps for label in timed}
-        with tqdm(total=sum(reps.values()) * len(args.modes) + len(timed) * len(args.modes),
+        cached = bool(args.row_cache_rows)
+        warmups = ROW_CACHE_WARMUP if cached else 1
+        # interleaved (A B A B) against drifting clocks; with a row cache each method alone on it, from empty
+        blocks = [[label] for label in timed] if cached else [timed]
+        with tqdm(total=(args.reps + warmups) * len(args.modes) * len(timed),
                   desc=f"{setting.label} {setting.regime} ({run_.physical} physical layers)", unit="token") as bar:
-            for label in timed:  # warm-up token of each (method, mode); slow methods get one timed token
-                for mode in args.modes:
-                    gpu, *_ = run_.token(label, mode, queued=True)
-                    if gpu > HEAVY_MS:
-                        reps[label] = 1
-                    bar.update()
-            for rep in range(max(reps.values())):
-                for label in timed:  # interleaved: A B A B
-                    if rep < reps[label]:
-                        for mode in args.modes:
-                            run_.measure(label, mode)
+            for block in blocks:
+                if cached:
+                    run_.cache.empty_row_cache()
+                for label in block:  # warm-up tokens of each (method, mode); slow methods get one timed token
+                    for mode in args.modes:
+                        for _ in range(warmups):
+                            gpu, *_ = run_.token(label, mode, queued=True)
                             bar.update()
+                        if gpu > HEAVY_MS and reps[label] > 1:
+                            bar.total -= (reps[label] - 1) * len(args.modes)
+                            reps[label] = 1
+                hits, lookups = run_.cache.row_cache_counts()
+                for rep in range(max(reps[label] for label in block)):
+                    for label in block:
+                        if rep < reps[label]:
+                            for mode in args.modes:
+                                run_.measure(label, mode)
+                                bar.update()
+                if cached:
+                    now_hits, now_lookups = run_.cache.row_cache_counts()
+                    run_.row_hit_rate[block[0]] = (now_hits - hits) / max(now_lookups - lookups, 1)
+                for label in block:
+                    run_.read_bytes(label)
         all_records += records(run_, timed, link, hbm, args)
         run_.close()
     payload = {"device": torch.cuda.get_device_name(), "link_GBps": link, "hbm_GBps": hbm,

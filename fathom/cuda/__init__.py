@@ -19,8 +19,11 @@ module           what it does, and in what                                      
                  scores over the fp16 mean keys, with the same histogram         ``scoring.landmark_scores``
 ``topk``         Numba kernels: top-k per head (+ sink, local, tail) by radix    ``selection.select`` /
                  select; the ascending row list of each KV head                  ``selection.union_rows``
-``attention``    Numba kernels: gather of the listed K/V rows into HBM; exact    ``attention.attention``
-                 attention of each head over its rows (split softmax)
+``attention``    Numba kernels: gather of the listed K/V rows into HBM (from     ``attention.attention``
+                 the row cache's slab on a hit); exact attention of each head
+                 over its rows (split softmax)
+``row_cache``    Numba kernel: the HBM row cache's step — hits, LRU victims,     ``row_cache.RowCache.assign``
+                 each row's source (slab, fill or bypass)
 ``block``        Numba device functions: block-wide prefix sum,                  —
                  order-preserving float keys, histogram flush
 ``half``         Numba device functions: fp32 <-> fp16 with integer              ``astype(np.float16)``

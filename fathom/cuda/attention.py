@@ -29,12 +29,15 @@ def _row_count(n_rows, lengths, heads_per_session, dense, g):
 
 
 @cuda.jit(cache=True)
-def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, staged):
+def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, staged, cached, source, slab):
     """1-D grid over every group's row slots in order (slot = g · max_rows + r): thread x moves word
     x % (row words) of ROWS_IN_FLIGHT consecutive slots at a time, so the CTAs in flight read a window of about
-    one group's ascending rows: neighbouring host pages (the GPU's reach over host pages is a few hundred MB)."""
+    one group's ascending rows: neighbouring host pages (the GPU's reach over host pages is a few hundred MB).
+    ``cached``: each row read from its ``source`` (``fathom.cuda.row_cache``): the HBM ``slab`` on a hit, host
+    memory otherwise, and written to the slab on a fill."""
     row_words = kv.shape[2] * kv.shape[3]  # K and V
     max_rows = staged.shape[1]
+    slab_slots = slab.shape[1]
     slots = staged.shape[0] * max_rows
     per_cta = cuda.blockDim.x // row_words  # row slots a CTA moves at once
     lane_slot = cuda.threadIdx.x // row_words
@@ -50,12 +53,17 @@ def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, sta
             g = (base + u) // max_rows
             r = base + u - g * max_rows
             if base + u < slots and r < _row_count(n_rows, lengths, heads_per_session, dense, g):
-                held[u] = kv[g, r if dense else row_index[g, r], half, word]
+                if cached and 0 <= source[g, r] < slab_slots:
+                    held[u] = slab[g, source[g, r], half, word]
+                else:
+                    held[u] = kv[g, r if dense else row_index[g, r], half, word]
         for u in range(ROWS_IN_FLIGHT):
             g = (base + u) // max_rows
             r = base + u - g * max_rows
             if base + u < slots and r < _row_count(n_rows, lengths, heads_per_session, dense, g):
                 staged[g, r, half, word] = held[u]
+                if cached and source[g, r] >= slab_slots:
+                    slab[g, source[g, r] - slab_slots, half, word] = held[u]
 
 
 def _softmax_kernel(heads: int, words: int):
@@ -175,7 +183,7 @@ def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, p
 
 
 def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool, kv, staged, ctas: int,
-                threads: int = 256, stream=0) -> None:
+                threads: int = 256, stream=0, source=None, slab=None) -> None:
     """Copy the listed K/V rows (``dense``: rows ``0 .. n``) of every group into ``staged``.
 
     Args:
@@ -183,12 +191,22 @@ def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool,
         kv: uint64 ``[groups, T, 2, d / 4]`` (host-mapped): bf16 K and V of each token, 4 per word.
         staged: uint64 ``[groups, max_rows, 2, d / 4]`` (HBM).
         ctas: CTAs of the grid (about two per multiprocessor: enough loads in flight, a narrow window of pages).
+        source, slab: the row cache (sparse rows only): int32 ``[groups, max_rows]`` from
+            ``fathom.cuda.row_cache.assign_slots`` and its uint64 ``[groups, slots, 2, d / 4]`` HBM slab.
     """
     groups, max_rows = staged.shape[:2]
     row_words = kv.shape[2] * kv.shape[3]
     threads = max(row_words, threads // row_words * row_words)  # whole rows per CTA
+    cached = source is not None
+    if cached != (slab is not None) or cached and (dense or source.shape != (groups, max_rows)
+                                                   or slab.shape[0] != groups or slab.shape[2:] != kv.shape[2:]):
+        raise ValueError(f"a row cache needs both source [{groups}, {max_rows}] and a slab [{groups}, slots, "
+                         f"{kv.shape[2]}, {kv.shape[3]}], and sparse rows")
+    if not cached:  # placeholders of the same types (never read): one compiled kernel serves both
+        source, slab = row_index, staged
     if groups and max_rows:
-        _gather_kernel[ctas, threads, stream](row_index, n_rows, lengths, heads_per_session, dense, kv, staged)
+        _gather_kernel[ctas, threads, stream](row_index, n_rows, lengths, heads_per_session, dense, kv, staged,
+                                              cached, source, slab)
 
 
 def attend(q, staged, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, scale: float, status, part_m,

@@ -11,6 +11,8 @@ Per layer::
              (group, segment, channel) in each (``fathom.layout``); a second pair for the rotated store when the
              cache has a basis
     lengths  int32 [S] on the GPU: tokens held per session — sessions grow independently (ragged)
+    rows     the HBM row cache (``row_cache_rows`` > 0): a slab uint64 [groups, slots, 2, d / 4] of recently
+             selected K/V rows and its bookkeeping (``fathom.row_cache``): only a step's misses cross the link
 
 Segments hold ``cap`` blocks of 64 tokens; a sealed block is packed once by the GPU and never rewritten; the
 not-yet-full tail block stays exact (float32, on the GPU) and is always selected. With a ``basis`` the cache also
@@ -58,6 +60,7 @@ from fathom.cuda.pack import seal_blocks
 from fathom.host.pinned import MappedBuffer
 from fathom.layout import StoreLayout
 from fathom.quantize import BLOCK, PLANES
+from fathom.row_cache import EMPTY
 from fathom.scoring import LANDMARK_TOKENS
 from fathom.store import DEFAULT_SEGMENT_BLOCKS
 
@@ -72,7 +75,9 @@ class CacheShape:
     """Sizes of an offloaded cache; ``max_tokens`` per session is reserved up front. ``store``: where the bit
     planes live, ``"host"`` (pinned, mapped: the target regime) or ``"device"`` (HBM); ``hbm_planes``, when given,
     tiers the store instead: the scales and planes ``0 .. hbm_planes-1`` in HBM, the rest pinned (``store`` is then
-    not read; ``"host"`` is 0 planes in HBM, ``"device"`` 4)."""
+    not read; ``"host"`` is 0 planes in HBM, ``"device"`` 4). ``row_cache_rows``: HBM slots of the row cache
+    per (session, layer, KV head), 0 for none (``fathom.row_cache``; a few times a step's rows:
+    ``G · k + sink + local``)."""
 
     sessions: int
     layers: int
@@ -82,6 +87,7 @@ class CacheShape:
     segment_blocks: int = DEFAULT_SEGMENT_BLOCKS
     store: str = "host"
     hbm_planes: int | None = None
+    row_cache_rows: int = 0
 
     def __post_init__(self):
         for name in ("sessions", "layers", "kv_heads", "head_dim", "max_tokens", "segment_blocks"):
@@ -98,6 +104,9 @@ class CacheShape:
         if self.hbm_planes is not None and (not isinstance(self.hbm_planes, (int, np.integer))
                                             or isinstance(self.hbm_planes, bool) or not 0 <= self.hbm_planes <= PLANES):
             raise ValueError(f"hbm_planes must be None or an integer in 0..{PLANES}, got {self.hbm_planes!r}")
+        if not isinstance(self.row_cache_rows, (int, np.integer)) or isinstance(self.row_cache_rows, bool) \
+                or not 0 <= self.row_cache_rows < 1 << 30:
+            raise ValueError(f"row_cache_rows must be an integer in 0..{(1 << 30) - 1}, got {self.row_cache_rows!r}")
 
     @property
     def groups(self) -> int:
@@ -167,8 +176,49 @@ class PinnedLayer:
             buffer.close()
 
 
+class RowSlab:
+    """One layer's HBM row cache: the slab and the bookkeeping of ``fathom.row_cache.RowCache`` as torch tensors
+    (``slot_of`` -1, ``position`` -1, ``stamp``, ``clock``; ``counters`` int64 ``[groups, 3]``: the last step's
+    hits, hits and lookups in all)."""
+
+    def __init__(self, shape: CacheShape):
+        groups, slots, words = shape.groups, shape.row_cache_rows, shape.head_dim // 4
+        self.slab = torch.zeros((groups, slots, 2, words), dtype=torch.uint64, device=DEVICE)
+        self.slot_of = torch.full((groups, shape.max_tokens), EMPTY, dtype=torch.int32, device=DEVICE)
+        self.position = torch.full((groups, slots), EMPTY, dtype=torch.int32, device=DEVICE)
+        self.stamp = torch.zeros((groups, slots), dtype=torch.int32, device=DEVICE)
+        self.clock = torch.zeros(groups, dtype=torch.int32, device=DEVICE)
+        self.counters = torch.zeros((groups, 3), dtype=torch.int64, device=DEVICE)
+        self.arrays = {name: as_array(getattr(self, name))
+                       for name in ("slot_of", "position", "stamp", "clock", "counters")}
+        self.arrays["slab"] = as_array(self.slab).view(np.uint64)
+
+    @staticmethod
+    def nbytes(shape: CacheShape) -> int:
+        """HBM bytes of one layer's row cache."""
+        slots = shape.row_cache_rows
+        return shape.groups * (slots * (4 * shape.head_dim + 8) + 4 * shape.max_tokens + 4 + 24) if slots else 0
+
+    def empty(self, groups: slice | None = None) -> None:
+        """Forget the rows of ``groups`` (all: None), counters included when all."""
+        at = slice(None) if groups is None else groups
+        self.slot_of[at] = EMPTY
+        self.position[at] = EMPTY
+        self.stamp[at] = 0
+        self.clock[at] = 0
+        if groups is None:
+            self.counters.zero_()
+
+    def copy_from(self, old: RowSlab) -> None:
+        """What ``old`` (a smaller cache's) holds: rows keep their slots."""
+        for name in ("slab", "position", "stamp", "clock", "counters"):
+            getattr(self, name).copy_(getattr(old, name))
+        self.slot_of[:, :old.slot_of.shape[1]] = old.slot_of
+
+
 class LayerStore:
-    """One layer of the cache: rows, landmarks, the raw (and rotated) store, lengths and error flags."""
+    """One layer of the cache: rows, landmarks, the raw (and rotated) store, lengths, error flags and the row
+    cache (``rows``, None without one)."""
 
     def __init__(self, shape: CacheShape, basis: torch.Tensor | None, pinned: PinnedLayer):
         groups, d = shape.groups, shape.head_dim
@@ -189,6 +239,7 @@ class LayerStore:
                             "scale_sq_sum": as_array(store.scale_sq_sum), "tail": as_array(store.tail)}
             self.stores[name] = store
         self.lengths = torch.zeros(shape.sessions, dtype=torch.int32, device=DEVICE)
+        self.rows = RowSlab(shape) if shape.row_cache_rows else None
         marks16 = self.marks.tensor().view(torch.int16).reshape(groups, shape.max_tokens // LANDMARK_TOKENS, d)
         self.arrays = {"kv": as_array(self.kv.tensor()), "marks": as_array(self.marks.tensor()),
                        "marks16": as_array(marks16).view(np.uint16), "lengths": as_array(self.lengths)}
@@ -262,9 +313,20 @@ class HostKVCache:
 
     @property
     def hbm_bytes(self) -> int:
-        """Bytes of HBM the stores' near tiers take (scales and the first ``hbm_planes`` planes); the tails, σ² sums
-        and lengths beside them are not counted."""
-        return 8 * self.shape.layers * len(self.store_names) * self.shape.layout.near_words
+        """Bytes of HBM the stores' near tiers (scales and the first ``hbm_planes`` planes) and the row caches take;
+        the tails, σ² sums and lengths beside them are not counted."""
+        near = 8 * len(self.store_names) * self.shape.layout.near_words
+        return self.shape.layers * (near + RowSlab.nbytes(self.shape))
+
+    def row_cache_counts(self, layer: int | None = None) -> tuple[int, int]:
+        """``(hits, lookups)`` of the row cache since the cache was made or cleared, of ``layer`` or all layers
+        (one sync); (0, 0) without a row cache."""
+        self.check(layer)
+        if not self.shape.row_cache_rows:
+            return 0, 0
+        layers = range(self.shape.layers) if layer is None else [layer]
+        counts = sum(self.layers[i].rows.counters[:, 1:].sum(dim=0) for i in layers).tolist()
+        return int(counts[0]), int(counts[1])
 
     def most_held(self) -> int:
         """Tokens of the fullest session of any layer (the host's mirror: no sync)."""
@@ -426,6 +488,8 @@ class HostKVCache:
             store.lengths[session] = 0
             for st in store.stores.values():
                 st.scale_sq_sum[heads] = 0
+            if store.rows is not None:  # its positions will hold new tokens
+                store.rows.empty(heads)
         self._lengths[:, session] = 0
 
     def clear(self) -> None:
@@ -435,8 +499,17 @@ class HostKVCache:
             store.lengths.zero_()
             for st in store.stores.values():
                 st.scale_sq_sum.zero_()
+            if store.rows is not None:
+                store.rows.empty()
         self._lengths[...] = 0
         self.status.host[...] = 0
+
+    def empty_row_cache(self) -> None:
+        """Forget every row the row cache holds, and its counters (the rows refill from the next step)."""
+        self.check()
+        for store in self.layers:
+            if store.rows is not None:
+                store.rows.empty()
 
     def grown(self, max_tokens: int) -> HostKVCache:
         """A cache of the same sessions, layers and stores (and tier) holding ``max_tokens`` per session, with
@@ -455,6 +528,8 @@ class HostKVCache:
             new.kv.host[:, :T] = old.kv.host
             new.marks.host[:, :old.marks.shape[1]] = old.marks.host
             new.lengths.copy_(old.lengths)
+            if old.rows is not None:
+                new.rows.copy_from(old.rows)
             if old.basis is not None:
                 new.basis.copy_(old.basis)
             for name, st in old.stores.items():

@@ -15,7 +15,8 @@ captures (``fathom.host.graph``). The stages, in order (each can be timed: :meth
                top-byte histogram of the candidates
 ``select``     each head's top-k (+ sink, local, tail) — reads the scores once
 ``union``      the ascending row list of each KV head, with each row's head mask
-``rows``       the listed K/V rows from pinned host memory into HBM (dense: every row)
+``rows``       the listed K/V rows from pinned host memory into HBM (dense: every row); with the cache's row
+               cache (``CacheShape.row_cache_rows``), only the misses: hits are read from its HBM slab
 ``attention``  exact attention of each head over its own selection
 =============  ===================================================================================================
 
@@ -43,6 +44,7 @@ from fathom.bits import row_bytes, tier_scan_bits
 from fathom.cuda.attention import CHUNK_ROWS, attend, gather_rows
 from fathom.cuda.block import RADIX
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
+from fathom.cuda.row_cache import assign_slots
 from fathom.cuda.topk import select, union_blocks, union_rows
 from fathom.decode import step_bits
 from fathom.host.cache import HostKVCache
@@ -129,6 +131,10 @@ class Decoder:
         self.head_mask = zeros((groups, self.max_rows), torch.int32)
         self.n_rows = zeros(groups, torch.int32)
         self.staged = zeros((groups, self.max_rows, 2, d // 4), torch.int64)
+        self.row_cached = bool(s.row_cache_rows) and not self.dense  # dense reads every row: nothing to cache
+        cached_rows = self.max_rows if self.row_cached else 0
+        self.row_source = zeros((groups, cached_rows), torch.int32)  # each row's slot (hit / fill) or -1
+        self.miss_rows = zeros((groups, cached_rows), torch.int32)
         chunks = -(-self.max_rows // CHUNK_ROWS)
         self.part_m = zeros((groups, chunks, self.group), torch.float32)
         self.part_l = zeros((groups, chunks, self.group), torch.float32)
@@ -225,8 +231,18 @@ class Decoder:
                                                            stream)])]
         q_arr = as_array(q)
         ctas = self.gather_ctas
-        steps += [("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
-                                                       store.arrays["kv"], a["staged"], ctas, threads, stream)]),
+        rows: list[Launch] = [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
+                                                         store.arrays["kv"], a["staged"], ctas, threads, stream)]
+        if self.row_cached:
+            slab, source, miss_rows = store.rows.arrays, as_array(self.row_source), as_array(self.miss_rows)
+            assign_threads = min(1024, 4 * threads)
+            rows = [lambda stream: assign_slots(a["row_index"], a["n_rows"], slab["slot_of"], slab["position"],
+                                                slab["stamp"], slab["clock"], slab["counters"], miss_rows, source,
+                                                assign_threads, stream),
+                    lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
+                                               store.arrays["kv"], a["staged"], ctas, threads, stream, source,
+                                               slab["slab"])]
+        steps += [("rows", rows),
                   ("attention", [lambda stream: attend(q_arr, a["staged"], a["head_mask"], a["n_rows"], lengths,
                                                        heads, dense, scale, status, a["part_m"], a["part_l"],
                                                        a["part_o"], out, stream)])]
@@ -265,7 +281,16 @@ class Decoder:
         return float((near * sealed).sum() / 8), float((far * sealed).sum() / 8)
 
     def row_nbytes(self, layer: int) -> float:
-        """Bytes of K and V rows the last step fetched."""
+        """Bytes of K and V rows the last step fetched (from either tier)."""
         rows = np.repeat(self.cache.lengths(layer), self.cache.shape.kv_heads) if self.dense \
             else self.n_rows.cpu().numpy()
         return float(rows.sum() * row_bytes(self.cache.shape.head_dim))
+
+    def row_nbytes_by_tier(self, layer: int) -> tuple[float, float]:
+        """:meth:`row_nbytes` split by where the rows were read: ``(hbm, link)``, the row cache's hits from HBM,
+        the rest over the link (all of them without a row cache)."""
+        total = self.row_nbytes(layer)
+        if not self.row_cached:
+            return 0.0, total
+        hits = float(self.cache.layer(layer).rows.counters[:, 0].sum()) * row_bytes(self.cache.shape.head_dim)
+        return hits, total - hits

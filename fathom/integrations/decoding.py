@@ -171,7 +171,8 @@ class Decoding:
         offloaded = self.settings.backend == "offloaded" or (self.settings.backend == "auto" and device.type == "cuda")
         longest = max(count_positions(r) for r in self.rows)
         max_tokens = self.settings.max_tokens or capacity(longest + RESERVE_TOKENS)
-        shape = SessionShape(batch, len(s.fathom_layers), s.kv_heads, s.group, s.head_dim, max_tokens)
+        shape = SessionShape(batch, len(s.fathom_layers), s.kv_heads, s.group, s.head_dim, max_tokens,
+                             row_cache_rows=self.settings.row_cache_rows if offloaded else 0)
         self.method = self.settings.method_at(s.head_dim, plan if plan is not None else self.settings.plan)
         if offloaded and self.settings.hbm_gb > 0:
             from fathom.host.cache import hbm_planes_for

@@ -62,7 +62,8 @@ class SessionShape:
     """``sessions`` × ``layers`` × ``kv_heads`` streams of ``head_dim``; ``group`` query heads per KV head;
     ``max_tokens`` per session (the offloaded cache reserves it up front and grows it when a session needs more;
     the reference grows as it goes); ``hbm_planes``: the offloaded store's scales and this many planes per channel
-    in HBM, the rest pinned (``fathom.layout``; 0: all pinned)."""
+    in HBM, the rest pinned (``fathom.layout``; 0: all pinned); ``row_cache_rows``: the offloaded cache's HBM row
+    cache slots per (session, layer, KV head) (``fathom.row_cache``; 0: none)."""
 
     sessions: int
     layers: int
@@ -71,6 +72,7 @@ class SessionShape:
     head_dim: int
     max_tokens: int | None = None
     hbm_planes: int = 0
+    row_cache_rows: int = 0
 
     def __post_init__(self):
         for name in ("sessions", "layers", "kv_heads", "group", "head_dim"):
@@ -80,13 +82,16 @@ class SessionShape:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         if not 0 <= self.hbm_planes <= 4:
             raise ValueError(f"hbm_planes must be in 0..4, got {self.hbm_planes}")
+        if self.row_cache_rows < 0:
+            raise ValueError(f"row_cache_rows must be >= 0, got {self.row_cache_rows}")
 
     def cache_shape(self):
         """The offloaded cache's :class:`~fathom.host.cache.CacheShape` of these sessions."""
         from fathom.host.cache import CacheShape
 
         return CacheShape(sessions=self.sessions, layers=self.layers, kv_heads=self.kv_heads,
-                          head_dim=self.head_dim, max_tokens=self.max_tokens, hbm_planes=self.hbm_planes)
+                          head_dim=self.head_dim, max_tokens=self.max_tokens, hbm_planes=self.hbm_planes,
+                          row_cache_rows=self.row_cache_rows)
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,9 @@ class FathomCache(Cache):
             method needs it), ``backend`` ("auto": offloaded when the model is on a CUDA device, else the
             NumPy "reference"), ``max_tokens`` (per session, offloaded; default the longest prompt plus
             :data:`RESERVE_TOKENS`, rounded up to a bucket, and grown when a session needs more), ``hbm_gb`` (HBM
-            for the offloaded store's scales and top bit planes, GB; 0: all pinned in host memory), ``pool``
+            for the offloaded store's scales and top bit planes, GB; 0: all pinned in host memory),
+            ``row_cache_rows`` (offloaded: HBM slots per session, layer and KV head for the rows steps selected
+            recently, so only the misses cross the link; 0: none), ``pool``
             (True: offloaded sessions go back to ``fathom.integrations.sessions.POOL`` when the cache is closed,
             and the next cache of the same shape, method and capacity starts from them).
 
@@ -224,10 +226,11 @@ class FathomCache(Cache):
             from fathom.cuda.interop import DEVICE
             if model.device.type != DEVICE.type:
                 raise ValueError(f"backend 'offloaded' needs the model on {DEVICE.type}, it is on {model.device}")
-        if self.settings.hbm_gb > 0 and self.settings.backend == "auto" and model.device.type != "cuda":
-            raise ValueError(f"hbm_gb places the offloaded store's top planes in HBM: the model is on {model.device}, "
-                             "where the cache decodes on the reference backend (pass backend='offloaded' under the "
-                             "CUDA simulator)")
+        for name, value in (("hbm_gb", self.settings.hbm_gb), ("row_cache_rows", self.settings.row_cache_rows)):
+            if value and self.settings.backend == "auto" and model.device.type != "cuda":
+                raise ValueError(f"{name} places offloaded data in HBM: the model is on {model.device}, where the "
+                                 "cache decodes on the reference backend (pass backend='offloaded' under the CUDA "
+                                 "simulator)")
         calibration = load_calibration(calibration, shape)
         self.decoding = Decoding(self.settings, shape, calibration, model.config)
         slots = {layer: slot for slot, layer in enumerate(shape.fathom_layers)}

@@ -368,3 +368,69 @@ def test_a_store_in_hbm_runs_the_same_step(tier):
         np.testing.assert_array_equal(tier_scales.view(np.uint16), host_scales.view(np.uint16))
     (host_hbm, host_link), (tier_hbm, tier_link) = split
     assert host_hbm == 0 and tier_hbm > 0 and tier_link < host_link
+
+
+def _assert_staged_rows_are_the_listed_ones(decoder: Decoder) -> None:
+    """The rows the last step staged (from the row cache's slab or from host memory) are the listed rows' K/V."""
+    if not SIMULATED:
+        torch.cuda.synchronize()
+    kv = decoder.cache.layer(LAYER).kv.host
+    staged, rows, counts = (x.cpu().numpy() for x in (decoder.staged, decoder.row_index, decoder.n_rows))
+    for g, n in enumerate(counts):
+        np.testing.assert_array_equal(staged[g, :n].view(np.uint64), kv[g, rows[g, :n]])
+
+
+def test_the_row_cache_serves_the_listed_rows():
+    """With a row cache of 20 slots (fewer than a step's rows: some bypass), through steps with drifting and repeated
+    queries, an append that seals a block, a session emptied and refilled with other keys, and a captured token:
+    every step stages exactly the listed rows' K/V, the output matches the reference, and repeated queries are
+    served from the slab."""
+    shape = replace(SHAPES[3], row_cache_rows=20)
+    k, v, q, *_ = data = _setup(shape, seed=11, n=200)
+    k_new, v_new, *_ = _setup(shape, seed=12, n=200)
+    with HostKVCache(shape) as cache:
+        decoder = _decoder(cache, methods.fathom(12.0), data)
+        assert decoder.row_cached
+
+        def step(q_step):
+            decoder.run(LAYER, torch.from_numpy(q_step.astype(np.float32)).to(DEVICE))
+            _assert_staged_rows_are_the_listed_ones(decoder)
+
+        _append(cache, k, v, 0, 130)
+        step(q + 0.3 * np.random.default_rng(3).standard_normal(q.shape))
+        step(q)
+        hits, lookups = cache.row_cache_counts(LAYER)
+        step(q)  # the same rows again: hits
+        assert cache.row_cache_counts(LAYER)[0] > hits and cache.row_cache_counts(LAYER)[1] > lookups
+        hbm, link = decoder.row_nbytes_by_tier(LAYER)
+        assert hbm > 0 and hbm + link == decoder.row_nbytes(LAYER)
+        _append(cache, k, v, 130, 190)  # seals a block
+        cache.reset(1)  # session 1 refilled with other keys: the slab must not serve its old rows
+        _append(cache, k_new, v_new, 0, 150, sessions=[1])
+        k[1], v[1] = k_new[1], v_new[1]
+        token = StepGraph(decoder, layers=[LAYER], append=True)
+        q_t = torch.from_numpy(q).to(DEVICE)
+        k_t, v_t = (torch.from_numpy(x[:, :, 190:191]).to(DEVICE) for x in (k, v))
+        out = token(q_t, k_t, v_t).cpu().numpy()
+        _assert_staged_rows_are_the_listed_ones(decoder)
+        k[1, :, 150], v[1, :, 150] = k[1, :, 190], v[1, :, 190]  # session 1 held 150 tokens: its new one is 150th
+        _assert_matches_reference(decoder, out, k, v, q, *data[3:], cache.lengths(LAYER))
+
+
+def test_a_grown_cache_keeps_its_row_cache():
+    """``grown`` copies the slab and its bookkeeping; the new positions hold no slot."""
+    shape = replace(SHAPES[3], row_cache_rows=64)
+    k, v, q, *_ = data = _setup(shape, seed=13)
+    cache = HostKVCache(shape)
+    _fill(cache, k, v)
+    _decoder(cache, methods.fathom(12.0), data).run(LAYER, torch.from_numpy(q).to(DEVICE))
+    old = {name: getattr(cache.layer(LAYER).rows, name).cpu().numpy()
+           for name in ("slab", "slot_of", "position", "stamp", "clock", "counters")}
+    counts = cache.row_cache_counts(LAYER)
+    with cache.grown(2 * shape.max_tokens) as grown:
+        rows = grown.layer(LAYER).rows
+        for name, want in old.items():
+            got = getattr(rows, name).cpu().numpy()
+            np.testing.assert_array_equal(got[:, :want.shape[1]] if name == "slot_of" else got, want, err_msg=name)
+        assert (rows.slot_of[:, shape.max_tokens:] == -1).all() and grown.row_cache_counts(LAYER) == counts
+        assert counts[1] > 0

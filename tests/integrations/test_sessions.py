@@ -178,6 +178,32 @@ def test_an_hbm_budget_tiers_the_offloaded_store_and_decodes_the_same_tokens():
         FathomCache(model, "fathom", hbm_gb=-1)
 
 
+def test_a_row_cache_decodes_the_same_tokens():
+    """row_cache_rows keeps recently selected rows in HBM (here fewer slots than a step's rows, so some bypass):
+    the same tokens as without, rows served from HBM, and refused where there is nothing offloaded."""
+    from fathom.cuda.interop import DEVICE
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
+    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
+    plain = FathomCache(model, "fathom", backend="offloaded", **settings)
+    cached = FathomCache(model, "fathom", backend="offloaded", row_cache_rows=16, **settings)
+    torch.testing.assert_close(generate(model, ids, mask, cached, new=4), generate(model, ids, mask, plain, new=4),
+                               rtol=0, atol=0)
+    cache = cached.decoding.sessions.cache
+    hits, lookups = cache.row_cache_counts()
+    assert cache.shape.row_cache_rows == 16 and lookups > 0 and hits > 0
+    plain.close()
+    cached.close()
+    with pytest.raises(ValueError, match="row_cache_rows .* reference backend"):
+        FathomCache(model, "fathom", backend="reference", row_cache_rows=64)
+    with pytest.raises(ValueError, match="row_cache_rows must be an integer"):
+        FathomCache(model, "fathom", row_cache_rows=-1)
+
+
 def test_offloaded_sessions_are_pooled_grown_and_continue_a_conversation_as_the_reference_does():
     """A closed cache's sessions serve the next cache of the same key (same tokens as the reference); a
     conversation's second turn past max_tokens grows the pinned store and still generates the reference's tokens."""
