@@ -598,7 +598,13 @@ def _write(payload: dict, out: Path, name: str, command: str) -> Path:
 
 
 def _setting_label(r: dict) -> str:
-    return Setting(r["context"], r["sessions"], r["regime"], r["k"], r["ragged"]).label
+    """The setting, with the store's tier (planes in HBM, host regime) and the row cache where a record has them."""
+    label = Setting(r["context"], r["sessions"], r["regime"], r["k"], r["ragged"]).label
+    if r["regime"] == "host" and r.get("hbm_planes"):
+        label += f", t = {r['hbm_planes']}"
+    if r.get("row_cache_rows"):
+        label += f", row cache {r['row_cache_rows']}"
+    return label
 
 
 COLUMNS = [("label", "method@bits", "s"), ("mode", "mode", "s"), ("gpu_ms", "GPU ms", ".2f"),
@@ -606,7 +612,8 @@ COLUMNS = [("label", "method@bits", "s"), ("mode", "mode", "s"), ("gpu_ms", "GPU
            ("host_us_per_layer", "host µs / layer", ".0f"), ("floor_ms", "floor ms", ".2f"),
            ("gpu_over_floor", "GPU / floor", ".2f"), ("speedup_vs_ds136", "GPU × vs DS-136", ".2f"),
            ("wall_speedup_vs_ds136", "wall × vs DS-136", ".2f"), ("bits_read", "bits read", ".1f"),
-           ("scan_mb", "scan MB", ".1f"), ("row_mb", "rows MB", ".1f")]
+           ("scan_mb", "scan MB", ".1f"), ("row_mb", "rows MB", ".1f"), ("row_hit_rate", "row cache hits", ".2f"),
+           ("row_link_mb", "rows over link MB", ".1f")]
 
 
 def markdown(payload: dict) -> str:
@@ -618,12 +625,13 @@ def markdown(payload: dict) -> str:
              f"{payload['keys'].split('of ', 1)[1]}.", ""]
     groups: dict[tuple, list[dict]] = {}
     for r in payload["records"]:
-        groups.setdefault((r["regime"], r["context"], r["sessions"], r["ragged"], r["k"]), []).append(r)
-    for (regime, *_), rows in groups.items():
+        groups.setdefault((r["regime"], _setting_label(r)), []).append(r)
+    for (regime, _), rows in groups.items():
         r0 = rows[0]
         lines += [f"### {_setting_label(r0)}, store in {'pinned host memory' if regime == 'host' else 'HBM'} "
                   f"({r0['physical_layers']} physical layers)", ""]
-        table = [{**r, "scan_mb": r["scan_bytes"] / 1e6, "row_mb": r["row_bytes"] / 1e6} for r in rows]
+        table = [{**r, "scan_mb": r["scan_bytes"] / 1e6, "row_mb": r["row_bytes"] / 1e6,
+                  "row_link_mb": r.get("row_link_bytes", r["row_bytes"]) / 1e6} for r in rows]
         lines += [markdown_table(table, COLUMNS), ""]
         eager = [r for r in rows if r["mode"] == "eager" and r["stages_ms"]]
         if eager:

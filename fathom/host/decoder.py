@@ -15,8 +15,10 @@ captures (``fathom.host.graph``). The stages, in order (each can be timed: :meth
                top-byte histogram of the candidates
 ``select``     each head's top-k (+ sink, local, tail) — reads the scores once
 ``union``      the ascending row list of each KV head, with each row's head mask
-``rows``       the listed K/V rows from pinned host memory into HBM (dense: every row); with the cache's row
-               cache (``CacheShape.row_cache_rows``), only the misses: hits are read from its HBM slab
+``slots``      with the cache's row cache (``CacheShape.row_cache_rows``): each listed row's source, its slot
+               (a hit) or host memory (``fathom.cuda.row_cache``); no launch without one
+``rows``       the listed K/V rows into HBM (dense: every row): from pinned host memory, or from the row cache's
+               slab on a hit
 ``attention``  exact attention of each head over its own selection
 =============  ===================================================================================================
 
@@ -53,7 +55,7 @@ from fathom.host.strategy import StepBuffers, resolve
 from fathom.quantize import BLOCK
 from fathom.selection import Selection
 
-STAGES = ("plan", "scan", "select", "union", "rows", "attention")  # a step's stages in order (run's on_stage)
+STAGES = ("plan", "scan", "select", "union", "slots", "rows", "attention")  # a step's stages in order (run's on_stage)
 # Launch sizes: the simulator runs every thread as a Python thread, so its defaults are the smallest that work.
 DEFAULT_SCAN_WARPS = 1 if SIMULATED else 32
 DEFAULT_THREADS = 32 if SIMULATED else 256
@@ -231,21 +233,23 @@ class Decoder:
                                                            stream)])]
         q_arr = as_array(q)
         ctas = self.gather_ctas
-        rows: list[Launch] = [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
-                                                         store.arrays["kv"], a["staged"], ctas, threads, stream)]
         if self.row_cached:
             slab, source, miss_rows = store.rows.arrays, as_array(self.row_source), as_array(self.miss_rows)
             assign_threads = min(1024, 4 * threads)
-            rows = [lambda stream: assign_slots(a["row_index"], a["n_rows"], slab["slot_of"], slab["position"],
-                                                slab["stamp"], slab["clock"], slab["counters"], miss_rows, source,
-                                                assign_threads, stream),
-                    lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
-                                               store.arrays["kv"], a["staged"], ctas, threads, stream, source,
-                                               slab["slab"])]
-        steps += [("rows", rows),
-                  ("attention", [lambda stream: attend(q_arr, a["staged"], a["head_mask"], a["n_rows"], lengths,
-                                                       heads, dense, scale, status, a["part_m"], a["part_l"],
-                                                       a["part_o"], out, stream)])]
+            steps += [("slots", [lambda stream: assign_slots(a["row_index"], a["n_rows"], slab["slot_of"],
+                                                             slab["position"], slab["stamp"], slab["clock"],
+                                                             slab["counters"], miss_rows, source, assign_threads,
+                                                             stream)]),
+                      ("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
+                                                           store.arrays["kv"], a["staged"], ctas, threads, stream,
+                                                           source, slab["slab"])])]
+        else:
+            steps += [("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
+                                                           store.arrays["kv"], a["staged"], ctas, threads,
+                                                           stream)])]
+        steps.append(("attention", [lambda stream: attend(q_arr, a["staged"], a["head_mask"], a["n_rows"], lengths,
+                                                          heads, dense, scale, status, a["part_m"], a["part_l"],
+                                                          a["part_o"], out, stream)]))
         return steps
 
     def _warm_up(self) -> None:
