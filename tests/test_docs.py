@@ -66,10 +66,10 @@ def test_the_generated_sections_live_in_the_results_doc(marker):
 
 
 def test_the_timing_section_is_what_replot_makes_of_the_committed_json():
-    from bench import timing
+    from bench import timing_report
 
     source = ROOT / "bench" / "results" / "timing-qwen3-8b.json"
-    section = (ROOT / "docs" / "results.md").read_text(encoding="utf-8").split(timing.README_START)[1]
-    section = section.split(timing.README_END)[0]
-    assert timing.readme_table(json.loads(source.read_text(encoding="utf-8"))) in section
+    section = (ROOT / "docs" / "results.md").read_text(encoding="utf-8").split(timing_report.README_START)[1]
+    section = section.split(timing_report.README_END)[0]
+    assert timing_report.readme_table(json.loads(source.read_text(encoding="utf-8"))) in section
     assert "--readme docs/results.md" in section and "bench/results/timing-qwen3-8b.json" in section

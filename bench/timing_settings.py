@@ -1,0 +1,68 @@
+"""What ``python -m bench timing`` times: Qwen3-8B's attention shape, the grid of settings (context × sessions ×
+store, k), the timed methods, and how many layers' stores pinned host memory holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYERS, KV_HEADS, GROUP, HEAD_DIM = 36, 8, 4, 128  # Qwen3-8B
+CONTEXTS = (32768, 131072, 262144, 1048576)
+SESSIONS = (1, 4, 16)
+MANY_SESSIONS_UP_TO = 131072  # sessions > 1 at contexts up to this
+HEADROOM = 4096  # tokens appended while timing
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One cache: ``sessions`` at ``context`` tokens (``ragged``: session i holds ``context · (1 + i) / S``)."""
+
+    context: int
+    sessions: int
+    regime: str
+    k: int = 512
+    ragged: bool = False
+
+    @property
+    def lengths(self) -> list[int]:
+        if not self.ragged:
+            return [self.context] * self.sessions
+        return [self.context * (i + 1) // self.sessions // 64 * 64 for i in range(self.sessions)]
+
+    @property
+    def label(self) -> str:
+        s = f"{self.context // 1024}k × {self.sessions}" + (" ragged" if self.ragged else "")
+        return s + ("" if self.k == 512 else f", k = {self.k}")
+
+
+def method_table():
+    """Every timed method, by label (d = 128)."""
+    from fathom import methods
+
+    grid = [methods.fathom(32), methods.fathom(48), methods.fathom(64), methods.sparq(16), methods.sparq(32),
+            methods.double_sparsity(32), methods.loki(32), methods.thumbnail(2), methods.landmark(),
+            methods.oracle(), methods.dense()]
+    return {m.label(HEAD_DIM): m for m in grid}
+
+
+def settings_for(args) -> list[Setting]:
+    """Every (regime, context, sessions) asked for, within ``--max-tokens`` per layer; k = 2048 too at 1M."""
+    out = []
+    for regime in args.regimes:
+        for context in args.contexts:
+            for sessions in args.sessions:
+                if sessions > 1 and context > MANY_SESSIONS_UP_TO or sessions * context > args.max_tokens:
+                    continue
+                out.append(Setting(context, sessions, regime, ragged=sessions == args.ragged_sessions))
+            if context >= 1048576 and (regime == "host" or not args.skip_large_k_hbm):
+                out.append(Setting(context, 1, regime, k=2048))
+    return out
+
+
+def physical_layers(setting: Setting, host_gb: float) -> int:
+    """How many layers' stores pinned host memory holds within ``host_gb``."""
+    tokens = sum(setting.lengths) + setting.sessions * HEADROOM
+    per_token = 4 * HEAD_DIM + HEAD_DIM * 2 // 8  # K/V rows + landmarks
+    if setting.regime == "host":
+        per_token += 2 * (HEAD_DIM * 4 + HEAD_DIM * 2 // 64) // 8 * 8  # raw + rotated store
+    per_layer = tokens * KV_HEADS * per_token
+    return int(max(1, min(LAYERS, host_gb * 1e9 // per_layer)))
