@@ -19,6 +19,7 @@ from numba import cuda
 from fathom.cuda.half import bf16_bits_to_f32
 
 ROWS_IN_FLIGHT = 2  # rows each thread of the gather loads before it stores
+V_IN_FLIGHT = 8  # rows' values each thread of the softmax loads before it accumulates them
 CHUNK_ROWS = 256  # rows per CTA of the softmax (= its threads)
 _KERNELS: dict[tuple, object] = {}
 
@@ -141,16 +142,26 @@ def _softmax_kernel(heads: int, words: int):
             cuda.syncthreads()
             step //= 2
         valid = min(CHUNK_ROWS, rows - chunk * CHUNK_ROWS)
-        for x in range(t, heads * d, n_threads):
-            h = x // d
-            c = x % d
-            o = np.float32(0)
-            for i in range(valid):
-                if p[h, i] != 0:
-                    word = staged[g, chunk * CHUNK_ROWS + i, 1, c // 4]
-                    v = bf16_bits_to_f32(np.uint16((word >> np.uint64(16 * (c % 4))) & np.uint64(0xFFFF)))
-                    o += p[h, i] * v
-            part_o[g, chunk, h, c] = o
+        # weighted values: a thread per (head, word of 4 channels); V_IN_FLIGHT rows' words loaded before any is
+        # used, so loads overlap (one at a time, each row waited for its load: ~70 µs a layer); rows in order
+        for x in range(t, heads * words, n_threads):
+            h = x // words
+            w = x % words
+            o = cuda.local.array(4, np.float32)
+            for e in range(4):
+                o[e] = np.float32(0)
+            held = cuda.local.array(V_IN_FLIGHT, np.uint64)
+            for base in range(0, valid, V_IN_FLIGHT):
+                for u in range(V_IN_FLIGHT):
+                    if base + u < valid:
+                        held[u] = staged[g, chunk * CHUNK_ROWS + base + u, 1, w]
+                for u in range(V_IN_FLIGHT):
+                    if base + u < valid and p[h, base + u] != 0:
+                        for e in range(4):
+                            v = bf16_bits_to_f32(np.uint16((held[u] >> np.uint64(16 * e)) & np.uint64(0xFFFF)))
+                            o[e] += p[h, base + u] * v
+            for e in range(4):
+                part_o[g, chunk, h, 4 * w + e] = o[e]
         if t < heads:
             part_m[g, chunk, t] = stats[0, t]
             part_l[g, chunk, t] = red[t, 0]
