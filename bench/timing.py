@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-cache-rows", type=int, default=0,
                         help="HBM row cache slots per (session, layer, KV head), each method alone on it "
                              "(0: none; default %(default)s)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also profile each method's eager token per kernel (GPU µs per token, torch's profiler)")
     parser.add_argument("--host-gb", type=float, default=40.0,
                         help="pinned memory for the stores (GB; default %(default)s)")
     parser.add_argument("--stats", type=Path, default=DEFAULT_STATS,
@@ -212,6 +214,8 @@ def run(args: argparse.Namespace) -> Path:
                     run_.row_hit_rate[block[0]] = (now_hits - hits) / max(now_lookups - lookups, 1)
                 for label in block:
                     run_.read_bytes(label)
+                    if args.kernels:
+                        run_.kernels_us[label] = run_.kernel_profile(label)
         all_records += records(run_, timed, link, hbm, args)
         run_.close()
     payload = {"device": torch.cuda.get_device_name(), "link_GBps": link, "hbm_GBps": hbm,

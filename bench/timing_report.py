@@ -1,5 +1,6 @@
-"""What ``python -m bench timing`` writes and prints: the JSON, its markdown tables (per setting; GPU ms per stage),
-the plot, the short summary, and the section of docs/results.md that ``--replot ... --readme`` rewrites."""
+"""What ``python -m bench timing`` writes and prints: the JSON, its markdown tables (per setting; GPU ms per stage;
+GPU µs per kernel with ``--kernels``), the plot, the short summary, and the section of docs/results.md that
+``--replot ... --readme`` rewrites."""
 
 from __future__ import annotations
 
@@ -108,7 +109,23 @@ def markdown(payload: dict) -> str:
                       markdown_table([{"label": r["label"], **r["stages_ms"]} for r in eager],
                                      [("label", "method@bits", "s")]
                                      + [(s, s, ".2f") for s in eager[0]["stages_ms"]]), ""]  # decoder's order
+        profiled = {r["label"]: r["kernels_us"] for r in rows if r.get("kernels_us")}
+        if profiled:
+            lines += [f"GPU µs per token by kernel (eager token, torch's profiler; the {KERNELS_SHOWN} largest of "
+                      "any method):", "", kernel_table(profiled), ""]
     return "\n".join(lines) + "\n"
+
+
+KERNELS_SHOWN = 12
+
+
+def kernel_table(profiled: dict[str, dict[str, float]]) -> str:
+    """Kernels as rows, methods as columns (µs per token), the largest first."""
+    largest = sorted({name for us in profiled.values() for name in us},
+                     key=lambda name: -max(us.get(name, 0.0) for us in profiled.values()))[:KERNELS_SHOWN]
+    rows = [{"kernel": name, **{label: us.get(name) for label, us in profiled.items()}} for name in largest]
+    rows.append({"kernel": "all kernels", **{label: sum(us.values()) for label, us in profiled.items()}})
+    return markdown_table(rows, [("kernel", "kernel", "s")] + [(label, label, ".0f") for label in profiled])
 
 
 def summary(payload: dict) -> str:

@@ -13,6 +13,17 @@ from bench.timing_settings import GROUP, HEAD_DIM, HEADROOM, KV_HEADS, LAYERS, S
 # cycles of the sleep kernel that holds the GPU while the host enqueues a token (~2 GHz): longer than the enqueue of
 # a graph replay, or of an eager token (~3 ms of Numba launches per layer)
 SLEEP_CYCLES = {"graph": 40_000_000, "eager": 300_000_000}
+PROFILED_TOKENS = 3  # eager tokens per method under the profiler (--kernels), after one unprofiled
+
+
+def kernel_name(raw: str) -> str:
+    """A profiler's kernel name, short: a Numba kernel of the package as ``module.function``
+    (``topk._candidates_kernel``; a factory's kernel by its factory, ``scan._scan_kernel``), any other kernel's
+    first 60 characters."""
+    name = raw.split("[abi", 1)[0]
+    if name.startswith("fathom::cuda::"):
+        name = name.removeprefix("fathom::cuda::").replace("::_3clocals_3e::kernel", "").replace("::", ".")
+    return name[:60]
 
 
 def copy_rate(torch) -> float:
@@ -91,6 +102,7 @@ class Run:
                         for label in labels for mode in args.modes}
         self.nbytes: dict[str, dict] = {}  # per method: what one eager token read (:meth:`read_bytes`)
         self.row_hit_rate: dict[str, float | None] = dict.fromkeys(labels)
+        self.kernels_us: dict[str, dict[str, float]] = {}  # per method, with --kernels (:meth:`kernel_profile`)
 
     def eager_token(self, decoder, events=None) -> None:
         """Append + step of every layer, eagerly; with ``events``, a pair of events around each stage."""
@@ -159,6 +171,22 @@ class Run:
         self.nbytes[label] = {"scan": scan, "scan_link": scan_link, "rows": rows, "row_link": row_link,
                               "bits": scan * 8 / max(tokens, 1)}
 
+    def kernel_profile(self, label: str) -> dict[str, float]:
+        """GPU µs per token of each kernel of ``label``'s eager token, largest first (torch's profiler over
+        :data:`PROFILED_TOKENS` tokens; kernel durations, so the eager launch gaps are not in them)."""
+        torch = self.torch
+        self.token(label, "eager", queued=False)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            for _ in range(PROFILED_TOKENS):
+                self.token(label, "eager", queued=False)
+            torch.cuda.synchronize()
+        total: dict[str, float] = {}
+        for event in profile.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                name = kernel_name(event.name)
+                total[name] = total.get(name, 0.0) + event.device_time_total / PROFILED_TOKENS
+        return dict(sorted(total.items(), key=lambda item: -item[1]))
+
     def close(self) -> None:
         self.graphs.clear()
         self.decoders.clear()
@@ -194,7 +222,8 @@ def records(run: Run, labels: list[str], link_gbps: float, hbm_gbps: float, args
                         "hbm_gb": run.cache.hbm_bytes / 1e9, "pinned_gb": run.cache.pinned_bytes / 1e9,
                         "floor_ms": link_bytes / link_gbps / 1e6,
                         "hbm_scan_ms": scan / hbm_gbps / 1e6 if run.setting.regime == "hbm" else None,
-                        "stages_ms": stage_ms, "fill_s": round(run.fill_s, 1)})
+                        "stages_ms": stage_ms, "kernels_us": run.kernels_us.get(label),
+                        "fill_s": round(run.fill_s, 1)})
     by_key = {(r["label"], r["mode"]): r for r in out}
     for r in out:
         ds = by_key.get(("double-sparsity@136", r["mode"]))
