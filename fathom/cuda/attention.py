@@ -74,7 +74,7 @@ def _softmax_kernel(heads: int, words: int):
         return _KERNELS[key]
     d = 4 * words
 
-    @cuda.jit
+    @cuda.jit(cache=True)  # its closure holds only integers: cached on disk
     def kernel(q, staged, head_mask, n_rows, lengths, heads_per_session, dense, scale, status, part_m, part_l,
                part_o):
         chunk = cuda.blockIdx.x

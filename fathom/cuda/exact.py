@@ -37,7 +37,7 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
     stride = words + 1  # +1: rows fall in different banks (shared sizes must be constants for Numba)
     d = 4 * words
 
-    @cuda.jit
+    @cuda.jit(cache=True)  # its closure holds only integers: cached on disk
     def kernel(q, rows, lengths, heads_per_session, sink, local, scores, top_hist):
         g = cuda.blockIdx.y
         t = cuda.threadIdx.x

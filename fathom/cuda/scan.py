@@ -47,6 +47,50 @@ def blocks_per_warp(heads: int) -> int:
     return 1 << int(math.log2(max(16 // heads, 1)))
 
 
+@cuda.jit(device=True, inline=True)
+def _find_slot(start, lo, hi, f):
+    """The active channel ``i`` in ``lo .. hi`` whose slot holds chunk word ``f`` (``start`` ascending)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if start[mid] <= f:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@cuda.jit(device=True, inline=True)
+def _load_chunk(held, near, far, start, chan, chunk_first, x, g, seg, local0, valid, n_seg, d, cap, scale_words,
+                near_record_words, far_record_words, hbm_planes, part_scale_words, t, held_words, threads, per_cta):
+    """Issue this thread's loads of chunk ``x`` into ``held`` (no use of the values: they stay in flight), each
+    word from the tier holding it. ``held_words``, ``threads``, ``per_cta``: the kernel's constants (inlined)."""
+    lo = chunk_first[x]
+    hi = chunk_first[x + 1]
+    base = start[lo]
+    extent = start[hi] - base
+    for r in range(held_words):
+        f = t + r * threads
+        held[r] = np.uint64(0)
+        if f < extent:
+            i = _find_slot(start, lo, hi, base + f)
+            off = base + f - start[i]
+            near_record = record_offset(g, seg, chan[i], n_seg, d, near_record_words)
+            far_record = record_offset(g, seg, chan[i], n_seg, d, far_record_words)
+            if off < part_scale_words:
+                if scales_in_near(hbm_planes):
+                    held[r] = near[near_record + local0 // SCALES_PER_WORD + off]
+                else:
+                    held[r] = far[far_record + local0 // SCALES_PER_WORD + off]
+            else:
+                plane = (off - part_scale_words) // per_cta
+                b = off - part_scale_words - plane * per_cta
+                if b < valid:
+                    if plane_in_near(plane, hbm_planes):
+                        held[r] = near[plane_word(near_record, plane, local0 + b, scale_words, cap, hbm_planes)]
+                    else:
+                        held[r] = far[plane_word(far_record, plane, local0 + b, scale_words, cap, hbm_planes)]
+
+
 def _scan_kernel(heads: int, warps: int, per_warp: int):
     key = (heads, warps, per_warp)
     if key in _KERNELS:
@@ -61,49 +105,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
     chunk_slots = MAX_D + 2
     pairs = 2 * per_warp
 
-    @cuda.jit(device=True, inline=True)
-    def find_slot(start, lo, hi, f):
-        """The active channel ``i`` in ``lo .. hi`` whose slot holds chunk word ``f`` (``start`` ascending)."""
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if start[mid] <= f:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    @cuda.jit(device=True, inline=True)
-    def load_chunk(held, near, far, start, chan, chunk_first, x, g, seg, local0, valid, n_seg, d, cap, scale_words,
-                   near_record_words, far_record_words, hbm_planes, part_scale_words, t):
-        """Issue this thread's loads of chunk ``x`` into ``held`` (no use of the values: they stay in flight), each
-        word from the tier holding it."""
-        lo = chunk_first[x]
-        hi = chunk_first[x + 1]
-        base = start[lo]
-        extent = start[hi] - base
-        for r in range(held_words):
-            f = t + r * threads
-            held[r] = np.uint64(0)
-            if f < extent:
-                i = find_slot(start, lo, hi, base + f)
-                off = base + f - start[i]
-                near_record = record_offset(g, seg, chan[i], n_seg, d, near_record_words)
-                far_record = record_offset(g, seg, chan[i], n_seg, d, far_record_words)
-                if off < part_scale_words:
-                    if scales_in_near(hbm_planes):
-                        held[r] = near[near_record + local0 // SCALES_PER_WORD + off]
-                    else:
-                        held[r] = far[far_record + local0 // SCALES_PER_WORD + off]
-                else:
-                    plane = (off - part_scale_words) // per_cta
-                    b = off - part_scale_words - plane * per_cta
-                    if b < valid:
-                        if plane_in_near(plane, hbm_planes):
-                            held[r] = near[plane_word(near_record, plane, local0 + b, scale_words, cap, hbm_planes)]
-                        else:
-                            held[r] = far[plane_word(far_record, plane, local0 + b, scale_words, cap, hbm_planes)]
-
-    @cuda.jit(**launch_bounds(threads))
+    @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only integers: cached on disk
     def kernel(q, depths, lengths, heads_per_session, near, far, n_seg, cap, scale_words, near_record_words,
                far_record_words, hbm_planes, sink, local, scores, top_hist):
         g = cuda.blockIdx.y
@@ -172,8 +174,9 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                 acc[x, h] = np.float32(0)
         held = cuda.local.array(held_words, np.uint64)
         if n_chunks > 0:
-            load_chunk(held, near, far, start, chan, chunk_first, 0, g, seg, local0, valid, n_seg, d, cap,
-                       scale_words, near_record_words, far_record_words, hbm_planes, part_scale_words, t)
+            _load_chunk(held, near, far, start, chan, chunk_first, 0, g, seg, local0, valid, n_seg, d, cap,
+                        scale_words, near_record_words, far_record_words, hbm_planes, part_scale_words, t, held_words,
+                        threads, per_cta)
         for x in range(n_chunks):
             cuda.syncthreads()  # the previous chunk is scored: its buffer may be overwritten
             for r in range(held_words):
@@ -182,8 +185,9 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                     buffer[f] = held[r]
             cuda.syncthreads()
             if x + 1 < n_chunks:  # the next chunk's loads fly while this one is scored
-                load_chunk(held, near, far, start, chan, chunk_first, x + 1, g, seg, local0, valid, n_seg, d,
-                           cap, scale_words, near_record_words, far_record_words, hbm_planes, part_scale_words, t)
+                _load_chunk(held, near, far, start, chan, chunk_first, x + 1, g, seg, local0, valid, n_seg, d,
+                            cap, scale_words, near_record_words, far_record_words, hbm_planes, part_scale_words, t,
+                            held_words, threads, per_cta)
             lo = chunk_first[x]
             hi = chunk_first[x + 1]
             for jb in range(per_warp):
