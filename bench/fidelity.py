@@ -43,8 +43,8 @@ BASIS_RULE_BUDGETS = (48, 64)  # the raw-vs-rotated decision compares these budg
 QUICK_MODEL, QUICK_CONTEXT, QUICK_POSITIONS = "smollm2-135m", 4096, 32
 EVALUATION_CORPUS = "paul-graham"
 DEVICES = ("cpu", "cuda")
-SYNTHETIC_QUICK = SyntheticConfig(layers=4, kv_heads=2, group=4, head_dim=128, tokens=4096, positions=16)
-SYNTHETIC_FULL = SyntheticConfig(layers=8, kv_heads=4, group=4, head_dim=128, tokens=16384, positions=32)
+SYNTHETIC_QUICK = SyntheticConfig(layers=4, kv_heads=2, group_size=4, head_dim=128, tokens=4096, positions=16)
+SYNTHETIC_FULL = SyntheticConfig(layers=8, kv_heads=4, group_size=4, head_dim=128, tokens=16384, positions=32)
 COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
            ("scan_bytes", "scan KiB/step", ",.0f"), ("row_bytes", "row KiB/step", ",.0f"),
            ("rows_per_head", "rows/KV head", ".0f"), ("rel_error", "rel. error", ".4f"),

@@ -70,7 +70,7 @@ from fathom.selection import Selection
 with HostKVCache(CacheShape(sessions=1, layers=1, kv_heads=8, head_dim=128, max_tokens=8192)) as cache:
     k = torch.randn(1, 8, 4096, 128, device="cuda")
     cache.append(0, k, k)
-    decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=256)), group=4)
+    decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=256)), group_size=4)
     StepGraph(decoder, append=True)(torch.randn(1, 32, 128, device="cuda"), k[:, :, :1], k[:, :, :1])
     torch.cuda.synchronize()
 print(time.perf_counter() - t)
@@ -403,7 +403,7 @@ def attention_gpu_ms(cache, reps: int = 5) -> float | None:
     if not isinstance(sessions, OffloadedSessions):
         return None
     s = sessions.shape
-    q = torch.randn(s.layers, s.sessions, s.kv_heads * s.group, s.head_dim, device="cuda")
+    q = torch.randn(s.layers, s.sessions, s.kv_heads * s.group_size, s.head_dim, device="cuda")
     kv = torch.randn(2, s.sessions, s.kv_heads, s.head_dim, device="cuda")
     sessions.reserve(reps + 1)
     graphs = [sessions.graph(layer) for layer in range(s.layers)]

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> Path:
         with HostKVCache(shape) as cache:
             for layer in range(shape.layers):
                 cache.append(layer, k, k)
-            decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=512)), group=4)
+            decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=512)), group_size=4)
             token = StepGraph(decoder, append=True)
             for _ in range(3):
                 token(q, k1, k1)

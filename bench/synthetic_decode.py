@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from bench.timing_settings import GROUP, HEAD_DIM, KV_HEADS
+from bench.timing_settings import GROUP_SIZE, HEAD_DIM, KV_HEADS
 
 # The decode queries' step-to-step correlation per channel: at 0.8, oracle top-512 over the synthetic keys (32k)
 # re-selects 65% of the previous step's rows and an LRU of 4× a step's rows hits 89%, inside what bench rowreuse
@@ -40,8 +40,8 @@ class Synthetic:
 
     def queries(self, layer: int, sessions: int):
         mean, std = self._pick("query_mean", layer), self._pick("query_std", layer)
-        z = self.torch.randn((sessions, KV_HEADS, GROUP, HEAD_DIM), device="cuda", generator=self.gen)
-        return (mean[None, :, None] + std[None, :, None] * z).reshape(sessions, KV_HEADS * GROUP, HEAD_DIM)
+        z = self.torch.randn((sessions, KV_HEADS, GROUP_SIZE, HEAD_DIM), device="cuda", generator=self.gen)
+        return (mean[None, :, None] + std[None, :, None] * z).reshape(sessions, KV_HEADS * GROUP_SIZE, HEAD_DIM)
 
     def query_walk(self, plan: list[int], sessions: int) -> QueryWalk:
         """Decode queries of the layers ``plan`` that drift from token to token (:class:`QueryWalk`)."""
@@ -55,7 +55,7 @@ class Synthetic:
         ranks, bases = [], []
         for layer in range(layers):
             k = self.keys(layer, 1, 4096)[0]
-            q = self.queries(layer, 256).reshape(256, KV_HEADS, GROUP, HEAD_DIM).transpose(0, 1)
+            q = self.queries(layer, 256).reshape(256, KV_HEADS, GROUP_SIZE, HEAD_DIM).transpose(0, 1)
             ds = (q.abs().mean(dim=(1, 2)) * k.abs().mean(dim=1)).cpu().numpy()
             score_var = (k.var(dim=1) * q.square().mean(dim=(1, 2))).cpu().numpy()
             ranks.append(np.argsort(-ds, axis=-1, kind="stable"))
@@ -73,11 +73,11 @@ class QueryWalk:
         import torch
 
         self.torch, self.mean, self.std, self.gen = torch, mean, std, gen  # mean, std [L, 1, H, 1, d]
-        self.z = torch.randn((mean.shape[0], sessions, KV_HEADS, GROUP, HEAD_DIM), device="cuda", generator=gen)
+        self.z = torch.randn((mean.shape[0], sessions, KV_HEADS, GROUP_SIZE, HEAD_DIM), device="cuda", generator=gen)
 
     def step(self):
         """The next token's queries, float32 ``[L, S, H·G, d]``."""
         noise = self.torch.randn(self.z.shape, device="cuda", generator=self.gen)
         self.z.mul_(QUERY_CORRELATION).add_(noise, alpha=math.sqrt(1 - QUERY_CORRELATION ** 2))
         q = self.mean + self.std * self.z
-        return q.reshape(q.shape[0], q.shape[1], KV_HEADS * GROUP, HEAD_DIM)
+        return q.reshape(q.shape[0], q.shape[1], KV_HEADS * GROUP_SIZE, HEAD_DIM)

@@ -43,7 +43,7 @@ from bench.cli import UsageError, file_stem, int_list, name_list, require_cuda, 
 from bench.report import RESULTS
 from bench.synthetic_decode import Synthetic
 from bench.timing_run import Run, copy_rate, hbm_rate, records
-from bench.timing_settings import (CONTEXTS, GROUP, HEAD_DIM, KV_HEADS, LAYERS, MANY_SESSIONS_UP_TO, SESSIONS,
+from bench.timing_settings import (CONTEXTS, GROUP_SIZE, HEAD_DIM, KV_HEADS, LAYERS, MANY_SESSIONS_UP_TO, SESSIONS,
                                    method_table, settings_for)
 
 DEFAULT_STATS = Path(__file__).resolve().parent / "data" / "channel-stats-qwen2.5-coder-1.5b-4096-paul-graham.npz"
@@ -219,6 +219,6 @@ def run(args: argparse.Namespace) -> Path:
         all_records += records(run_, timed, link, hbm, args)
         run_.close()
     payload = {"device": torch.cuda.get_device_name(), "link_GBps": link, "hbm_GBps": hbm,
-               "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "group": GROUP, "head_dim": HEAD_DIM},
+               "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "group": GROUP_SIZE, "head_dim": HEAD_DIM},
                "synthetic": True, "keys": f"per-channel statistics of {data.meta}", "records": all_records}
     return timing_report.write(payload, args.out, args.name, args.command_line)

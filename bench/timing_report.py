@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from bench.report import RESULTS, markdown_table, write_json
-from bench.timing_settings import GROUP, HEAD_DIM, KV_HEADS, LAYERS, Setting
+from bench.timing_settings import GROUP_SIZE, HEAD_DIM, KV_HEADS, LAYERS, Setting
 
 README_START, README_END = "<!-- timing:start -->", "<!-- timing:end -->"  # in docs/results.md
 ROOT = RESULTS.parents[1]  # the repository
@@ -87,7 +87,7 @@ COLUMNS = [("label", "method@bits", "s"), ("mode", "mode", "s"), ("gpu_ms", "GPU
 
 
 def markdown(payload: dict) -> str:
-    lines = [f"Whole decode token of Qwen3-8B's shape ({LAYERS} layers × {KV_HEADS} KV heads, G = {GROUP}, "
+    lines = [f"Whole decode token of Qwen3-8B's shape ({LAYERS} layers × {KV_HEADS} KV heads, G = {GROUP_SIZE}, "
              f"d = {HEAD_DIM}) on {payload['device']}: every layer appends the token's K/V and runs its step. "
              f"GPU: CUDA events, the token queued behind a sleep kernel; wall: host time of an unqueued token; host: "
              f"enqueue time per layer; floor: link bytes at {payload['link_GBps']:.1f} GB/s (one 1 GiB pinned copy, "

@@ -8,7 +8,8 @@ import statistics
 import time
 
 from bench.synthetic_decode import Synthetic
-from bench.timing_settings import GROUP, HEAD_DIM, HEADROOM, KV_HEADS, LAYERS, Setting, method_table, physical_layers
+from bench.timing_settings import (GROUP_SIZE, HEAD_DIM, HEADROOM, KV_HEADS, LAYERS, Setting, method_table,
+                                   physical_layers)
 
 # cycles of the sleep kernel that holds the GPU while the host enqueues a token (~2 GHz): longer than the enqueue of
 # a graph replay, or of an eager token (~3 ms of Numba launches per layer)
@@ -94,7 +95,7 @@ class Run:
         sel = Selection(k=setting.k)
         self.decoders, self.graphs = {}, {}
         for label in labels:
-            decoder = Decoder(self.cache, DecoderSettings(table[label], sel), GROUP, ds_rank=ds_rank)
+            decoder = Decoder(self.cache, DecoderSettings(table[label], sel), GROUP_SIZE, ds_rank=ds_rank)
             self.decoders[label] = decoder
             if "graph" in args.modes:
                 self.graphs[label] = StepGraph(decoder, layers=self.plan, append=True)

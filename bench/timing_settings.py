@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LAYERS, KV_HEADS, GROUP, HEAD_DIM = 36, 8, 4, 128  # Qwen3-8B
+LAYERS, KV_HEADS, GROUP_SIZE, HEAD_DIM = 36, 8, 4, 128  # Qwen3-8B
 CONTEXTS = (32768, 131072, 262144, 1048576)
 SESSIONS = (1, 4, 16)
 MANY_SESSIONS_UP_TO = 131072  # sessions > 1 at contexts up to this

@@ -1,12 +1,12 @@
 """Where the offloaded store keeps each channel's block scales and bit planes: the one place for its addresses.
 
-The GPU store of one layer (``fathom.host.cache``) holds, per query group ``g`` (a (session, KV head) pair),
+The GPU store of one layer (``fathom.host.cache``) holds, per stream ``g`` (a (session, KV head) pair),
 ``n_seg`` segments of ``cap`` blocks of 64 tokens (design §3). Within a segment each channel has one **record** of
 ``uint64`` words::
 
     record(g, seg, c) = [ scales: cap fp16, packed 4 per word | plane 0: cap words | plane 1 | plane 2 | plane 3 ]
 
-Records are channel-major within a segment and segments follow each other per group, so the first ``t`` planes of
+Records are channel-major within a segment and segments follow each other per stream, so the first ``t`` planes of
 channel ``c`` in a segment, with its scales in front, are **one contiguous run** of
 ``(scale_words + t · cap) · 8`` bytes: a scan that reads ``t`` planes of a channel reads exactly that prefix.
 (The NumPy reference, ``fathom.store``, keeps planes and scales in separate arrays; both layouts hold the same
@@ -31,7 +31,7 @@ The functions below are plain integer arithmetic so that the host (tests, byte a
 Example (t = 2: a depth-3 read of channel 1 is the near run ``[near, near + scale_words + 2 · cap)`` and the far
 run ``[far, far + cap)``)::
 
-    >>> layout = StoreLayout(groups=1, segments=2, d=4, cap=128, hbm_planes=2)
+    >>> layout = StoreLayout(streams=1, segments=2, d=4, cap=128, hbm_planes=2)
     >>> layout.scale_words, layout.near_record_words, layout.far_record_words
     (32, 288, 256)
     >>> near, far = layout.near_record(0, 1, 1), layout.far_record(0, 1, 1)
@@ -50,10 +50,10 @@ from fathom.quantize import PLANES
 SCALES_PER_WORD = 4  # fp16 scales per uint64 word
 
 
-def record_offset(group, segment, channel, n_segments, d, record_words):
-    """First word of the record of ``channel`` in ``segment`` of ``group``, in an array of ``record_words``-word
+def record_offset(stream, segment, channel, n_segments, d, record_words):
+    """First word of the record of ``channel`` in ``segment`` of ``stream``, in an array of ``record_words``-word
     records (the near or the far array: their records are in the same order)."""
-    return ((group * n_segments + segment) * d + channel) * record_words
+    return ((stream * n_segments + segment) * d + channel) * record_words
 
 
 def plane_in_near(plane, hbm_planes):
@@ -92,10 +92,10 @@ def scale_index(record, block):
 
 @dataclass(frozen=True)
 class StoreLayout:
-    """Sizes of one layer's store: ``groups`` (session, KV head) pairs × ``segments`` × ``d`` records of
+    """Sizes of one layer's store: ``streams`` (session, KV head) pairs × ``segments`` × ``d`` records of
     ``cap`` blocks each, the first ``hbm_planes`` planes (and the scales, if any) in the near array."""
 
-    groups: int
+    streams: int
     segments: int
     d: int
     cap: int
@@ -124,8 +124,8 @@ class StoreLayout:
 
     @property
     def records(self) -> int:
-        """Records of the store: one per (group, segment, channel)."""
-        return self.groups * self.segments * self.d
+        """Records of the store: one per (stream, segment, channel)."""
+        return self.streams * self.segments * self.d
 
     @property
     def near_words(self) -> int:
@@ -137,29 +137,29 @@ class StoreLayout:
         """Words of the far (pinned host) array."""
         return self.records * self.far_record_words
 
-    def near_record(self, group: int, segment: int, channel: int) -> int:
-        return record_offset(group, segment, channel, self.segments, self.d, self.near_record_words)
+    def near_record(self, stream: int, segment: int, channel: int) -> int:
+        return record_offset(stream, segment, channel, self.segments, self.d, self.near_record_words)
 
-    def far_record(self, group: int, segment: int, channel: int) -> int:
-        return record_offset(group, segment, channel, self.segments, self.d, self.far_record_words)
+    def far_record(self, stream: int, segment: int, channel: int) -> int:
+        return record_offset(stream, segment, channel, self.segments, self.d, self.far_record_words)
 
-    def word(self, group: int, block: int, channel: int, plane: int) -> tuple[bool, int]:
-        """``(in_near, index)``: where the word of ``plane`` for ``block`` (counted over the group's segments) of
+    def word(self, stream: int, block: int, channel: int, plane: int) -> tuple[bool, int]:
+        """``(in_near, index)``: where the word of ``plane`` for ``block`` (counted over the stream's segments) of
         ``channel`` lives."""
         seg, b = divmod(block, self.cap)
         near = plane_in_near(plane, self.hbm_planes)
-        record = (self.near_record if near else self.far_record)(group, seg, channel)
+        record = (self.near_record if near else self.far_record)(stream, seg, channel)
         return near, plane_word(record, plane, b, self.scale_words, self.cap, self.hbm_planes)
 
-    def scale(self, group: int, block: int, channel: int) -> tuple[bool, int]:
+    def scale(self, stream: int, block: int, channel: int) -> tuple[bool, int]:
         """``(in_near, index)``: where ``block``'s fp16 scale of ``channel`` lives, in a 16-bit view."""
         seg, b = divmod(block, self.cap)
         near = scales_in_near(self.hbm_planes)
-        record = (self.near_record if near else self.far_record)(group, seg, channel)
+        record = (self.near_record if near else self.far_record)(stream, seg, channel)
         return near, scale_index(record, b)
 
-    def read(self, near: np.ndarray, far: np.ndarray, group: int, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-        """One group's first ``n_blocks`` blocks, from host copies of the store ``uint64 [near_words]`` and
+    def read(self, near: np.ndarray, far: np.ndarray, stream: int, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        """One stream's first ``n_blocks`` blocks, from host copies of the store ``uint64 [near_words]`` and
         ``uint64 [far_words]``: planes ``uint64 [d, 4, n_blocks]`` and scales ``float16 [d, n_blocks]``, the
         reference store's arrays."""
         arrays = {True: near, False: far}
@@ -168,8 +168,8 @@ class StoreLayout:
         for c in range(self.d):
             for block in range(n_blocks):
                 for p in range(PLANES):
-                    in_near, index = self.word(group, block, c, p)
+                    in_near, index = self.word(stream, block, c, p)
                     planes[c, p, block] = arrays[in_near][index]
-                in_near, index = self.scale(group, block, c)
+                in_near, index = self.scale(stream, block, c)
                 scales[c, block] = arrays[in_near].view(np.uint16)[index]
         return planes, scales.view(np.float16)

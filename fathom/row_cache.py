@@ -1,8 +1,8 @@
-"""The HBM row cache of the offloaded step: the K/V rows a query group selected recently stay on the GPU, so only
+"""The HBM row cache of the offloaded step: the K/V rows a stream selected recently stay on the GPU, so only
 the misses cross the link (design §8). The NumPy reference; ``fathom.cuda.row_cache`` is its twin (bit-exact).
 
 Consecutive decode steps of one (session, layer, KV head) select mostly the same rows: on real captures an LRU of
-4× one step's rows hits ~90% (``python -m bench rowreuse``). Each query group ``g`` owns ``slots`` rows of a slab;
+4× one step's rows hits ~90% (``python -m bench rowreuse``). Each stream ``g`` owns ``slots`` rows of a slab;
 per step, for its ascending row list (``fathom.selection.union_rows``):
 
 1. a row whose position holds a slot is a **hit**: read from the slab, its slot stamped with the step;
@@ -17,7 +17,7 @@ appended, so a cached row never goes stale; emptying a session (``HostKVCache.re
 
 Example::
 
-    cache = RowCache(groups=1, slots=4, max_tokens=64)
+    cache = RowCache(streams=1, slots=4, max_tokens=64)
     cache.assign(0, np.array([3, 9, 12]))   # -> [4, 5, 6]: three fills (slots 0, 1, 2)
     cache.assign(0, np.array([9, 20]))      # -> [1, 7]: a hit (slot 1), a fill of the empty slot 3
 """
@@ -31,23 +31,23 @@ EMPTY = -1  # a slot holding no row; a position held in no slot
 
 
 class RowCache:
-    """Per query group: ``slot_of [groups, max_tokens]`` (a position's slot or -1), ``position [groups, slots]``
-    (a slot's position or -1), ``stamp [groups, slots]`` (the step that last used it), ``clock [groups]`` (steps
-    run), ``hits`` and ``lookups [groups]`` (cumulative)."""
+    """Per stream: ``slot_of [streams, max_tokens]`` (a position's slot or -1), ``position [streams, slots]``
+    (a slot's position or -1), ``stamp [streams, slots]`` (the step that last used it), ``clock [streams]`` (steps
+    run), ``hits`` and ``lookups [streams]`` (cumulative)."""
 
-    def __init__(self, groups: int, slots: int, max_tokens: int):
-        if min(groups, slots, max_tokens) <= 0:
-            raise ValueError(f"groups, slots and max_tokens must be positive, got {groups}, {slots}, {max_tokens}")
+    def __init__(self, streams: int, slots: int, max_tokens: int):
+        if min(streams, slots, max_tokens) <= 0:
+            raise ValueError(f"streams, slots and max_tokens must be positive, got {streams}, {slots}, {max_tokens}")
         self.slots = slots
-        self.slot_of = np.full((groups, max_tokens), EMPTY, np.int32)
-        self.position = np.full((groups, slots), EMPTY, np.int32)
-        self.stamp = np.zeros((groups, slots), np.int32)
-        self.clock = np.zeros(groups, np.int32)
-        self.hits = np.zeros(groups, np.int64)
-        self.lookups = np.zeros(groups, np.int64)
+        self.slot_of = np.full((streams, max_tokens), EMPTY, np.int32)
+        self.position = np.full((streams, slots), EMPTY, np.int32)
+        self.stamp = np.zeros((streams, slots), np.int32)
+        self.clock = np.zeros(streams, np.int32)
+        self.hits = np.zeros(streams, np.int64)
+        self.lookups = np.zeros(streams, np.int64)
 
     def assign(self, g: int, rows: np.ndarray) -> np.ndarray:
-        """One step of group ``g`` over its ascending, distinct ``rows``: the cache updated, each row's source
+        """One step of stream ``g`` over its ascending, distinct ``rows``: the cache updated, each row's source
         (int32: slot = hit, slot + slots = fill, -1 = bypass)."""
         rows = np.asarray(rows, np.int64)
         step = self.clock[g] + 1
@@ -74,9 +74,9 @@ class RowCache:
         self.lookups[g] += len(rows)
         return source
 
-    def empty(self, groups) -> None:
-        """Forget every row of ``groups`` (their session was emptied: its positions will hold new tokens)."""
-        self.slot_of[groups] = EMPTY
-        self.position[groups] = EMPTY
-        self.stamp[groups] = 0
-        self.clock[groups] = 0
+    def empty(self, streams) -> None:
+        """Forget every row of ``streams`` (their session was emptied: its positions will hold new tokens)."""
+        self.slot_of[streams] = EMPTY
+        self.position[streams] = EMPTY
+        self.stamp[streams] = 0
+        self.clock[streams] = 0

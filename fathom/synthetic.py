@@ -21,7 +21,7 @@ from fathom.capture import Capture
 class SyntheticConfig:
     layers: int = 4
     kv_heads: int = 2
-    group: int = 4
+    group_size: int = 4
     head_dim: int = 128
     tokens: int = 4096
     positions: int = 16
@@ -51,7 +51,7 @@ def rope(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
 
 def _head(model: np.random.Generator, text: np.random.Generator, cfg: SyntheticConfig
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    n, d, G, P = cfg.tokens, cfg.head_dim, cfg.group, cfg.positions
+    n, d, G, P = cfg.tokens, cfg.head_dim, cfg.group_size, cfg.positions
     std = np.exp(model.uniform(np.log(0.05), np.log(15.0), d))
     mean = np.zeros(d)
     heavy = model.choice(d, cfg.heavy_channels, replace=False)
@@ -78,7 +78,7 @@ def generate(cfg: SyntheticConfig = SyntheticConfig()) -> Capture:
     model, text = np.random.default_rng(cfg.seed), np.random.default_rng([cfg.seed, cfg.text_seed])
     L, H = cfg.layers, cfg.kv_heads
     keys = np.empty((L, H, cfg.tokens, cfg.head_dim), np.float32)
-    queries = np.empty((L, H, cfg.positions, cfg.group, cfg.head_dim), np.float32)
+    queries = np.empty((L, H, cfg.positions, cfg.group_size, cfg.head_dim), np.float32)
     positions = None
     for layer in range(L):
         for head in range(H):

@@ -8,7 +8,7 @@ from fathom.fidelity import evaluate, plan_layers
 from fathom.selection import Selection
 from fathom.synthetic import SyntheticConfig, generate
 
-SMALL = SyntheticConfig(layers=2, kv_heads=2, group=2, head_dim=16, tokens=400, positions=5)
+SMALL = SyntheticConfig(layers=2, kv_heads=2, group_size=2, head_dim=16, tokens=400, positions=5)
 
 
 @pytest.fixture(scope="module")

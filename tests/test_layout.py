@@ -10,14 +10,14 @@ from fathom.layout import (SCALES_PER_WORD, StoreLayout, plane_in_near, plane_wo
                            scales_in_near)
 from fathom.quantize import PLANES
 
-shapes = st.builds(StoreLayout, groups=st.integers(1, 3), segments=st.integers(1, 3), d=st.integers(1, 5),
+shapes = st.builds(StoreLayout, streams=st.integers(1, 3), segments=st.integers(1, 3), d=st.integers(1, 5),
                    cap=st.sampled_from([1, 2, 3, 4, 8]), hbm_planes=st.integers(0, PLANES))
 
 
 def _whole_record_words(layout: StoreLayout) -> dict[tuple, int]:
     """Every word of the single-array store (scales, then planes 0..3 per record), keyed by what it holds."""
     words = {}
-    for g in range(layout.groups):
+    for g in range(layout.streams):
         for seg in range(layout.segments):
             for c in range(layout.d):
                 record = record_offset(g, seg, c, layout.segments, layout.d, layout.record_words)
@@ -32,7 +32,7 @@ def _whole_record_words(layout: StoreLayout) -> dict[tuple, int]:
 def _tiered_words(layout: StoreLayout) -> dict[tuple, tuple[bool, int]]:
     """The same words in the tiered store: ``(in_near, index)`` each."""
     t, words = layout.hbm_planes, {}
-    for g in range(layout.groups):
+    for g in range(layout.streams):
         for seg in range(layout.segments):
             for c in range(layout.d):
                 near, far = layout.near_record(g, seg, c), layout.far_record(g, seg, c)
@@ -61,17 +61,17 @@ def test_near_and_far_hold_every_word_exactly_once(layout):
 def test_the_ends_are_the_single_array_store(layout):
     whole = _whole_record_words(layout)
     for t, in_near in ((0, False), (PLANES, True)):
-        end = StoreLayout(layout.groups, layout.segments, layout.d, layout.cap, hbm_planes=t)
+        end = StoreLayout(layout.streams, layout.segments, layout.d, layout.cap, hbm_planes=t)
         assert (end.far_words if t == 0 else end.near_words) == len(whole)
         assert {k: (in_near, i) for k, i in whole.items()} == _tiered_words(end)
 
 
 def test_read_inverts_the_addresses():
-    layout = StoreLayout(groups=2, segments=2, d=3, cap=2, hbm_planes=2)
+    layout = StoreLayout(streams=2, segments=2, d=3, cap=2, hbm_planes=2)
     rng = np.random.default_rng(0)
     near = rng.integers(0, 2**63, layout.near_words, dtype=np.uint64)
     far = rng.integers(0, 2**63, layout.far_words, dtype=np.uint64)
-    planes, scales = layout.read(near, far, group=1, n_blocks=3)
+    planes, scales = layout.read(near, far, stream=1, n_blocks=3)
     # block 2 is block 0 of segment 1; plane 3 is the far record's second plane (t = 2, cap = 2)
     assert planes[1, 3, 2] == far[layout.far_record(1, 1, 1) + (3 - 2) * 2 + 0]
     assert planes[1, 1, 2] == near[layout.near_record(1, 1, 1) + layout.scale_words + 1 * 2 + 0]

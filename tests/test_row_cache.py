@@ -31,7 +31,7 @@ def _consistent(cache: RowCache, g: int) -> None:
 @given(seed=st.integers(0, 2**31), slots=st.integers(1, 40), rows=st.integers(1, 30))
 def test_sources_and_maps_agree_with_what_is_held(seed, slots, rows):
     rng = np.random.default_rng(seed)
-    cache = RowCache(groups=2, slots=slots, max_tokens=200)
+    cache = RowCache(streams=2, slots=slots, max_tokens=200)
     looked_up = 0
     for step, listed in enumerate(_steps(rng, 200, 12, rows), start=1):
         looked_up += len(listed)
@@ -47,12 +47,12 @@ def test_sources_and_maps_agree_with_what_is_held(seed, slots, rows):
             assert fills.sum() == slots - hits.sum()
         assert (cache.stamp[1, source[source >= 0] % slots] == step).all()
         _consistent(cache, 1)
-        assert (cache.slot_of[0] == EMPTY).all()  # another group's step leaves it alone
+        assert (cache.slot_of[0] == EMPTY).all()  # another stream's step leaves it alone
     assert cache.lookups[1] == looked_up and cache.lookups[0] == 0
 
 
 def test_least_recently_used_goes_first_and_ties_go_by_slot():
-    cache = RowCache(groups=1, slots=3, max_tokens=32)
+    cache = RowCache(streams=1, slots=3, max_tokens=32)
     assert cache.assign(0, np.array([1, 2, 3])).tolist() == [3, 4, 5]  # fills of slots 0, 1, 2
     assert cache.assign(0, np.array([2])).tolist() == [1]  # 2 used at step 2; 1 and 3 at step 1
     assert cache.assign(0, np.array([4, 5])).tolist() == [3, 5]  # the two oldest (1, 3: slots 0, 2) make way
@@ -61,21 +61,21 @@ def test_least_recently_used_goes_first_and_ties_go_by_slot():
 
 
 def test_a_step_larger_than_the_slab_bypasses_the_rest():
-    cache = RowCache(groups=1, slots=2, max_tokens=16)
+    cache = RowCache(streams=1, slots=2, max_tokens=16)
     assert cache.assign(0, np.array([0, 1, 2, 3])).tolist() == [2, 3, EMPTY, EMPTY]
     assert cache.assign(0, np.array([1, 5, 6])).tolist() == [1, 2, EMPTY]  # slot 1 hit: only slot 0 may go
 
 
 def test_old_slots_tie_at_the_age_cap():
-    cache = RowCache(groups=1, slots=2, max_tokens=16)
+    cache = RowCache(streams=1, slots=2, max_tokens=16)
     cache.assign(0, np.array([7]))  # slot 0 at step 1
     for _ in range(AGE_CAP + 5):
         cache.assign(0, np.array([8]))  # slot 1, every step
     assert cache.assign(0, np.array([9])).tolist() == [2]  # slot 0: the only slot not used this step
 
 
-def test_emptied_groups_forget_their_rows():
-    cache = RowCache(groups=2, slots=4, max_tokens=16)
+def test_emptied_streams_forget_their_rows():
+    cache = RowCache(streams=2, slots=4, max_tokens=16)
     cache.assign(0, np.array([1, 2]))
     cache.assign(1, np.array([1, 2]))
     cache.empty([0])
@@ -85,4 +85,4 @@ def test_emptied_groups_forget_their_rows():
 
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="slots"):
-        RowCache(groups=1, slots=0, max_tokens=8)
+        RowCache(streams=1, slots=0, max_tokens=8)

@@ -10,7 +10,7 @@ module           what it does, and in what                                      
 ``pack``         Numba kernel: seal the blocks an append completes (quantize,    ``quantize.quantize`` +
                  bit planes and fp16 scales into the store's records, σ² sums,   ``quantize.pack_planes``;
                  fp16 landmarks)                                                 ``scoring.landmarks``
-``plan``         Numba kernels: water-filling of every query group in one        ``waterfill.waterfill_batched``;
+``plan``         Numba kernels: water-filling of every stream in one             ``waterfill.waterfill_batched``;
                  launch; SparQ's top channels                                    ``methods.QueryTopChannels``
 ``scan``         Numba kernel: approximate scores straight from the store        ``scoring.approx_scores``
                  (each plane from its tier: HBM or pinned host memory), with

@@ -43,9 +43,9 @@ def _bad_key(x):
 @cuda.jit(cache=True)
 def _append_rows_kernel(k, k_store, v, k_words, v_words, lengths, sessions, heads, status, kv):
     x = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    groups, m, d = k.shape
+    streams, m, d = k.shape
     words = d // 4
-    if x >= groups * m * words:
+    if x >= streams * m * words:
         return
     gi = x // (m * words)
     i = (x // words) % m
@@ -96,8 +96,8 @@ def append_rows(k, k_store, v, k_words, v_words, lengths, sessions, heads: int, 
         lengths: int32 ``[S]``; sessions: int32 ``[S']``; status: int32 flags ``[0]`` bad key, ``[1]`` bad value.
         kv: uint64 ``[S·H, T, 2, d / 4]``: the rows (host-mapped), K then V of each token.
     """
-    groups, m, d = k.shape
-    total = groups * m * (d // 4)
+    streams, m, d = k.shape
+    total = streams * m * (d // 4)
     if total:
         threads = min(threads, total)
         _append_rows_kernel[math.ceil(total / threads), threads, stream](k, k_store, v, k_words, v_words, lengths,

@@ -3,10 +3,10 @@
 
 ``gather_rows`` copies the rows of each KV head's row list (``fathom.cuda.topk.union_rows``: ascending, so
 neighbouring CTAs read neighbouring host pages) — or, for dense attention, rows ``0 .. n`` — from the K/V store
-``[groups, T, 2, d / 4]`` (K then V of a token side by side: one ``4·d``-byte read per row) into an HBM staging
+``[streams, T, 2, d / 4]`` (K then V of a token side by side: one ``4·d``-byte read per row) into an HBM staging
 buffer, consecutive threads on consecutive 8-byte words, several rows in flight per thread. ``attend`` then runs
 a split softmax over chunks of rows (one CTA per chunk: logits of every head, chunk max and sum, weighted values)
-and combines the chunks per (group, head). Every per-step size (rows, context) is read on the GPU.
+and combines the chunks per (stream, head). Every per-step size (rows, context) is read on the GPU.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def _row_count(n_rows, lengths, heads_per_session, dense, g):
 
 @cuda.jit(cache=True)
 def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, staged, cached, source, slab):
-    """1-D grid over every group's row slots in order (slot = g · max_rows + r): thread x moves word
+    """1-D grid over every stream's row slots in order (slot = g · max_rows + r): thread x moves word
     x % (row words) of ROWS_IN_FLIGHT consecutive slots at a time, so the CTAs in flight read a window of about
-    one group's ascending rows: neighbouring host pages (the GPU's reach over host pages is a few hundred MB).
+    one stream's ascending rows: neighbouring host pages (the GPU's reach over host pages is a few hundred MB).
     ``cached``: each row read from its ``source`` (``fathom.cuda.row_cache``): the HBM ``slab`` on a hit, host
     memory otherwise, and written to the slab on a fill."""
     row_words = kv.shape[2] * kv.shape[3]  # K and V
@@ -68,7 +68,7 @@ def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, sta
 
 
 def _softmax_kernel(heads: int, words: int):
-    """CTA per (chunk of CHUNK_ROWS rows, group): partial softmax of every head over the chunk's rows."""
+    """CTA per (chunk of CHUNK_ROWS rows, stream): partial softmax of every head over the chunk's rows."""
     key = (heads, words)
     if key in _KERNELS:
         return _KERNELS[key]
@@ -172,7 +172,7 @@ def _softmax_kernel(heads: int, words: int):
 
 @cuda.jit(cache=True)
 def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, part_o, out):
-    """CTA per group, thread per (head, channel): the chunks' partial softmaxes combined."""
+    """CTA per stream, thread per (head, channel): the chunks' partial softmaxes combined."""
     g = cuda.blockIdx.x
     heads, d = out.shape[1], out.shape[2]
     rows = _row_count(n_rows, lengths, heads_per_session, dense, g)
@@ -195,49 +195,49 @@ def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, p
 
 def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool, kv, staged, ctas: int,
                 threads: int = 256, stream=0, source=None, slab=None) -> None:
-    """Copy the listed K/V rows (``dense``: rows ``0 .. n``) of every group into ``staged``.
+    """Copy the listed K/V rows (``dense``: rows ``0 .. n``) of every stream into ``staged``.
 
     Args:
-        row_index: int32 ``[groups, max_rows]``, first ``n_rows[g]`` valid; lengths: int32 ``[S]``.
-        kv: uint64 ``[groups, T, 2, d / 4]`` (host-mapped): bf16 K and V of each token, 4 per word.
-        staged: uint64 ``[groups, max_rows, 2, d / 4]`` (HBM).
+        row_index: int32 ``[streams, max_rows]``, first ``n_rows[g]`` valid; lengths: int32 ``[S]``.
+        kv: uint64 ``[streams, T, 2, d / 4]`` (host-mapped): bf16 K and V of each token, 4 per word.
+        staged: uint64 ``[streams, max_rows, 2, d / 4]`` (HBM).
         ctas: CTAs of the grid (about two per multiprocessor: enough loads in flight, a narrow window of pages).
-        source, slab: the row cache (sparse rows only): int32 ``[groups, max_rows]`` from
-            ``fathom.cuda.row_cache.assign_slots`` and its uint64 ``[groups, slots, 2, d / 4]`` HBM slab.
+        source, slab: the row cache (sparse rows only): int32 ``[streams, max_rows]`` from
+            ``fathom.cuda.row_cache.assign_slots`` and its uint64 ``[streams, slots, 2, d / 4]`` HBM slab.
     """
-    groups, max_rows = staged.shape[:2]
+    streams, max_rows = staged.shape[:2]
     row_words = kv.shape[2] * kv.shape[3]
     threads = max(row_words, threads // row_words * row_words)  # whole rows per CTA
     cached = source is not None
-    if cached != (slab is not None) or cached and (dense or source.shape != (groups, max_rows)
-                                                   or slab.shape[0] != groups or slab.shape[2:] != kv.shape[2:]):
-        raise ValueError(f"a row cache needs both source [{groups}, {max_rows}] and a slab [{groups}, slots, "
+    if cached != (slab is not None) or cached and (dense or source.shape != (streams, max_rows)
+                                                   or slab.shape[0] != streams or slab.shape[2:] != kv.shape[2:]):
+        raise ValueError(f"a row cache needs both source [{streams}, {max_rows}] and a slab [{streams}, slots, "
                          f"{kv.shape[2]}, {kv.shape[3]}], and sparse rows")
     if not cached:  # placeholders of the same types (never read): one compiled kernel serves both
         source, slab = row_index, staged
-    if groups and max_rows:
+    if streams and max_rows:
         _gather_kernel[ctas, threads, stream](row_index, n_rows, lengths, heads_per_session, dense, kv, staged,
                                               cached, source, slab)
 
 
 def attend(q, staged, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, scale: float, status, part_m,
            part_l, part_o, out, stream=0) -> None:
-    """``out float32 [groups, G, d] = softmax(q kᵀ · scale) v`` of each head over its selected staged rows.
+    """``out float32 [streams, G, d] = softmax(q kᵀ · scale) v`` of each head over its selected staged rows.
 
     Args:
-        q: float32 ``[groups, G, d]``; staged: uint64 ``[groups, max_rows, 2, d / 4]`` from :func:`gather_rows`;
-        head_mask: int32 ``[groups, max_rows]`` (bit h: head h selected the row; ignored when ``dense``);
+        q: float32 ``[streams, G, d]``; staged: uint64 ``[streams, max_rows, 2, d / 4]`` from :func:`gather_rows`;
+        head_mask: int32 ``[streams, max_rows]`` (bit h: head h selected the row; ignored when ``dense``);
         status: int32 flags, ``[2]`` raised for a non-finite query;
-        part_m, part_l: float32 ``[groups, ceil(max_rows / 256), G]``; part_o: float32 ``[.., G, d]`` scratch.
+        part_m, part_l: float32 ``[streams, ceil(max_rows / 256), G]``; part_o: float32 ``[.., G, d]`` scratch.
     """
-    groups, heads, d = q.shape
+    streams, heads, d = q.shape
     chunks = part_m.shape[1]
-    if part_m.shape != (groups, chunks, heads) or part_o.shape != (groups, chunks, heads, d) \
+    if part_m.shape != (streams, chunks, heads) or part_o.shape != (streams, chunks, heads, d) \
             or chunks * CHUNK_ROWS < staged.shape[1] or d % 4 or staged.shape[3] != d // 4:
         raise ValueError(f"partials {part_m.shape} / {part_o.shape} do not cover {staged.shape[1]} rows of "
                          f"{heads} heads × {d} channels (d % 4 == 0)")
-    if groups:
-        _softmax_kernel(heads, d // 4)[(chunks, groups), CHUNK_ROWS, stream](
+    if streams:
+        _softmax_kernel(heads, d // 4)[(chunks, streams), CHUNK_ROWS, stream](
             q, staged, head_mask, n_rows, lengths, heads_per_session, dense, scale, status, part_m, part_l, part_o)
-        _combine_kernel[groups, min(1024, heads * d), stream](n_rows, lengths, heads_per_session, dense, part_m,
+        _combine_kernel[streams, min(1024, heads * d), stream](n_rows, lengths, heads_per_session, dense, part_m,
                                                               part_l, part_o, out)

@@ -3,7 +3,7 @@ the bf16 K rows, and landmark's ``q · mark`` over the fp16 mean keys, every tok
 block's score. The twins of ``fathom.scoring.exact_scores`` / ``landmark_scores`` (float32 tolerance), and like
 ``fathom.cuda.scan`` they count the top byte of every candidate's score for the selection.
 
-One CTA per (tile of up to 128 rows, query group): the tile's rows are read coalesced (consecutive threads on
+One CTA per (tile of up to 128 rows, stream): the tile's rows are read coalesced (consecutive threads on
 consecutive 8-byte words of a row) into shared memory, then each thread scores one row. Rows past a session's
 sealed tokens (read from the device lengths) are not read.
 """
@@ -97,17 +97,17 @@ def scan_rows(q, rows, bf16: bool, tokens_per_row: int, lengths, heads_per_sessi
     """Scores of every sealed token from 16-bit rows, and the candidates' top-byte histogram.
 
     Args:
-        q: float32 ``[groups, G, d]`` (raw basis).
-        rows: uint64 ``[groups, R, halves, d / 4]``: row ``r`` is half 0 of ``rows[g, r]`` (bf16 K rows of the
+        q: float32 ``[streams, G, d]`` (raw basis).
+        rows: uint64 ``[streams, R, halves, d / 4]``: row ``r`` is half 0 of ``rows[g, r]`` (bf16 K rows of the
             K/V store, or fp16 landmarks with one half), 4 values per word.
         bf16: the rows hold bf16 (K rows) or fp16 (landmarks); tokens_per_row: 1 (K rows) or 8 (landmarks).
         lengths, heads_per_session, sink, local, scores, top_hist: as in ``fathom.cuda.scan.scan_planes``.
     """
-    groups, heads, d = q.shape
+    streams, heads, d = q.shape
     if d % 4 or d // 4 > MAX_WORDS or rows.shape[3] != d // 4:
         raise ValueError(f"rows must hold d / 4 words with d % 4 == 0 and d <= {4 * MAX_WORDS}; got d = {d}, "
                          f"rows {rows.shape}")
-    if groups:
-        grid = (math.ceil(rows.shape[1] / rows_per_cta(d // 4)), groups)
+    if streams:
+        grid = (math.ceil(rows.shape[1] / rows_per_cta(d // 4)), streams)
         _row_kernel(heads, bf16, tokens_per_row, d // 4)[grid, threads, stream](q, rows, lengths, heads_per_session, sink,
                                                                          local, scores, top_hist)

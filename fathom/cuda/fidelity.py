@@ -23,7 +23,7 @@ Example (the same numbers as the NumPy path)::
     >>> from fathom import fidelity
     >>> from fathom.selection import Selection
     >>> from fathom.synthetic import SyntheticConfig, generate
-    >>> cap = generate(SyntheticConfig(layers=1, kv_heads=1, group=2, head_dim=16, tokens=256, positions=4))
+    >>> cap = generate(SyntheticConfig(layers=1, kv_heads=1, group_size=2, head_dim=16, tokens=256, positions=4))
     >>> grid, sel = [M.fathom(24), M.sparq(4), M.oracle()], Selection(k=32)
     >>> twin = [r.rel_error for r in evaluate(cap, None, grid, sel, device="cpu")]
     >>> reference = [r.rel_error for r in fidelity.evaluate(cap, None, grid, sel)]

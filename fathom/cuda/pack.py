@@ -10,7 +10,7 @@ Every size that changes from step to step is read on the GPU: the block ``B`` th
 session completes comes from the session's length ``n0`` (``lengths[s]``, not yet advanced): blocks
 ``n0 // 64 .. (n0 + m) // 64 - 1``, whose tokens before ``n0`` are in the open block's ``tail`` and the rest in the
 appended keys. So one launch, with a grid fixed by ``m``, serves every step (and a CUDA graph's replay).
-One thread per (channel, block, appended group); consecutive threads take consecutive channels.
+One thread per (channel, block, appended stream); consecutive threads take consecutive channels.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def seal_blocks(new, tail, lengths, sessions, heads: int, status, near, far, sca
 
     Args:
         new: float32 ``[S'·H, m, d]``: the appended keys of sessions ``sessions`` (in the store's basis).
-        tail: float32 ``[S·H, 64, d]``: each group's open block (the same basis), rows ``0 .. lengths % 64``.
+        tail: float32 ``[S·H, 64, d]``: each stream's open block (the same basis), rows ``0 .. lengths % 64``.
         lengths: int32 ``[S]`` session lengths before this append (on the GPU).
         sessions: int32 ``[S']`` the appended sessions; heads: KV heads per session (H).
         status: int32 error flags of the layer (``[0]``: bad key, ``[1]``: bad value, set by ``append_rows``).
@@ -116,10 +116,10 @@ def seal_blocks(new, tail, lengths, sessions, heads: int, status, near, far, sca
         scale_sq_sum: float64 ``[S·H, d]``: each sealed block's ``s²`` is added (the store's σ² statistic).
         marks: uint16 ``[S·H, T / 8, d]`` fp16 landmark bits, written when ``write_marks`` (the raw store's call).
     """
-    groups, m, d = new.shape
-    if groups and m:
+    streams, m, d = new.shape
+    if streams and m:
         blocks = (m + BLOCK - 1) // BLOCK + 1  # at most this many blocks complete
-        grid = (math.ceil(d / threads), blocks, groups)
+        grid = (math.ceil(d / threads), blocks, streams)
         _seal_kernel[grid, min(threads, d), stream](
             new, tail, lengths, sessions, heads, m, status, near, far, scales, layout.segments, layout.cap,
             layout.scale_words, layout.near_record_words, layout.far_record_words, layout.hbm_planes, scale_sq_sum,

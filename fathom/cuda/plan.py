@@ -1,8 +1,8 @@
-"""Reverse water-filling for every query group of a layer in one launch (design §5).
+"""Reverse water-filling for every stream of a layer in one launch (design §5).
 
 The twin of ``fathom.waterfill.waterfill_batched(importance(q, sigma2), budget)``,
-bit-for-bit away from exact ties: one CUDA block of ``THREADS`` threads per query
-group, channels strided over the threads, the 30 bisection steps in log θ with
+bit-for-bit away from exact ties: one CUDA block of ``THREADS`` threads per
+stream, channels strided over the threads, the 30 bisection steps in log θ with
 the reference's bounds and all-fit rule, the cost summed in quarter bits
 (integers, so exact in any order).
 
@@ -31,14 +31,14 @@ from fathom.quantize import BLOCK, MAX_DEPTH
 from fathom.waterfill import BISECTION_STEPS
 
 THREADS = 32
-MAX_D = 512  # shared-memory size of one group's importances
+MAX_D = 512  # shared-memory size of one stream's importances
 
 
 @cuda.jit(cache=True)
 def _waterfill_kernel(q, sigma2, lengths, heads_per_session, from_store, budget_quarters, depths):
-    """q float32 [groups, G, d], sigma2 float64 [groups, d] -> depths int8 [groups, d].
+    """q float32 [streams, G, d], sigma2 float64 [streams, d] -> depths int8 [streams, d].
 
-    ``from_store``: sigma2 holds the sums of squared block scales; σ² is their mean over the group's sealed blocks
+    ``from_store``: sigma2 holds the sums of squared block scales; σ² is their mean over the stream's sealed blocks
     (``lengths`` on the GPU), as ``fathom.decode.HeadIndex.store_variance`` divides."""
     g = cuda.blockIdx.x
     blocks = max(lengths[g // heads_per_session] // BLOCK, 1)
@@ -126,35 +126,35 @@ def _depth_at(wc, theta):
 
 def waterfill(q, sigma2, budget: float, depths, lengths, heads_per_session: int = 1, from_store: bool = False,
               threads: int = THREADS, stream=0) -> None:
-    """Depths of every query group under ``budget`` bits per token, one block per group.
+    """Depths of every stream under ``budget`` bits per token, one block per stream.
 
     Args:
-        q: float32 device array ``[groups, G, d]`` (the G query heads of each KV head, in the store's basis).
-        sigma2: float64 ``[groups, d]`` channel variances; ``from_store``: the store's sums of squared block
-            scales, divided on the GPU by each group's sealed blocks (``lengths`` int32 ``[S]``, group ``g`` is
+        q: float32 device array ``[streams, G, d]`` (the G query heads of each KV head, in the store's basis).
+        sigma2: float64 ``[streams, d]`` channel variances; ``from_store``: the store's sums of squared block
+            scales, divided on the GPU by each stream's sealed blocks (``lengths`` int32 ``[S]``, stream ``g`` is
             session ``g // heads_per_session``).
         budget: bits per token (finite, >= 0).
-        depths: int8 ``[groups, d]``, written.
+        depths: int8 ``[streams, d]``, written.
     """
-    groups, _, d = q.shape
-    if q.dtype != np.float32 or sigma2.dtype != np.float64 or sigma2.shape != (groups, d):
-        raise ValueError(f"q must be float32 [groups, G, d] and sigma2 float64 [groups, d], "
+    streams, _, d = q.shape
+    if q.dtype != np.float32 or sigma2.dtype != np.float64 or sigma2.shape != (streams, d):
+        raise ValueError(f"q must be float32 [streams, G, d] and sigma2 float64 [streams, d], "
                          f"got {q.dtype} {q.shape} and {sigma2.dtype} {sigma2.shape}")
-    if depths.shape != (groups, d) or depths.dtype != np.int8:
-        raise ValueError(f"depths must be int8 {(groups, d)}, got {depths.dtype} {depths.shape}")
+    if depths.shape != (streams, d) or depths.dtype != np.int8:
+        raise ValueError(f"depths must be int8 {(streams, d)}, got {depths.dtype} {depths.shape}")
     if d > MAX_D or not 1 <= threads <= THREADS:
         raise ValueError(f"d must be <= {MAX_D} and threads in 1..{THREADS}, got d = {d}, threads = {threads}")
     if not math.isfinite(budget) or budget < 0:
         raise ValueError(f"budget must be finite and >= 0 bits per token, got {budget}")
-    if groups:
+    if streams:
         # cost <= budget  <=>  4 * cost <= 4 * budget: quarter bits are integers, 4 * budget is exact
-        _waterfill_kernel[groups, threads, stream](q, sigma2, lengths, heads_per_session, from_store,
+        _waterfill_kernel[streams, threads, stream](q, sigma2, lengths, heads_per_session, from_store,
                                                    4.0 * float(budget), depths)
 
 
 @cuda.jit(cache=True)
 def _top_channels_kernel(q, r, depths):
-    """One block per group: depth 4 on the r channels with the largest Σ_h |q[h, c]| (ties to the lower channel)."""
+    """One block per stream: depth 4 on the r channels with the largest Σ_h |q[h, c]| (ties to the lower channel)."""
     g = cuda.blockIdx.x
     n_heads, d = q.shape[1], q.shape[2]
     score = cuda.shared.array(MAX_D, np.float32)
@@ -174,8 +174,8 @@ def _top_channels_kernel(q, r, depths):
 
 def top_channels(q, r: int, depths, threads: int = THREADS, stream=0) -> None:
     """SparQ's depths: the twin of ``fathom.methods.QueryTopChannels.depths`` (``argsort(-Σ|q|, stable)[:r]``)."""
-    groups, _, d = q.shape
-    if d > MAX_D or depths.shape != (groups, d):
-        raise ValueError(f"d must be <= {MAX_D} and depths [{groups}, {d}], got {d}, {depths.shape}")
-    if groups:
-        _top_channels_kernel[groups, min(threads, d), stream](q, r, depths)
+    streams, _, d = q.shape
+    if d > MAX_D or depths.shape != (streams, d):
+        raise ValueError(f"d must be <= {MAX_D} and depths [{streams}, {d}], got {d}, {depths.shape}")
+    if streams:
+        _top_channels_kernel[streams, min(threads, d), stream](q, r, depths)

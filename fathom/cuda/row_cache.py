@@ -1,6 +1,6 @@
 """The HBM row cache's bookkeeping on the GPU: the twin of ``fathom.row_cache.RowCache.assign`` (bit-exact).
 
-One CTA per query group, every size read on the device (no host sync, a grid fixed at construction):
+One CTA per stream, every size read on the device (no host sync, a grid fixed at construction):
 
 1. each listed row looks up its position's slot: a hit stamps the slot with the step; the misses are compacted
    in row order;
@@ -150,21 +150,21 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
 
 def assign_slots(row_index, n_rows, slot_of, position, stamp, clock, counters, miss_rows, source,
                  threads: int = MAX_THREADS, stream=0) -> None:
-    """One step of the row cache of every query group (``RowCache.assign``'s twin).
+    """One step of the row cache of every stream (``RowCache.assign``'s twin).
 
     Args:
-        row_index: int32 ``[groups, max_rows]``, the first ``n_rows[g]`` ascending (``fathom.cuda.topk.union_rows``).
-        slot_of: int32 ``[groups, T]``; position, stamp: int32 ``[groups, slots]``; clock: int32 ``[groups]``.
-        counters: int64 ``[groups, 3]``: this step's hits, hits and lookups in all.
-        miss_rows: int32 ``[groups, max_rows]`` scratch; source: int32 ``[groups, max_rows]`` out, each row's
+        row_index: int32 ``[streams, max_rows]``, the first ``n_rows[g]`` ascending (``fathom.cuda.topk.union_rows``).
+        slot_of: int32 ``[streams, T]``; position, stamp: int32 ``[streams, slots]``; clock: int32 ``[streams]``.
+        counters: int64 ``[streams, 3]``: this step's hits, hits and lookups in all.
+        miss_rows: int32 ``[streams, max_rows]`` scratch; source: int32 ``[streams, max_rows]`` out, each row's
             slot (hit), slot + slots (fill) or -1 (bypass).
     """
-    groups, max_rows = row_index.shape
-    if not 32 <= threads <= MAX_THREADS or position.shape[0] != groups or stamp.shape != position.shape \
-            or source.shape != row_index.shape or miss_rows.shape != row_index.shape or counters.shape != (groups, 3) \
+    streams, max_rows = row_index.shape
+    if not 32 <= threads <= MAX_THREADS or position.shape[0] != streams or stamp.shape != position.shape \
+            or source.shape != row_index.shape or miss_rows.shape != row_index.shape or counters.shape != (streams, 3) \
             or position.shape[1] >= 1 << 31:
         raise ValueError(f"row cache arrays do not fit rows {row_index.shape}, slots {position.shape}, "
                          f"counters {counters.shape} (threads in 32..{MAX_THREADS})")
-    if groups:
-        _assign_kernel[groups, threads, stream](row_index, n_rows, slot_of, position, stamp, clock, counters,
+    if streams:
+        _assign_kernel[streams, threads, stream](row_index, n_rows, slot_of, position, stamp, clock, counters,
                                                 miss_rows, source)

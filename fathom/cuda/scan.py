@@ -4,7 +4,7 @@ The twin of ``fathom.scoring.approx_scores`` (within float32 tolerance: the sum 
 order, with FMAs) that also counts the top byte of every candidate's score for the selection
 (``fathom.cuda.topk``), so the selection reads the scores once.
 
-One CUDA block (CTA) per (query group, part of a segment): it reads, for every channel ``c`` the depths read (to
+One CUDA block (CTA) per (stream, part of a segment): it reads, for every channel ``c`` the depths read (to
 depth ``b_c``), the channel's run ``[scales | planes 0 .. b_c-1]`` (``fathom.layout``) in chunks of whole runs
 through shared memory, the next chunk's loads in flight (held in registers) while the current one is scored. The
 store is tiered by plane (``t = layout.hbm_planes``): each word is loaded from the tier holding it — scales and
@@ -250,17 +250,17 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
     """Scores of every sealed token and the top-byte histogram of the candidates, straight from the store.
 
     Args:
-        q: float32 ``[groups, G, d]`` query groups in the store's basis; depths: int8 ``[groups, d]`` in 0..4.
-        lengths: int32 ``[S]`` session lengths (on the GPU); group ``g`` is session ``g // heads_per_session``.
+        q: float32 ``[streams, G, d]`` queries in the store's basis; depths: int8 ``[streams, d]`` in 0..4.
+        lengths: int32 ``[S]`` session lengths (on the GPU); stream ``g`` is session ``g // heads_per_session``.
         near: uint64 ``[layout.near_words]`` the store's near tier (HBM: scales and planes ``0 .. t-1``); far:
             uint64 ``[layout.far_words]`` its far tier (host-mapped: planes ``t .. 3``, and the scales at t = 0);
             layout: :class:`fathom.layout.StoreLayout` (``t = layout.hbm_planes``).
         sink, local: design §6 (candidates are sealed tokens ``sink .. min(n_sealed, n − local)``).
-        scores: float32 ``[groups, G, ≥ n]``: columns ``0 .. n_sealed`` written; top_hist: int32
-            ``[groups, G, 256]``, counts added (``fathom.cuda.topk.select`` consumes and clears them).
+        scores: float32 ``[streams, G, ≥ n]``: columns ``0 .. n_sealed`` written; top_hist: int32
+            ``[streams, G, 256]``, counts added (``fathom.cuda.topk.select`` consumes and clears them).
         warps: warps per CTA (at most 32); a CTA scores ``warps · blocks_per_warp(G)`` blocks, at most a segment.
     """
-    groups, heads, d = q.shape
+    streams, heads, d = q.shape
     if heads > MAX_HEADS or d > MAX_D or not 1 <= warps <= 32:
         raise ValueError(f"at most {MAX_HEADS} query heads per KV head, {MAX_D} channels and 32 warps, "
                          f"got {heads}, {d}, {warps}")
@@ -268,8 +268,8 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
     warps = min(warps, layout.cap // per_warp)
     if layout.cap % (warps * per_warp):
         raise ValueError(f"segment capacity {layout.cap} must be a multiple of {warps * per_warp} blocks per CTA")
-    if groups:
-        grid = (layout.segments * (layout.cap // (warps * per_warp)), groups)
+    if streams:
+        grid = (layout.segments * (layout.cap // (warps * per_warp)), streams)
         _scan_kernel(heads, warps, per_warp)[grid, 32 * warps, stream](
             q, depths, lengths, heads_per_session, near, far, layout.segments, layout.cap, layout.scale_words,
             layout.near_record_words, layout.far_record_words, layout.hbm_planes, sink, local, scores, top_hist)

@@ -12,7 +12,7 @@ Sink, local and the unsealed tail are kept by every head. Histograms are counted
 in one bin add once) and per warp group, so crowded bins do not serialise on one shared counter; the list is
 appended at block-scan offsets, one global reservation per CTA.
 
-Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-group row bitmap. ``union_rows``
+Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
 at prefix offsets: it touches ``n / 64`` bitmap words and the selected rows, never every token), clearing both for
 the next step. Every per-step size (context, sealed tokens) is read from the device lengths, so the launches have
@@ -37,7 +37,7 @@ SUB_HISTOGRAMS = 8  # per-warp-group histograms of the tie passes
 
 @cuda.jit(device=True, inline=True)
 def _bounds(lengths, g, heads_per_session, sink, local):
-    """Context n, sealed tokens, and the candidates' range [lo, hi) of group g (design §6)."""
+    """Context n, sealed tokens, and the candidates' range [lo, hi) of stream g (design §6)."""
     n = lengths[g // heads_per_session]
     n_sealed = n // BLOCK * BLOCK
     return n, n_sealed, sink, min(n_sealed, n - local)
@@ -82,8 +82,8 @@ def _add_run(hist, digit, last, run):
 @cuda.jit(cache=True)
 def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, wide_bin, top_hist,
                        hist2, winners, any_rows, cand_key, cand_idx, cand_count):
-    """Grid (chunks, G, groups), one pass over the scores of a chunk for head h (``level`` 0 or 1, see the module).
-    Block (0, 0) of each group also keeps sink, local and tail, in level 0."""
+    """Grid (chunks, G, streams), one pass over the scores of a chunk for head h (``level`` 0 or 1, see the module).
+    Block (0, 0) of each stream also keeps sink, local and tail, in level 0."""
     h = cuda.blockIdx.y
     g = cuda.blockIdx.z
     t = cuda.threadIdx.x
@@ -205,7 +205,7 @@ def _choose_digit(hist, remaining, descending, state, t):
 @cuda.jit(cache=True)
 def _ties_kernel(lengths, heads_per_session, k, sink, local, wide_bin, top_hist, hist2, cand_key, cand_idx, cand_count,
                  winners, any_rows):
-    """One CTA per (head, group): the remaining key bytes over the candidate list, then ties at the threshold by
+    """One CTA per (head, stream): the remaining key bytes over the candidate list, then ties at the threshold by
     token index (earliest first), then the winners. Leaves ``top_hist``, ``hist2`` and ``cand_count`` zero."""
     h = cuda.blockIdx.x
     g = cuda.blockIdx.y
@@ -281,7 +281,7 @@ def _thread_words(any_rows, g, n, t):
 
 @cuda.jit(cache=True)
 def _count_rows_kernel(any_rows, lengths, heads_per_session, block_rows):
-    """Rows kept in each CTA's range of the bitmap: block_rows int32 [groups, CTAs]."""
+    """Rows kept in each CTA's range of the bitmap: block_rows int32 [streams, CTAs]."""
     g = cuda.blockIdx.y
     t = cuda.threadIdx.x
     counts = cuda.shared.array(MAX_THREADS, np.int32)
@@ -335,54 +335,56 @@ def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local
     head, marked in ``winners`` (bit h) and ``any_rows``.
 
     Args:
-        score_bits: uint32 ``[groups, G, T]``: the bits of the float32 scores of the sealed tokens (from the scan).
-        lengths: int32 ``[S]`` session lengths; group ``g`` is session ``g // heads_per_session``.
-        top_hist: int32 ``[groups, G, 256]``: the candidates' top-byte counts (from the scan); hist2: int32
-            ``[groups, G, 256]`` scratch, zero; both left zero.
-        cand_key, cand_idx: uint32 / int32 ``[groups, G, T]`` scratch; cand_count: int32 ``[groups, G]``, zero (left zero).
-        winners: uint32 ``[groups, T]`` and any_rows: uint64 ``[groups, ceil(T / 64)]``, zero as allocated and as
+        score_bits: uint32 ``[streams, G, T]``: the bits of the float32 scores of the sealed tokens (from the scan).
+        lengths: int32 ``[S]`` session lengths; stream ``g`` is session ``g // heads_per_session``.
+        top_hist: int32 ``[streams, G, 256]``: the candidates' top-byte counts (from the scan); hist2: int32
+            ``[streams, G, 256]`` scratch, zero; both left zero.
+        cand_key, cand_idx: uint32 / int32 ``[streams, G, T]`` scratch; cand_count: int32 ``[streams, G]``, zero
+            (left zero).
+        winners: uint32 ``[streams, T]`` and any_rows: uint64 ``[streams, ceil(T / 64)]``, zero as allocated and as
             :func:`union_rows` leaves them.
         per_block: tokens per CTA of the passes over the scores; wide_bin: the bin size above which a second pass
             splits the k-th top-byte bin by its second byte.
     """
-    groups, heads, tokens = score_bits.shape
-    if score_bits.dtype != np.uint32 or winners.shape != (groups, tokens) or top_hist.shape != (groups, heads, RADIX) \
+    streams, heads, tokens = score_bits.shape
+    if score_bits.dtype != np.uint32 or winners.shape != (streams, tokens) \
+            or top_hist.shape != (streams, heads, RADIX) \
             or hist2.shape != top_hist.shape or cand_key.shape != score_bits.shape \
-            or cand_idx.shape != score_bits.shape or cand_count.shape != (groups, heads) \
-            or any_rows.shape != (groups, -(-tokens // 64)) or heads > 32:
+            or cand_idx.shape != score_bits.shape or cand_count.shape != (streams, heads) \
+            or any_rows.shape != (streams, -(-tokens // 64)) or heads > 32:
         raise ValueError(f"score bits {score_bits.dtype} {score_bits.shape} / winners {winners.shape} / histograms "
                          f"{top_hist.shape} {hist2.shape} / candidates {cand_key.shape} / bitmap {any_rows.shape} do "
                          f"not fit (at most 32 heads)")
     if min(k, sink, local) < 0 or not 1 <= threads <= MAX_THREADS or not 32 <= select_threads <= MAX_THREADS:
         raise ValueError(f"k, sink, local must be >= 0, threads in 1..{MAX_THREADS}, select_threads in "
                          f"32..{MAX_THREADS}")
-    if groups and heads and tokens:
-        chunks = (math.ceil(tokens / per_block), heads, groups)
+    if streams and heads and tokens:
+        chunks = (math.ceil(tokens / per_block), heads, streams)
         for level in (0, 1):
             _candidates_kernel[chunks, threads, stream](score_bits, lengths, heads_per_session, k, sink, local,
                                                         per_block, level, wide_bin, top_hist, hist2, winners, any_rows,
                                                         cand_key, cand_idx, cand_count)
-        _ties_kernel[(heads, groups), select_threads, stream](lengths, heads_per_session, k, sink, local, wide_bin,
+        _ties_kernel[(heads, streams), select_threads, stream](lengths, heads_per_session, k, sink, local, wide_bin,
                                                               top_hist, hist2, cand_key, cand_idx, cand_count, winners,
                                                               any_rows)
 
 
 def union_blocks(tokens: int, threads: int) -> int:
-    """CTAs per group of the row compaction over ``tokens`` (the ``block_rows`` scratch's width)."""
+    """CTAs per stream of the row compaction over ``tokens`` (the ``block_rows`` scratch's width)."""
     return max(1, math.ceil(tokens / 64 / (threads * WORDS_PER_THREAD)))
 
 
 def union_rows(any_rows, winners, lengths, heads_per_session: int, block_rows, row_index, head_mask, n_rows,
                threads: int = MAX_THREADS, stream=0) -> None:
-    """Row list per KV head from :func:`select`'s marks: ``row_index int32 [groups, max_rows]`` (first
+    """Row list per KV head from :func:`select`'s marks: ``row_index int32 [streams, max_rows]`` (first
     ``n_rows[g]`` valid, ascending), ``head_mask`` (bit h: head h selected the row); clears the marks.
-    ``block_rows``: int32 scratch ``[groups, union_blocks(T, threads)]``."""
-    groups, words = any_rows.shape
+    ``block_rows``: int32 scratch ``[streams, union_blocks(T, threads)]``."""
+    streams, words = any_rows.shape
     ctas = union_blocks(words * 64, threads)
-    if not 1 <= threads <= MAX_THREADS or block_rows.shape != (groups, ctas) or winners.shape[0] != groups:
-        raise ValueError(f"need threads in 1..{MAX_THREADS} and block_rows [{groups}, {ctas}]; got {threads}, "
+    if not 1 <= threads <= MAX_THREADS or block_rows.shape != (streams, ctas) or winners.shape[0] != streams:
+        raise ValueError(f"need threads in 1..{MAX_THREADS} and block_rows [{streams}, {ctas}]; got {threads}, "
                          f"{block_rows.shape}")
-    if groups:
-        _count_rows_kernel[(ctas, groups), threads, stream](any_rows, lengths, heads_per_session, block_rows)
-        _write_rows_kernel[(ctas, groups), threads, stream](any_rows, winners, lengths, heads_per_session,
+    if streams:
+        _count_rows_kernel[(ctas, streams), threads, stream](any_rows, lengths, heads_per_session, block_rows)
+        _write_rows_kernel[(ctas, streams), threads, stream](any_rows, winners, lengths, heads_per_session,
                                                             block_rows, row_index, head_mask, n_rows)

@@ -13,7 +13,7 @@ module        what it holds or does
 ``strategy``  a method resolved once into the device work that scores the sealed tokens (plane scan,
               row scan, or none for dense)
 ``decoder``   the per-layer step as a fixed list of launches on the caller's current torch stream:
-              ``Decoder(cache, DecoderSettings(...), group).run(layer, q)``
+              ``Decoder(cache, DecoderSettings(...), group_size).run(layer, q)``
 ``graph``     ``StepGraph``: the appends and steps of a decode token as one CUDA graph, captured once and
               replayed per token (or enqueued into a larger capture)
 ============  ==========================================================================================

@@ -1,17 +1,17 @@
 """The offloaded KV cache: K/V rows, landmarks and the bit-plane store of S sessions × L layers × H KV heads in
 pinned, device-mapped host memory (design §3, §7, §8).
 
-A **query group** ``g = session · H + head`` is one (session, KV head) pair: the unit every kernel works on.
+A **stream** ``g = session · H + head`` is one (session, KV head) pair: the unit every kernel works on.
 Per layer::
 
-    kv       uint64 [groups, T, 2, d / 4]   bf16 K and V of each token side by side (4 values per word)
-    marks    uint64 [groups, T / 8, 1, d / 4]   fp16 mean key of each sealed 8-token block (landmark's scan)
-    near     uint64 [groups · segments · d · near_record_words]   in HBM: the store's scales and first t planes,
-    far      uint64 [groups · segments · d · far_record_words]    pinned: its planes t .. 3 — one record per
-             (group, segment, channel) in each (``fathom.layout``); a second pair for the rotated store when the
+    kv       uint64 [streams, T, 2, d / 4]   bf16 K and V of each token side by side (4 values per word)
+    marks    uint64 [streams, T / 8, 1, d / 4]   fp16 mean key of each sealed 8-token block (landmark's scan)
+    near     uint64 [streams · segments · d · near_record_words]   in HBM: the store's scales and first t planes,
+    far      uint64 [streams · segments · d · far_record_words]    pinned: its planes t .. 3 — one record per
+             (stream, segment, channel) in each (``fathom.layout``); a second pair for the rotated store when the
              cache has a basis
     lengths  int32 [S] on the GPU: tokens held per session — sessions grow independently (ragged)
-    rows     the HBM row cache (``row_cache_rows`` > 0): a slab uint64 [groups, slots, 2, d / 4] of recently
+    rows     the HBM row cache (``row_cache_rows`` > 0): a slab uint64 [streams, slots, 2, d / 4] of recently
              selected K/V rows and its bookkeeping (``fathom.row_cache``): only a step's misses cross the link
 
 Segments hold ``cap`` blocks of 64 tokens; a sealed block is packed once by the GPU and never rewritten; the
@@ -109,8 +109,8 @@ class CacheShape:
             raise ValueError(f"row_cache_rows must be an integer in 0..{(1 << 30) - 1}, got {self.row_cache_rows!r}")
 
     @property
-    def groups(self) -> int:
-        """Query groups per layer: (session, KV head) pairs."""
+    def streams(self) -> int:
+        """Streams per layer: (session, KV head) pairs."""
         return self.sessions * self.kv_heads
 
     @property
@@ -121,7 +121,7 @@ class CacheShape:
     def layout(self) -> StoreLayout:
         """The store's layout; its ``hbm_planes`` is the tier this shape resolves to."""
         tier = self.hbm_planes if self.hbm_planes is not None else (0 if self.store == "host" else PLANES)
-        return StoreLayout(self.groups, self.segments, self.head_dim, self.segment_blocks, int(tier))
+        return StoreLayout(self.streams, self.segments, self.head_dim, self.segment_blocks, int(tier))
 
 
 def hbm_planes_for(budget_bytes: float, shape: CacheShape, stores: int = 1) -> int:
@@ -142,8 +142,8 @@ class Store:
 
     near: torch.Tensor  # uint64 [layout.near_words] in HBM: scales and planes 0 .. t-1
     far: torch.Tensor  # uint64 [layout.far_words] pinned and mapped: planes t .. 3 (and the scales at t = 0)
-    scale_sq_sum: torch.Tensor  # float64 [groups, d]
-    tail: torch.Tensor  # float32 [groups, 64, d]
+    scale_sq_sum: torch.Tensor  # float64 [streams, d]
+    tail: torch.Tensor  # float32 [streams, 64, d]
     arrays: dict = field(default_factory=dict)  # Numba views, made once: near, far, scales (fp16 bits), ...
 
 
@@ -159,16 +159,16 @@ class PinnedLayer:
     @classmethod
     def allocate(cls, shape: CacheShape, store_names: tuple[str, ...]) -> PinnedLayer:
         words = shape.head_dim // 4
-        return cls(MappedBuffer((shape.groups, shape.max_tokens, 2, words), np.uint64),
-                   MappedBuffer((shape.groups, shape.max_tokens // LANDMARK_TOKENS, 1, words), np.uint64),
+        return cls(MappedBuffer((shape.streams, shape.max_tokens, 2, words), np.uint64),
+                   MappedBuffer((shape.streams, shape.max_tokens // LANDMARK_TOKENS, 1, words), np.uint64),
                    {name: MappedBuffer((shape.layout.far_words,), np.uint64) for name in store_names
                     if shape.layout.far_words})
 
     @staticmethod
     def nbytes(shape: CacheShape, store_names: tuple[str, ...]) -> int:
         """Bytes :meth:`allocate` pins for ``shape``, computed without allocating."""
-        row_words = shape.groups * shape.max_tokens * 2 * (shape.head_dim // 4)
-        mark_words = shape.groups * (shape.max_tokens // LANDMARK_TOKENS) * (shape.head_dim // 4)
+        row_words = shape.streams * shape.max_tokens * 2 * (shape.head_dim // 4)
+        mark_words = shape.streams * (shape.max_tokens // LANDMARK_TOKENS) * (shape.head_dim // 4)
         return 8 * (row_words + mark_words + shape.layout.far_words * len(store_names))
 
     def close(self) -> None:
@@ -178,17 +178,17 @@ class PinnedLayer:
 
 class RowSlab:
     """One layer's HBM row cache: the slab and the bookkeeping of ``fathom.row_cache.RowCache`` as torch tensors
-    (``slot_of`` -1, ``position`` -1, ``stamp``, ``clock``; ``counters`` int64 ``[groups, 3]``: the last step's
+    (``slot_of`` -1, ``position`` -1, ``stamp``, ``clock``; ``counters`` int64 ``[streams, 3]``: the last step's
     hits, hits and lookups in all)."""
 
     def __init__(self, shape: CacheShape):
-        groups, slots, words = shape.groups, shape.row_cache_rows, shape.head_dim // 4
-        self.slab = torch.zeros((groups, slots, 2, words), dtype=torch.uint64, device=DEVICE)
-        self.slot_of = torch.full((groups, shape.max_tokens), EMPTY, dtype=torch.int32, device=DEVICE)
-        self.position = torch.full((groups, slots), EMPTY, dtype=torch.int32, device=DEVICE)
-        self.stamp = torch.zeros((groups, slots), dtype=torch.int32, device=DEVICE)
-        self.clock = torch.zeros(groups, dtype=torch.int32, device=DEVICE)
-        self.counters = torch.zeros((groups, 3), dtype=torch.int64, device=DEVICE)
+        streams, slots, words = shape.streams, shape.row_cache_rows, shape.head_dim // 4
+        self.slab = torch.zeros((streams, slots, 2, words), dtype=torch.uint64, device=DEVICE)
+        self.slot_of = torch.full((streams, shape.max_tokens), EMPTY, dtype=torch.int32, device=DEVICE)
+        self.position = torch.full((streams, slots), EMPTY, dtype=torch.int32, device=DEVICE)
+        self.stamp = torch.zeros((streams, slots), dtype=torch.int32, device=DEVICE)
+        self.clock = torch.zeros(streams, dtype=torch.int32, device=DEVICE)
+        self.counters = torch.zeros((streams, 3), dtype=torch.int64, device=DEVICE)
         self.arrays = {name: as_array(getattr(self, name))
                        for name in ("slot_of", "position", "stamp", "clock", "counters")}
         self.arrays["slab"] = as_array(self.slab).view(np.uint64)
@@ -197,16 +197,16 @@ class RowSlab:
     def nbytes(shape: CacheShape) -> int:
         """HBM bytes of one layer's row cache."""
         slots = shape.row_cache_rows
-        return shape.groups * (slots * (4 * shape.head_dim + 8) + 4 * shape.max_tokens + 4 + 24) if slots else 0
+        return shape.streams * (slots * (4 * shape.head_dim + 8) + 4 * shape.max_tokens + 4 + 24) if slots else 0
 
-    def empty(self, groups: slice | None = None) -> None:
-        """Forget the rows of ``groups`` (all: None), counters included when all."""
-        at = slice(None) if groups is None else groups
+    def empty(self, streams: slice | None = None) -> None:
+        """Forget the rows of ``streams`` (all: None), counters included when all."""
+        at = slice(None) if streams is None else streams
         self.slot_of[at] = EMPTY
         self.position[at] = EMPTY
         self.stamp[at] = 0
         self.clock[at] = 0
-        if groups is None:
+        if streams is None:
             self.counters.zero_()
 
     def copy_from(self, old: RowSlab) -> None:
@@ -221,18 +221,18 @@ class LayerStore:
     cache (``rows``, None without one)."""
 
     def __init__(self, shape: CacheShape, basis: torch.Tensor | None, pinned: PinnedLayer):
-        groups, d = shape.groups, shape.head_dim
+        streams, d = shape.streams, shape.head_dim
         self.pinned = pinned
         self.kv, self.marks = pinned.kv, pinned.marks
-        self.basis = basis  # float32 [groups, d, d] or None
+        self.basis = basis  # float32 [streams, d, d] or None
         self.stores: dict[str, Store] = {}
         layout = shape.layout
         for name in ("raw",) if basis is None else ("raw", "rotated"):
             near = torch.zeros(layout.near_words, dtype=torch.uint64, device=DEVICE)
             far = pinned.records[name].tensor() if name in pinned.records else \
                 torch.zeros(0, dtype=torch.uint64, device=DEVICE)  # every plane in HBM: an empty far tier
-            store = Store(near, far, torch.zeros((groups, d), dtype=torch.float64, device=DEVICE),
-                          torch.zeros((groups, BLOCK, d), dtype=torch.float32, device=DEVICE))
+            store = Store(near, far, torch.zeros((streams, d), dtype=torch.float64, device=DEVICE),
+                          torch.zeros((streams, BLOCK, d), dtype=torch.float32, device=DEVICE))
             with_scales = near if layout.hbm_planes else far
             store.arrays = {"near": as_array(near), "far": as_array(far),
                             "scales": as_array(with_scales.view(torch.int16)).view(np.uint16),
@@ -240,7 +240,7 @@ class LayerStore:
             self.stores[name] = store
         self.lengths = torch.zeros(shape.sessions, dtype=torch.int32, device=DEVICE)
         self.rows = RowSlab(shape) if shape.row_cache_rows else None
-        marks16 = self.marks.tensor().view(torch.int16).reshape(groups, shape.max_tokens // LANDMARK_TOKENS, d)
+        marks16 = self.marks.tensor().view(torch.int16).reshape(streams, shape.max_tokens // LANDMARK_TOKENS, d)
         self.arrays = {"kv": as_array(self.kv.tensor()), "marks": as_array(self.marks.tensor()),
                        "marks16": as_array(marks16).view(np.uint16), "lengths": as_array(self.lengths)}
 
@@ -271,7 +271,7 @@ class HostKVCache:
         self.closed = False
         self.status = MappedBuffer((s.layers, 4), np.int32)  # error flags, read by the host without a sync
         self._status = as_array(self.status.tensor())
-        identity = torch.eye(s.head_dim, dtype=torch.float32, device=DEVICE).expand(s.groups, -1, -1)
+        identity = torch.eye(s.head_dim, dtype=torch.float32, device=DEVICE).expand(s.streams, -1, -1)
         self._bases = [identity.clone() if self.rotated else None for _ in range(s.layers)]
         # Pinning runs at a few GB/s: layer by layer on a worker thread, so a prefill computes meanwhile
         allocator = ThreadPoolExecutor(1, thread_name_prefix="fathom-pinned")
@@ -433,8 +433,8 @@ class HostKVCache:
             index = self._one_session[int(sessions[0])]
         else:
             index = torch.as_tensor(sessions.astype(np.int32), device=DEVICE)
-        groups = len(sessions) * s.kv_heads
-        self.enqueue_append(layer, k.reshape(groups, m, s.head_dim), v.reshape(groups, m, s.head_dim), index,
+        streams = len(sessions) * s.kv_heads
+        self.enqueue_append(layer, k.reshape(streams, m, s.head_dim), v.reshape(streams, m, s.head_dim), index,
                             self.stream())
         self._lengths[layer, sessions] += m
 
@@ -445,15 +445,15 @@ class HostKVCache:
         status = self._status[layer]
         k32 = k.float().contiguous()
         v32 = v.float().contiguous()
-        k_store = k32 if store.basis is None else torch.bmm(k32, store.basis[_group_index(sessions, heads)])
+        k_store = k32 if store.basis is None else torch.bmm(k32, store.basis[_stream_index(sessions, heads)])
         words = self.shape.head_dim // 4
         k_words = as_array(k.to(torch.bfloat16).contiguous().view(torch.int64)).view(np.uint64)
         v_words = as_array(v.to(torch.bfloat16).contiguous().view(torch.int64)).view(np.uint64)
-        groups, m = k32.shape[:2]
+        streams, m = k32.shape[:2]
         lengths = store.arrays["lengths"]
         index = as_array(sessions)
         k_arr, v_arr, ks_arr = as_array(k32), as_array(v32), as_array(k_store)
-        append_rows(k_arr, ks_arr, v_arr, k_words.reshape(groups, m, words), v_words.reshape(groups, m, words),
+        append_rows(k_arr, ks_arr, v_arr, k_words.reshape(streams, m, words), v_words.reshape(streams, m, words),
                     lengths, index, heads, status, store.arrays["kv"], stream)
         for name, st in store.stores.items():
             source = k_arr if name == "raw" else ks_arr
@@ -514,7 +514,7 @@ class HostKVCache:
     def grown(self, max_tokens: int) -> HostKVCache:
         """A cache of the same sessions, layers and stores (and tier) holding ``max_tokens`` per session, with
         everything this one holds copied in (rows, landmarks, records of both tiers, tails, σ² sums, lengths, bases);
-        this one is closed. The records keep their addresses per (group, segment): a segment count grown at the
+        this one is closed. The records keep their addresses per (stream, segment): a segment count grown at the
         end."""
         self.check()
         s = self.shape
@@ -538,8 +538,8 @@ class HostKVCache:
                                                          (st.far, target.far, layout.far_record_words)):
                     if record_words:  # an empty tier has nothing to copy (and no segments to view)
                         per_segment = s.head_dim * record_words
-                        new_tier.view(s.groups, -1, per_segment)[:, :segments].copy_(
-                            old_tier.view(s.groups, segments, per_segment))
+                        new_tier.view(s.streams, -1, per_segment)[:, :segments].copy_(
+                            old_tier.view(s.streams, segments, per_segment))
                 target.scale_sq_sum.copy_(st.scale_sq_sum)
                 target.tail.copy_(st.tail)
         bigger.status.host[...] = self.status.host
@@ -558,7 +558,7 @@ class HostKVCache:
         return index.astype(np.int64)
 
     def store_variance(self, layer: int, basis: str = "raw") -> torch.Tensor:
-        """σ² from the store (design §5): mean squared fp16 block scale per group, float64 ``[groups, d]``."""
+        """σ² from the store (design §5): mean squared fp16 block scale per stream, float64 ``[streams, d]``."""
         store = self.layer(layer)
         blocks = torch.repeat_interleave(store.lengths.long() // BLOCK, self.shape.kv_heads).clamp(min=1)
         return store.stores[basis].scale_sq_sum / blocks[:, None]
@@ -612,7 +612,7 @@ def _check_host_memory(nbytes: int, shape: CacheShape) -> None:
                          f"{available / 1e9:.1f} GB available: lower max_tokens or the sessions")
 
 
-def _group_index(sessions: torch.Tensor, heads: int) -> torch.Tensor:
-    """Groups of ``sessions`` (KV head fastest), ``[S'·H]``."""
+def _stream_index(sessions: torch.Tensor, heads: int) -> torch.Tensor:
+    """Streams of ``sessions`` (KV head fastest), ``[S'·H]``."""
     return (sessions.long()[:, None] * heads + torch.arange(heads, device=sessions.device)).reshape(-1)
 

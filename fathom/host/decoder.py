@@ -28,7 +28,7 @@ thumbnail), landmark, oracle and dense.
 
 Example::
 
-    decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=512)), group=4)
+    decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=512)), group_size=4)
     out = decoder.run(layer, q)   # q [S, H·G, d] -> float32 [S, H·G, d], each session at its own length
 """
 
@@ -87,60 +87,60 @@ class DecoderSettings:
 
 
 class Decoder:
-    """Sparse decode over a :class:`HostKVCache` for query groups of ``group`` heads per KV head.
+    """Sparse decode over a :class:`HostKVCache` for query groups of ``group_size`` heads per KV head.
 
     Args:
         cache: the offloaded cache (its sessions, layers, KV heads, head dim and stores).
         settings: :class:`DecoderSettings`.
-        group: query heads per KV head (G), 1..8.
+        group_size: query heads per KV head (G), 1..8.
         sigma2: calibration variances ``[L, H, d]`` in the store's basis (fathom with ``variance='calibration'``).
         ds_rank: Double Sparsity's offline channel order ``[L, H, d]`` (double-sparsity).
     """
 
-    def __init__(self, cache: HostKVCache, settings: DecoderSettings, group: int,
+    def __init__(self, cache: HostKVCache, settings: DecoderSettings, group_size: int,
                  sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None):
         if not isinstance(cache, HostKVCache):
             raise ValueError(f"cache must be a HostKVCache, got {type(cache).__name__}")
         cache.check()
-        if not isinstance(group, (int, np.integer)) or not 1 <= group <= 8:
-            raise ValueError(f"group must be an integer in 1..8 query heads per KV head, got {group!r}")
+        if not isinstance(group_size, (int, np.integer)) or not 1 <= group_size <= 8:
+            raise ValueError(f"group_size must be an integer in 1..8 query heads per KV head, got {group_size!r}")
         if not isinstance(settings, DecoderSettings):
             raise ValueError(f"settings must be DecoderSettings, got {type(settings).__name__}")
-        self.cache, self.settings, self.group = cache, settings, int(group)
+        self.cache, self.settings, self.group_size = cache, settings, int(group_size)
         s, method, sel = cache.shape, settings.method, settings.selection
-        self.strategy = resolve(method, cache, self.group, sigma2, ds_rank, settings.scan_warps)
+        self.strategy = resolve(method, cache, self.group_size, sigma2, ds_rank, settings.scan_warps)
         self.dense = self.strategy is None
         self.scale = settings.scale if settings.scale is not None else 1.0 / math.sqrt(s.head_dim)
-        groups, d, tokens = s.groups, s.head_dim, s.max_tokens
-        sparse_rows = min(self.group * sel.k + sel.sink + sel.local + BLOCK - 1, tokens)
+        streams, d, tokens = s.streams, s.head_dim, s.max_tokens
+        sparse_rows = min(self.group_size * sel.k + sel.sink + sel.local + BLOCK - 1, tokens)
         self.max_rows = tokens if self.dense else sparse_rows
         zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=DEVICE)  # noqa: E731
-        self.q_in = zeros((s.layers, s.sessions, s.kv_heads * self.group, d), torch.float32)
-        self.out = zeros((s.layers, s.sessions, s.kv_heads * self.group, d), torch.float32)
-        self.q_store = zeros((groups, self.group, d), torch.float32)
-        self.depths = zeros((groups, d), torch.int8)
+        self.q_in = zeros((s.layers, s.sessions, s.kv_heads * self.group_size, d), torch.float32)
+        self.out = zeros((s.layers, s.sessions, s.kv_heads * self.group_size, d), torch.float32)
+        self.q_store = zeros((streams, self.group_size, d), torch.float32)
+        self.depths = zeros((streams, d), torch.int8)
         scored = tokens if not self.dense else 1
-        self.scores = zeros((groups, self.group, scored), torch.float32)
-        self.top_hist = zeros((groups, self.group, RADIX), torch.int32)
-        self.hist2 = zeros((groups, self.group, RADIX), torch.int32)
-        self.cand_key = zeros((groups, self.group, scored), torch.int32)
-        self.cand_idx = zeros((groups, self.group, scored), torch.int32)
-        self.cand_count = zeros((groups, self.group), torch.int32)
-        self.winners = zeros((groups, tokens), torch.int32)
-        self.any_rows = zeros((groups, -(-tokens // 64)), torch.int64)
-        self.block_rows = zeros((groups, union_blocks(tokens, settings.threads)), torch.int32)
-        self.row_index = zeros((groups, self.max_rows), torch.int32)
-        self.head_mask = zeros((groups, self.max_rows), torch.int32)
-        self.n_rows = zeros(groups, torch.int32)
-        self.staged = zeros((groups, self.max_rows, 2, d // 4), torch.int64)
+        self.scores = zeros((streams, self.group_size, scored), torch.float32)
+        self.top_hist = zeros((streams, self.group_size, RADIX), torch.int32)
+        self.hist2 = zeros((streams, self.group_size, RADIX), torch.int32)
+        self.cand_key = zeros((streams, self.group_size, scored), torch.int32)
+        self.cand_idx = zeros((streams, self.group_size, scored), torch.int32)
+        self.cand_count = zeros((streams, self.group_size), torch.int32)
+        self.winners = zeros((streams, tokens), torch.int32)
+        self.any_rows = zeros((streams, -(-tokens // 64)), torch.int64)
+        self.block_rows = zeros((streams, union_blocks(tokens, settings.threads)), torch.int32)
+        self.row_index = zeros((streams, self.max_rows), torch.int32)
+        self.head_mask = zeros((streams, self.max_rows), torch.int32)
+        self.n_rows = zeros(streams, torch.int32)
+        self.staged = zeros((streams, self.max_rows, 2, d // 4), torch.int64)
         self.row_cached = bool(s.row_cache_rows) and not self.dense  # dense reads every row: nothing to cache
         cached_rows = self.max_rows if self.row_cached else 0
-        self.row_source = zeros((groups, cached_rows), torch.int32)  # each row's slot (hit / fill) or -1
-        self.miss_rows = zeros((groups, cached_rows), torch.int32)
+        self.row_source = zeros((streams, cached_rows), torch.int32)  # each row's slot (hit / fill) or -1
+        self.miss_rows = zeros((streams, cached_rows), torch.int32)
         chunks = -(-self.max_rows // CHUNK_ROWS)
-        self.part_m = zeros((groups, chunks, self.group), torch.float32)
-        self.part_l = zeros((groups, chunks, self.group), torch.float32)
-        self.part_o = zeros((groups, chunks, self.group, d), torch.float32)
+        self.part_m = zeros((streams, chunks, self.group_size), torch.float32)
+        self.part_l = zeros((streams, chunks, self.group_size), torch.float32)
+        self.part_o = zeros((streams, chunks, self.group_size, d), torch.float32)
         # the row gather's grid: two CTAs per multiprocessor keep enough rows in flight in a narrow window of pages
         self.gather_ctas = 2 if SIMULATED else 2 * torch.cuda.get_device_properties(DEVICE).multi_processor_count
         # built at a layer's first step: building reads the layer's pinned memory, which may still be allocating
@@ -198,8 +198,8 @@ class Decoder:
                 raise ValueError(f"q must be a torch tensor on {DEVICE.type}")
             if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"q must be float32, bf16 or fp16, got {q.dtype}")
-            if tuple(q.shape) != (s.sessions, s.kv_heads * self.group, s.head_dim):
-                raise ValueError(f"q must have shape {(s.sessions, s.kv_heads * self.group, s.head_dim)}, "
+            if tuple(q.shape) != (s.sessions, s.kv_heads * self.group_size, s.head_dim):
+                raise ValueError(f"q must have shape {(s.sessions, s.kv_heads * self.group_size, s.head_dim)}, "
                                  f"got {tuple(q.shape)}")
         empty = np.flatnonzero(self.cache.lengths(layer) == 0)
         if len(empty):
@@ -209,8 +209,8 @@ class Decoder:
         s, sel = self.cache.shape, self.settings.selection
         store = self.cache.layers[layer]
         heads, lengths, status = s.kv_heads, store.arrays["lengths"], self.cache.status_flags(layer)
-        q = self.q_in[layer].view(s.groups, self.group, s.head_dim)
-        out = as_array(self.out[layer].view(s.groups, self.group, s.head_dim))
+        q = self.q_in[layer].view(s.streams, self.group_size, s.head_dim)
+        out = as_array(self.out[layer].view(s.streams, self.group_size, s.head_dim))
         a = {name: as_array(getattr(self, name)) for name in
              ("top_hist", "hist2", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "staged",
               "part_m", "part_l", "part_o")}

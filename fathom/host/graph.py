@@ -62,10 +62,10 @@ class StepGraph:
         self._unique = sorted(set(self.layers))
         self._appends = np.bincount(self.layers, minlength=s.layers)  # tokens each layer gains per replay
         n = len(self.layers)
-        self.q_in = torch.zeros((n, s.sessions, s.kv_heads * decoder.group, s.head_dim), dtype=torch.float32,
+        self.q_in = torch.zeros((n, s.sessions, s.kv_heads * decoder.group_size, s.head_dim), dtype=torch.float32,
                                 device=DEVICE)
         self.out = torch.zeros_like(self.q_in)
-        shape = (n, s.groups, 1, s.head_dim)
+        shape = (n, s.streams, 1, s.head_dim)
         self.k_in = torch.zeros(shape, dtype=torch.float32, device=DEVICE) if append else None
         self.v_in = torch.zeros(shape, dtype=torch.float32, device=DEVICE) if append else None
         self._launches = _token_launches(decoder, self.layers, self.q_in, self.k_in, self.v_in, self.out)
@@ -86,7 +86,7 @@ class StepGraph:
         decoder, cache, s = self.decoder, self.decoder.cache, self.decoder.cache.shape
         n = len(self.layers)
         one = isinstance(q, torch.Tensor) and q.ndim == 3
-        qs = (n, s.sessions, s.kv_heads * decoder.group, s.head_dim)
+        qs = (n, s.sessions, s.kv_heads * decoder.group_size, s.head_dim)
         if not isinstance(q, torch.Tensor) or tuple(q[None].shape if one else q.shape) != qs \
                 or q.device.type != DEVICE.type:
             raise ValueError(f"q must be a tensor on {DEVICE.type} of shape {qs[1:] if n == 1 else qs}")

@@ -37,18 +37,18 @@ from fathom.scoring import LANDMARK_TOKENS
 class StepBuffers:
     """What a strategy reads and writes in one layer's step (torch tensors owned by the decoder)."""
 
-    q: torch.Tensor  # float32 [groups, G, d] the layer's raw query
-    q_store: torch.Tensor  # float32 [groups, G, d] the query in the store's basis
-    depths: torch.Tensor  # int8 [groups, d]
-    scores: torch.Tensor  # float32 [groups, G, T]
-    top_hist: torch.Tensor  # int32 [groups, G, 256]
+    q: torch.Tensor  # float32 [streams, G, d] the layer's raw query
+    q_store: torch.Tensor  # float32 [streams, G, d] the query in the store's basis
+    depths: torch.Tensor  # int8 [streams, d]
+    scores: torch.Tensor  # float32 [streams, G, T]
+    top_hist: torch.Tensor  # int32 [streams, G, 256]
 
 
 class WaterfillDepths:
     """Water-filling on the GPU under each layer's budget (a flat budget or a per-layer plan); σ² read from the
     store's running block scales or from calibration (kept in a tensor that :meth:`set_calibration` refreshes)."""
 
-    def __init__(self, method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
+    def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
                  ds_rank: np.ndarray | None):
         self.cache, policy, shape = cache, method.policy, cache.shape
         budgets = policy.layer_budgets(shape.layers)
@@ -56,12 +56,12 @@ class WaterfillDepths:
             raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "
                              f"{shape.layers} layers")
         self.budgets = budgets
-        self.sigma2 = None if policy.variance == "store" else _per_group(shape, "sigma2", sigma2, torch.float64)
+        self.sigma2 = None if policy.variance == "store" else _per_stream(shape, "sigma2", sigma2, torch.float64)
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
         if self.sigma2 is not None and sigma2 is not None:
             one_layer = replace(self.cache.shape, layers=1)
-            self.sigma2[layer].copy_(_per_group(one_layer, "sigma2", np.asarray(sigma2)[None], torch.float64)[0])
+            self.sigma2[layer].copy_(_per_stream(one_layer, "sigma2", np.asarray(sigma2)[None], torch.float64)[0])
 
     def launch(self, layer: int, basis: str, q_store, buf: StepBuffers) -> Launch:
         store, shape = self.cache.layers[layer], self.cache.shape
@@ -75,7 +75,7 @@ class WaterfillDepths:
 class TopChannelDepths:
     """SparQ's depth 4 on the r channels with the largest ``Σ_h |q[h, c]|``, chosen on the GPU per step."""
 
-    def __init__(self, method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
+    def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
                  ds_rank: np.ndarray | None):
         self.cache, self.r = cache, method.policy.r
 
@@ -91,19 +91,19 @@ class FixedDepths:
     """Query-independent depths (Double Sparsity's ranked channels, Loki's first coordinates, the thumbnail's
     uniform depth) computed once per (layer, KV head) and copied into the step's depths."""
 
-    def __init__(self, method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
+    def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
                  ds_rank: np.ndarray | None):
-        self.cache, self.policy, self.group, shape = cache, method.policy, group, cache.shape
-        self.fixed = torch.as_tensor(np.repeat(_fixed_depths(self.policy, shape, group, ds_rank)[:, None],
-                                               shape.sessions, 1).reshape(shape.layers, shape.groups, -1),
+        self.cache, self.policy, self.group_size, shape = cache, method.policy, group_size, cache.shape
+        self.fixed = torch.as_tensor(np.repeat(_fixed_depths(self.policy, shape, group_size, ds_rank)[:, None],
+                                               shape.sessions, 1).reshape(shape.layers, shape.streams, -1),
                                      device=DEVICE)
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
         if ds_rank is not None:
             one_layer = replace(self.cache.shape, layers=1)
-            depths = _fixed_depths(self.policy, one_layer, self.group, np.asarray(ds_rank)[None])[0]
+            depths = _fixed_depths(self.policy, one_layer, self.group_size, np.asarray(ds_rank)[None])[0]
             self.fixed[layer].copy_(torch.as_tensor(np.repeat(depths[None], one_layer.sessions, 0).reshape(
-                one_layer.groups, -1), device=DEVICE))
+                one_layer.streams, -1), device=DEVICE))
 
     def launch(self, layer: int, basis: str, q_store, buf: StepBuffers) -> Launch:
         fixed = self.fixed[layer]
@@ -120,12 +120,12 @@ class PlaneScan:
     """Depths planned on the GPU (the policy's :data:`DEPTH_PLANS` entry), then the plane scan of the ``basis``
     store."""
 
-    def __init__(self, method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
+    def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
                  ds_rank: np.ndarray | None, warps: int):
         if type(method.policy) not in DEPTH_PLANS:
             raise ValueError(f"no plane scan for the policy of {method.name!r}")
         self.cache, self.basis, self.warps = cache, method.basis, warps
-        self.depth_plan = DEPTH_PLANS[type(method.policy)](method, cache, group, sigma2, ds_rank)
+        self.depth_plan = DEPTH_PLANS[type(method.policy)](method, cache, group_size, sigma2, ds_rank)
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
         """Copy one layer's calibration (``[H, d]`` each; what the policy reads of it) into the tensors the
@@ -174,12 +174,12 @@ class RowScan:
                                          top_hist, stream=stream)]
 
 
-def _plane_scan(method: methods.Method, cache, group: int, sigma2: np.ndarray | None,
+def _plane_scan(method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
                 ds_rank: np.ndarray | None, warps: int) -> PlaneScan:
     if method.basis == "rotated" and not cache.rotated:
         raise ValueError(f"method {method.name!r} scans the rotated store but the cache holds only the raw store "
                          f"(make the cache with a basis)")
-    return PlaneScan(method, cache, group, sigma2, ds_rank, warps)
+    return PlaneScan(method, cache, group_size, sigma2, ds_rank, warps)
 
 
 # The scan of each scorer of fathom.methods (dense: none, every row is attended).
@@ -189,24 +189,24 @@ SCANS = {"planes": _plane_scan,
          "dense": lambda *_: None}
 
 
-def resolve(method: methods.Method, cache, group: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
+def resolve(method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
             warps: int) -> PlaneScan | RowScan | None:
     """The scan of ``method`` on ``cache`` (None: dense, nothing scanned)."""
-    return SCANS[method.scorer](method, cache, group, sigma2, ds_rank, warps)
+    return SCANS[method.scorer](method, cache, group_size, sigma2, ds_rank, warps)
 
 
-def _per_group(s, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
-    """``x [L, H, d]`` repeated per session of the cache shape ``s`` -> ``[L, groups, d]`` on the device."""
+def _per_stream(s, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
+    """``x [L, H, d]`` repeated per session of the cache shape ``s`` -> ``[L, streams, d]`` on the device."""
     if x is None or np.shape(x) != (s.layers, s.kv_heads, s.head_dim):
         raise ValueError(f"{name} must have shape {(s.layers, s.kv_heads, s.head_dim)} for this method")
     x = np.asarray(x, np.float64)
     if not np.all(np.isfinite(x)) or x.min() < 0:
         raise ValueError(f"{name} must be finite and >= 0")
-    per_group = np.repeat(x[:, None], s.sessions, 1).reshape(s.layers, s.groups, -1)
-    return torch.as_tensor(per_group, dtype=dtype, device=DEVICE)
+    per_stream = np.repeat(x[:, None], s.sessions, 1).reshape(s.layers, s.streams, -1)
+    return torch.as_tensor(per_stream, dtype=dtype, device=DEVICE)
 
 
-def _fixed_depths(policy, s, group: int, ds_rank: np.ndarray | None) -> np.ndarray:
+def _fixed_depths(policy, s, group_size: int, ds_rank: np.ndarray | None) -> np.ndarray:
     """Depths ``int8 [L, H, d]`` of a query-independent policy (double-sparsity, loki, thumbnail) over the layers
     of the cache shape ``s``."""
     shape = (s.layers, s.kv_heads, s.head_dim)
@@ -218,6 +218,6 @@ def _fixed_depths(policy, s, group: int, ds_rank: np.ndarray | None) -> np.ndarr
                              f"for double-sparsity")
     else:
         ranks = np.broadcast_to(np.arange(s.head_dim), shape)
-    no_query = np.zeros((group, s.head_dim), np.float32)
+    no_query = np.zeros((group_size, s.head_dim), np.float32)
     return np.array([[policy.depths(no_query, methods.HeadStats(np.ones(s.head_dim), ranks[layer, h]))
                       for h in range(s.kv_heads)] for layer in range(s.layers)], np.int8)

@@ -71,12 +71,12 @@ class Decoding:
             k_top = self.settings.k if self.settings.k is not None else Selection.for_context(longest).k
             self.selection = Selection(k=k_top, sink=self.settings.sink, local=self.settings.local)
         if self.calibrate_from_prompt:
-            H, G, d = self.shape.kv_heads, self.shape.group, self.shape.head_dim
+            H, G, d = self.shape.kv_heads, self.shape.group_size, self.shape.head_dim
             per_kv_head = queries.reshape(H, G, -1, d).transpose(1, 2).reshape(H, -1, d)
             self.layer_calibrations[slot] = calibrate_layer(k[0][:, self.rows[0]], per_kv_head,
                                                             _calibration_needs(self.settings))
         if self.plan_from_prompt:
-            H, G, d = self.shape.kv_heads, self.shape.group, self.shape.head_dim
+            H, G, d = self.shape.kv_heads, self.shape.group_size, self.shape.head_dim
             per_head = queries.reshape(H, G, -1, d).transpose(1, 2)
             self.prompt[slot] = tuple(x.detach().to("cpu", torch.float32).numpy()
                                       for x in (k[0][:, self.rows[0]], v[0][:, self.rows[0]], per_head))
@@ -171,7 +171,7 @@ class Decoding:
         offloaded = self.settings.backend == "offloaded" or (self.settings.backend == "auto" and device.type == "cuda")
         longest = max(count_positions(r) for r in self.rows)
         max_tokens = self.settings.max_tokens or capacity(longest + RESERVE_TOKENS)
-        shape = SessionShape(batch, len(s.fathom_layers), s.kv_heads, s.group, s.head_dim, max_tokens,
+        shape = SessionShape(batch, len(s.fathom_layers), s.kv_heads, s.group_size, s.head_dim, max_tokens,
                              row_cache_rows=self.settings.row_cache_rows if offloaded else 0)
         self.method = self.settings.method_at(s.head_dim, plan if plan is not None else self.settings.plan)
         if offloaded and self.settings.hbm_gb > 0:

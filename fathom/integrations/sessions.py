@@ -6,8 +6,8 @@ the attention output back as float32 torch:
 * :class:`ReferenceSessions` (CPU): per (layer, session, KV head) a growing
   :class:`~fathom.decode.HeadIndex` — raw bit-plane store, the rotated one when
   the method scans it, exact float32 keys — and exact float32 values; a step
-  is :func:`~fathom.decode.decode_step` of each query group, so it equals the
-  reference decode by construction. Appends only seal new blocks: nothing
+  is :func:`~fathom.decode.decode_step` of each (session, KV head) stream, so it
+  equals the reference decode by construction. Appends only seal new blocks: nothing
   sealed is re-quantized, and only new blocks are dequantized for the scorer.
 * :class:`OffloadedSessions` (GPU): :class:`fathom.host.cache.HostKVCache`
   (bf16 rows and bit planes in pinned host memory) and
@@ -27,7 +27,7 @@ Example (the reference at its most faithful: dense is exact attention)::
     >>> from fathom import methods
     >>> from fathom.integrations.sessions import ReferenceSessions, SessionShape
     >>> from fathom.selection import Selection
-    >>> shape = SessionShape(sessions=1, layers=1, kv_heads=1, group=2, head_dim=8)
+    >>> shape = SessionShape(sessions=1, layers=1, kv_heads=1, group_size=2, head_dim=8)
     >>> sessions = ReferenceSessions(shape, methods.dense(), Selection(k=0), scale=8 ** -0.5)
     >>> k, v = torch.randn(2, 1, 5, 8)
     >>> sessions.append(0, 0, k, v)
@@ -59,7 +59,7 @@ from fathom.selection import Selection
 
 @dataclass(frozen=True)
 class SessionShape:
-    """``sessions`` × ``layers`` × ``kv_heads`` streams of ``head_dim``; ``group`` query heads per KV head;
+    """``sessions`` × ``layers`` × ``kv_heads`` streams of ``head_dim``; ``group_size`` query heads per KV head;
     ``max_tokens`` per session (the offloaded cache reserves it up front and grows it when a session needs more;
     the reference grows as it goes); ``hbm_planes``: the offloaded store's scales and this many planes per channel
     in HBM, the rest pinned (``fathom.layout``; 0: all pinned); ``row_cache_rows``: the offloaded cache's HBM row
@@ -68,14 +68,14 @@ class SessionShape:
     sessions: int
     layers: int
     kv_heads: int
-    group: int
+    group_size: int
     head_dim: int
     max_tokens: int | None = None
     hbm_planes: int = 0
     row_cache_rows: int = 0
 
     def __post_init__(self):
-        for name in ("sessions", "layers", "kv_heads", "group", "head_dim"):
+        for name in ("sessions", "layers", "kv_heads", "group_size", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -204,7 +204,7 @@ class ReferenceSessions:
 
     def step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Append ``k, v [S, H, d]`` to every session, then decode ``q [S, H·G, d]`` -> float32 ``[S, H·G, dv]``."""
-        G = self.shape.group
+        G = self.shape.group_size
         for s in range(self.shape.sessions):
             self.append(layer, s, k[s, :, None], v[s, :, None])
         queries = _numpy(q)
@@ -371,7 +371,7 @@ class OffloadedSessions:
         sigma2 = np.ones((s.layers, s.kv_heads, s.head_dim))
         ds_rank = np.broadcast_to(np.arange(s.head_dim), (s.layers, s.kv_heads, s.head_dim))
         self.decoder = Decoder(self.cache, DecoderSettings(self.method, self.selection, scale=self.scale),
-                               group=s.group, sigma2=sigma2, ds_rank=ds_rank)
+                               group_size=s.group_size, sigma2=sigma2, ds_rank=ds_rank)
         self.graphs: dict = {}  # layer -> its captured step (a StepGraph), made on the layer's first step
         # (id(model), batch) -> a whole decode token captured over these sessions (fathom.integrations.token_graph)
         self.token_graphs: dict = {}

@@ -108,7 +108,7 @@ class ModelShape:
 
     layer_types: tuple[str, ...]
     kv_heads: int
-    group: int
+    group_size: int
     head_dim: int
     sliding_window: int | None
     context: int | None  # the model's context length, where its config states one

@@ -9,17 +9,17 @@ from fathom.quantize import BLOCK, PLANES
 from fathom.scoring import LANDMARK_TOKENS
 
 
-def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, group: int, near: np.ndarray,
+def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, stream: int, near: np.ndarray,
                 far: np.ndarray) -> None:
-    """The inverse of ``StoreLayout.read``: one group's reference planes ``uint64 [d, 4, n_blocks]`` and scales
+    """The inverse of ``StoreLayout.read``: one stream's reference planes ``uint64 [d, 4, n_blocks]`` and scales
     ``float16 [d, n_blocks]`` into host ``near`` and ``far``."""
     arrays = {True: near, False: far}
     for c in range(layout.d):
         for block in range(planes.shape[2]):
             for p in range(PLANES):
-                in_near, index = layout.word(group, block, c, p)
+                in_near, index = layout.word(stream, block, c, p)
                 arrays[in_near][index] = planes[c, p, block]
-            in_near, index = layout.scale(group, block, c)
+            in_near, index = layout.scale(stream, block, c)
             arrays[in_near].view(np.uint16)[index] = scales.view(np.uint16)[c, block]
 
 
@@ -36,34 +36,34 @@ def selected(decoder, layer: int) -> np.ndarray:
     back from its row list and head masks (a host copy)."""
     n = decoder.cache.lengths(layer)
     heads = decoder.cache.shape.kv_heads
-    mask = np.zeros((decoder.cache.shape.groups, decoder.group, int(n.max())), bool)
+    mask = np.zeros((decoder.cache.shape.streams, decoder.group_size, int(n.max())), bool)
     rows, bits = decoder.row_index.cpu().numpy(), decoder.head_mask.cpu().numpy()
     counts = decoder.n_rows.cpu().numpy()
     for g in range(mask.shape[0]):
         if decoder.dense:
             mask[g, :, :n[g // heads]] = True
             continue
-        chosen = (bits[g, :counts[g], None] >> np.arange(decoder.group)) & 1
+        chosen = (bits[g, :counts[g], None] >> np.arange(decoder.group_size)) & 1
         mask[g][:, rows[g, :counts[g]]] = chosen.T.astype(bool)
     return mask
 
 
-def sealed_planes(cache, layer: int, group: int, basis: str = "raw") -> tuple[np.ndarray, np.ndarray]:
+def sealed_planes(cache, layer: int, stream: int, basis: str = "raw") -> tuple[np.ndarray, np.ndarray]:
     """One (session, KV head)'s sealed planes ``uint64 [d, 4, n_blocks]`` and scales ``float16 [d, n_blocks]`` of an
     offloaded cache, read back on the host through the store's layout (syncs)."""
     store = cache.layer(layer)
     if not SIMULATED:
         torch.cuda.synchronize()
-    n_blocks = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK
+    n_blocks = int(cache.lengths(layer)[stream // cache.shape.kv_heads]) // BLOCK
     st = store.stores[basis]
-    return cache.shape.layout.read(st.near.cpu().numpy(), st.far.cpu().numpy(), group, n_blocks)
+    return cache.shape.layout.read(st.near.cpu().numpy(), st.far.cpu().numpy(), stream, n_blocks)
 
 
-def sealed_landmarks(cache, layer: int, group: int) -> np.ndarray:
+def sealed_landmarks(cache, layer: int, stream: int) -> np.ndarray:
     """One (session, KV head)'s landmarks of the sealed blocks, ``float16 [n_sealed / 8, d]``, read on the host
     (syncs)."""
     store = cache.layer(layer)
     if not SIMULATED:
         torch.cuda.synchronize()
-    n_sealed = int(cache.lengths(layer)[group // cache.shape.kv_heads]) // BLOCK * BLOCK
-    return store.marks.host[group, :n_sealed // LANDMARK_TOKENS, 0].copy().view(np.float16)
+    n_sealed = int(cache.lengths(layer)[stream // cache.shape.kv_heads]) // BLOCK * BLOCK
+    return store.marks.host[stream, :n_sealed // LANDMARK_TOKENS, 0].copy().view(np.float16)

@@ -22,25 +22,25 @@ def _words(x: np.ndarray) -> np.ndarray:
 
 
 @settings(max_examples=5, deadline=None)
-@given(seed=st.integers(0, 2**31), groups=st.integers(1, 3), heads=st.sampled_from([1, 3]), d=st.sampled_from([8, 16]),
+@given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), heads=st.sampled_from([1, 3]), d=st.sampled_from([8, 16]),
        dense=st.booleans(), rows=st.integers(1, 300))
-def test_gather_and_attend_match_reference(seed, groups, heads, d, dense, rows):
+def test_gather_and_attend_match_reference(seed, streams, heads, d, dense, rows):
     rng = np.random.default_rng(seed)
     tokens = 320
-    k, v = _bf16(rng.standard_normal((2, groups, tokens, d)).astype(np.float32) * 2)
-    q = rng.standard_normal((groups, heads, d)).astype(np.float32)
-    kv = np.stack([_words(k), _words(v)], axis=2)  # [groups, T, 2, d / 4]
-    lengths = np.full(groups, rows, np.int32)  # one KV head per session: lengths are per group
-    n_rows = rng.integers(1, rows + 1, groups).astype(np.int32)
-    row_index = np.stack([np.sort(rng.choice(rows, rows, replace=False)) for _ in range(groups)]).astype(np.int32)
-    head_mask = rng.integers(0, 1 << heads, (groups, rows)).astype(np.int32)
-    head_mask[np.arange(groups), 0] = (1 << heads) - 1  # every head selects at least one row
+    k, v = _bf16(rng.standard_normal((2, streams, tokens, d)).astype(np.float32) * 2)
+    q = rng.standard_normal((streams, heads, d)).astype(np.float32)
+    kv = np.stack([_words(k), _words(v)], axis=2)  # [streams, T, 2, d / 4]
+    lengths = np.full(streams, rows, np.int32)  # one KV head per session: lengths are per stream
+    n_rows = rng.integers(1, rows + 1, streams).astype(np.int32)
+    row_index = np.stack([np.sort(rng.choice(rows, rows, replace=False)) for _ in range(streams)]).astype(np.int32)
+    head_mask = rng.integers(0, 1 << heads, (streams, rows)).astype(np.int32)
+    head_mask[np.arange(streams), 0] = (1 << heads) - 1  # every head selects at least one row
     max_rows = tokens
-    staged = cuda.to_device(np.zeros((groups, max_rows, 2, d // 4), np.uint64))
+    staged = cuda.to_device(np.zeros((streams, max_rows, 2, d // 4), np.uint64))
     chunks = -(-max_rows // CHUNK_ROWS)
-    part = [cuda.device_array((groups, chunks, heads), np.float32) for _ in range(2)]
-    part_o = cuda.device_array((groups, chunks, heads, d), np.float32)
-    out = cuda.device_array((groups, heads, d), np.float32)
+    part = [cuda.device_array((streams, chunks, heads), np.float32) for _ in range(2)]
+    part_o = cuda.device_array((streams, chunks, heads, d), np.float32)
+    out = cuda.device_array((streams, heads, d), np.float32)
     status = cuda.to_device(np.zeros(4, np.int32))
     mask_dev = cuda.to_device(np.pad(head_mask, ((0, 0), (0, max_rows - rows))))
     rows_dev = cuda.to_device(np.pad(row_index, ((0, 0), (0, max_rows - rows))))
@@ -49,7 +49,7 @@ def test_gather_and_attend_match_reference(seed, groups, heads, d, dense, rows):
     attend(cuda.to_device(q), staged, mask_dev, cuda.to_device(n_rows), cuda.to_device(lengths), 1, dense, 0.3,
            status, *part, part_o, out)
     got = out.copy_to_host()
-    for g in range(groups):
+    for g in range(streams):
         if dense:
             want = attention(q[g], k[g, :rows], v[g, :rows], scale=0.3)
         else:

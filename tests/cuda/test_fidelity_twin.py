@@ -16,7 +16,7 @@ from fathom.selection import Selection, protocol_masks, select_many
 from fathom.store import PlaneStore
 from fathom.synthetic import SyntheticConfig, generate
 
-SMALL = SyntheticConfig(layers=2, kv_heads=2, group=3, head_dim=16, tokens=700, positions=6)
+SMALL = SyntheticConfig(layers=2, kv_heads=2, group_size=3, head_dim=16, tokens=700, positions=6)
 GRID = [M.fathom(24), M.fathom(24, "calibration"), M.fathom_rotated(24), M.fathom_rotated(24, "store"),
         M.fathom_plan((16, 32), 24), M.sparq(4), M.double_sparsity(4), M.loki(4), M.thumbnail(2), M.landmark(),
         M.oracle(), M.dense()]
@@ -95,7 +95,7 @@ def test_twin_without_calibration_and_at_k_beyond_the_context(small):
 def test_twin_on_the_gpu_equals_the_reference_except_float_ties():
     """On a CUDA device: the same results within float32 tolerance, and every selection of one head equal to the
     reference's except tokens whose reference score ties the head's k-th within float32 tolerance."""
-    config = SyntheticConfig(layers=2, kv_heads=2, group=4, head_dim=64, tokens=4096, positions=16)
+    config = SyntheticConfig(layers=2, kv_heads=2, group_size=4, head_dim=64, tokens=4096, positions=16)
     capture = generate(config)
     calibration = calibrate(generate(SyntheticConfig(**{**config.__dict__, "text_seed": 1})))
     sel = Selection(k=128)

@@ -27,7 +27,7 @@ from fathom.store import PlaneStore
 from tests.cuda.helpers import sealed_landmarks, sealed_planes, selected
 
 LAYER = 1  # layer 0 stays empty
-GROUP = 2
+GROUP_SIZE = 2
 D = 8
 PIECES = (1, 70, 40, 29)  # 140 tokens: blocks sealed inside appends and from the tail, 2 segments, 12 in the tail
 SEL = Selection(k=6, sink=4, local=16)
@@ -48,7 +48,7 @@ def _setup(shape: CacheShape, seed: int = 0, n: int = sum(PIECES)):
     k = _bf16((rng.standard_normal((shape.sessions, shape.kv_heads, n, D)) * np.exp(rng.uniform(-1, 1, D)))
               .astype(np.float32))
     v = _bf16(rng.standard_normal(k.shape).astype(np.float32))
-    q = rng.standard_normal((shape.sessions, shape.kv_heads * GROUP, D)).astype(np.float32)
+    q = rng.standard_normal((shape.sessions, shape.kv_heads * GROUP_SIZE, D)).astype(np.float32)
     basis = np.stack([[np.linalg.qr(rng.standard_normal((D, D)))[0] for _ in range(shape.kv_heads)]
                       for _ in range(shape.layers)])
     sigma2 = np.exp(rng.uniform(-1, 1, (shape.layers, shape.kv_heads, D)))
@@ -87,7 +87,7 @@ def filled():
 
 
 def _decoder(cache, method, data, sel=SEL) -> Decoder:
-    return Decoder(cache, DecoderSettings(method, sel), GROUP, sigma2=data[4], ds_rank=data[5])
+    return Decoder(cache, DecoderSettings(method, sel), GROUP_SIZE, sigma2=data[4], ds_rank=data[5])
 
 
 def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis, sigma2, ds_rank,
@@ -99,7 +99,7 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
     for s in range(shape.sessions):
         n = int(lengths[s])
         for h in range(shape.kv_heads):
-            g, heads = s * shape.kv_heads + h, slice(h * GROUP, (h + 1) * GROUP)
+            g, heads = s * shape.kv_heads + h, slice(h * GROUP_SIZE, (h + 1) * GROUP_SIZE)
             keys, values, qg = k[s, h, :n], v[s, h, :n], q[s, heads]
             stats = {b: methods.HeadStats(sigma2[LAYER, h], ds_rank[LAYER, h], layer=LAYER) for b in ("raw", "rotated")}
             index = HeadIndex.build(keys, stats, basis=basis[LAYER, h])
@@ -198,7 +198,7 @@ def test_graph_replay_equals_eager():
             got = token(q_t, k_t, v_t).cpu().numpy()
             np.testing.assert_array_equal(got, want)
             assert (graph_cache.lengths(LAYER) == eager_cache.lengths(LAYER)).all()
-        for g in range(shape.groups):
+        for g in range(shape.streams):
             np.testing.assert_array_equal(sealed_planes(graph_cache, LAYER, g)[0], sealed_planes(eager_cache, LAYER, g)[0])
 
 
@@ -229,7 +229,7 @@ def test_a_grown_cache_keeps_both_tiers_of_its_store(hbm_planes):
     k, v, *_ = _setup(shape, seed=3)
     cache = HostKVCache(shape)
     _fill(cache, k, v)
-    before = [sealed_planes(cache, LAYER, g) for g in range(shape.groups)]
+    before = [sealed_planes(cache, LAYER, g) for g in range(shape.streams)]
     grown = cache.grown(2 * shape.max_tokens)
     with grown:
         assert grown.shape.layout.hbm_planes == hbm_planes and grown.shape.segments > shape.segments
@@ -290,7 +290,7 @@ def test_bad_input_raises_before_any_kernel():
     k, v, q, *_ = _setup(shape)
     cache = HostKVCache(shape)
     _append(cache, k, v, 0, 100)
-    decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), Selection(k=20)), GROUP)
+    decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), Selection(k=20)), GROUP_SIZE)
     q_dev = torch.from_numpy(q).to(DEVICE)
     for bad_layer in (-1, 2, 1.0):
         with pytest.raises(ValueError, match="layer"):
@@ -317,16 +317,16 @@ def test_bad_input_raises_before_any_kernel():
     with pytest.raises(ValueError, match="shape"):
         cache.append(LAYER, torch.zeros((2, 1, 1, D), device=DEVICE), torch.zeros((2, 1, 1, D), device=DEVICE))
     with pytest.raises(ValueError, match="rotated store"):
-        Decoder(cache, DecoderSettings(methods.loki(2)), GROUP)
+        Decoder(cache, DecoderSettings(methods.loki(2)), GROUP_SIZE)
     with pytest.raises(ValueError, match="per-layer budgets"):
-        Decoder(cache, DecoderSettings(methods.fathom_plan((8.0,), 8.0)), GROUP)
+        Decoder(cache, DecoderSettings(methods.fathom_plan((8.0,), 8.0)), GROUP_SIZE)
     with pytest.raises(ValueError, match="ds_rank"):
-        Decoder(cache, DecoderSettings(methods.double_sparsity(2)), GROUP)
+        Decoder(cache, DecoderSettings(methods.double_sparsity(2)), GROUP_SIZE)
     with pytest.raises(ValueError, match="ds_rank"):
-        Decoder(cache, DecoderSettings(methods.double_sparsity(2)), GROUP, ds_rank=np.zeros((2, 1, D), int))
+        Decoder(cache, DecoderSettings(methods.double_sparsity(2)), GROUP_SIZE, ds_rank=np.zeros((2, 1, D), int))
     with pytest.raises(ValueError, match="sigma2"):
-        Decoder(cache, DecoderSettings(methods.fathom(12.0, variance="calibration")), GROUP)
-    with pytest.raises(ValueError, match="group"):
+        Decoder(cache, DecoderSettings(methods.fathom(12.0, variance="calibration")), GROUP_SIZE)
+    with pytest.raises(ValueError, match="group_size"):
         Decoder(cache, DecoderSettings(), 9)
     with pytest.raises(ValueError, match=r"basis\[0, 0\] must be orthonormal"):
         HostKVCache(shape, basis=np.ones((2, 1, D, D)))
@@ -341,7 +341,7 @@ def test_bad_input_raises_before_any_kernel():
             call()
     with HostKVCache(shape) as empty:
         with pytest.raises(ValueError, match="holds no tokens"):
-            Decoder(empty, DecoderSettings(methods.dense()), GROUP).run(LAYER, q_dev)
+            Decoder(empty, DecoderSettings(methods.dense()), GROUP_SIZE).run(LAYER, q_dev)
 
 
 @pytest.mark.parametrize("tier", [
@@ -357,9 +357,9 @@ def test_a_store_in_hbm_runs_the_same_step(tier):
     for where in ({}, tier):
         with HostKVCache(replace(shape, **where)) as cache:
             cache.append(LAYER, torch.from_numpy(k).to(DEVICE), torch.from_numpy(v).to(DEVICE))
-            decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), SEL), GROUP)
+            decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), SEL), GROUP_SIZE)
             outs.append(decoder.run(LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy())
-            planes.append([sealed_planes(cache, LAYER, g) for g in range(shape.groups)])
+            planes.append([sealed_planes(cache, LAYER, g) for g in range(shape.streams)])
             split.append(decoder.scan_nbytes_by_tier(LAYER))
             assert sum(split[-1]) == decoder.scan_nbytes(LAYER)
     np.testing.assert_array_equal(*outs)

@@ -27,7 +27,7 @@ def _seal(keys: np.ndarray, n0: int, m: int, cap: int, status=(0, 0, 0, 0), hbm_
     """Seal what appending keys[n0:n0 + m] to a store holding keys[:n0] completes
     -> (layout, near, far, σ² sums, marks)."""
     n, d = keys.shape
-    layout = StoreLayout(groups=1, segments=-(-n // 64 // cap) + 1, d=d, cap=cap, hbm_planes=hbm_planes)
+    layout = StoreLayout(streams=1, segments=-(-n // 64 // cap) + 1, d=d, cap=cap, hbm_planes=hbm_planes)
     near = cuda.to_device(np.zeros(layout.near_words, np.uint64))
     far = cuda.to_device(np.zeros(layout.far_words, np.uint64))
     tail = np.zeros((1, 64, d), np.float32)

@@ -11,7 +11,7 @@ from fathom.waterfill import importance, waterfill_batched
 
 
 def _gaps_ok(w: np.ndarray) -> bool:
-    """No two distinct plane gains of a group within 1e-6 relative (the bisection cannot split those)."""
+    """No two distinct plane gains of a stream within 1e-6 relative (the bisection cannot split those)."""
     for row in w:
         gains = np.unique(np.concatenate([0.75 * row[row > 0] * 4.0 ** -t for t in range(4)]))
         if len(gains) > 1 and np.min(np.diff(np.log(gains))) < 1e-6:
@@ -20,22 +20,22 @@ def _gaps_ok(w: np.ndarray) -> bool:
 
 
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 2**31), groups=st.integers(1, 3), heads=st.sampled_from([1, 2, 4]),
+@given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), heads=st.sampled_from([1, 2, 4]),
        d=st.sampled_from([8, 16, 40]), budget=st.floats(0, 80), zeros=st.integers(0, 3))
-def test_waterfill_matches_reference(seed, groups, heads, d, budget, zeros):
+def test_waterfill_matches_reference(seed, streams, heads, d, budget, zeros):
     rng = np.random.default_rng(seed)
-    q = (rng.standard_normal((groups, heads, d)) * np.exp(rng.uniform(-3, 3, d))).astype(np.float32)
+    q = (rng.standard_normal((streams, heads, d)) * np.exp(rng.uniform(-3, 3, d))).astype(np.float32)
     q[:, :, :zeros] = 0  # channels of zero importance are never read
-    sigma2 = np.exp(rng.uniform(-4, 4, (groups, d)))
+    sigma2 = np.exp(rng.uniform(-4, 4, (streams, d)))
     w = importance(q, sigma2)
     assume(_gaps_ok(w))
-    depths = cuda.to_device(np.full((groups, d), -1, np.int8))
-    waterfill(cuda.to_device(q), cuda.to_device(sigma2), budget, depths, _lengths(groups))
+    depths = cuda.to_device(np.full((streams, d), -1, np.int8))
+    waterfill(cuda.to_device(q), cuda.to_device(sigma2), budget, depths, _lengths(streams))
     np.testing.assert_array_equal(depths.copy_to_host(), waterfill_batched(w, budget))
 
 
-def _lengths(groups: int, tokens: int = 0) -> object:
-    return cuda.to_device(np.full(groups, tokens, np.int32))
+def _lengths(streams: int, tokens: int = 0) -> object:
+    return cuda.to_device(np.full(streams, tokens, np.int32))
 
 
 @settings(max_examples=6, deadline=None)
@@ -44,26 +44,26 @@ def _lengths(groups: int, tokens: int = 0) -> object:
 def test_waterfill_from_the_store_statistic(seed, sessions, heads_per_session, budget):
     """σ² = the store's sum of squared scales / each session's sealed blocks (read from the device lengths)."""
     rng = np.random.default_rng(seed)
-    groups, d = sessions * heads_per_session, 16
-    q = rng.standard_normal((groups, 2, d)).astype(np.float32)
-    sums = np.exp(rng.uniform(-4, 4, (groups, d)))
+    streams, d = sessions * heads_per_session, 16
+    q = rng.standard_normal((streams, 2, d)).astype(np.float32)
+    sums = np.exp(rng.uniform(-4, 4, (streams, d)))
     tokens = rng.integers(0, 500, sessions).astype(np.int32)
     blocks = np.maximum(np.repeat(tokens // 64, heads_per_session), 1)
     w = importance(q, sums / blocks[:, None])
     assume(_gaps_ok(w))
-    depths = cuda.to_device(np.full((groups, d), -1, np.int8))
+    depths = cuda.to_device(np.full((streams, d), -1, np.int8))
     waterfill(cuda.to_device(q), cuda.to_device(sums), budget, depths, cuda.to_device(tokens), heads_per_session,
               from_store=True)
     np.testing.assert_array_equal(depths.copy_to_host(), waterfill_batched(w, budget))
 
 
 @settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 2**31), groups=st.integers(1, 3), r=st.integers(0, 16), levels=st.sampled_from([3, 10**6]))
-def test_top_channels_matches_sparq(seed, groups, r, levels):
+@given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), r=st.integers(0, 16), levels=st.sampled_from([3, 10**6]))
+def test_top_channels_matches_sparq(seed, streams, r, levels):
     """Ties (few distinct |q| levels) go to the lower channel, like the reference's stable argsort."""
     rng = np.random.default_rng(seed)
-    q = (rng.integers(-levels, levels + 1, (groups, 3, 16)) / 7).astype(np.float32)
-    depths = cuda.to_device(np.full((groups, 16), -1, np.int8))
+    q = (rng.integers(-levels, levels + 1, (streams, 3, 16)) / 7).astype(np.float32)
+    depths = cuda.to_device(np.full((streams, 16), -1, np.int8))
     top_channels(cuda.to_device(q), r, depths)
     stats = methods.HeadStats(sigma2=np.ones(16), ds_rank=np.arange(16))
     np.testing.assert_array_equal(depths.copy_to_host(), methods.sparq(r).policy.depths(q, stats))

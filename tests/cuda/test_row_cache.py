@@ -1,5 +1,5 @@
 """fathom.cuda.row_cache against fathom.row_cache: every map, stamp, counter and row source bit-exact over steps of
-drifting row lists (a group per CTA, sizes read on the device)."""
+drifting row lists (a stream per CTA, sizes read on the device)."""
 
 import numpy as np
 from hypothesis import given, settings
@@ -12,34 +12,34 @@ from tests.test_row_cache import _steps
 
 
 @settings(max_examples=5, deadline=None)
-@given(seed=st.integers(0, 2**31), groups=st.integers(1, 3), slots=st.integers(1, 70), rows=st.integers(1, 48),
+@given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), slots=st.integers(1, 70), rows=st.integers(1, 48),
        threads=st.sampled_from([32, 64]))
-def test_assign_slots_matches_reference(seed, groups, slots, rows, threads):
+def test_assign_slots_matches_reference(seed, streams, slots, rows, threads):
     rng = np.random.default_rng(seed)
     tokens, steps = 300, 6
-    ref = RowCache(groups, slots, tokens)
-    lists = [_steps(rng, tokens, steps, rows) for _ in range(groups)]
+    ref = RowCache(streams, slots, tokens)
+    lists = [_steps(rng, tokens, steps, rows) for _ in range(streams)]
     d = {name: cuda.to_device(getattr(ref, name)) for name in ("slot_of", "position", "stamp", "clock")}
-    counters = cuda.to_device(np.zeros((groups, 3), np.int64))
-    miss_rows = cuda.to_device(np.zeros((groups, rows), np.int32))
-    source = cuda.to_device(np.zeros((groups, rows), np.int32))
+    counters = cuda.to_device(np.zeros((streams, 3), np.int64))
+    miss_rows = cuda.to_device(np.zeros((streams, rows), np.int32))
+    source = cuda.to_device(np.zeros((streams, rows), np.int32))
     for step in range(steps):
-        row_index = np.zeros((groups, rows), np.int32)
-        n_rows = np.zeros(groups, np.int32)
-        want = np.zeros((groups, rows), np.int32)
-        for g in range(groups):
+        row_index = np.zeros((streams, rows), np.int32)
+        n_rows = np.zeros(streams, np.int32)
+        want = np.zeros((streams, rows), np.int32)
+        for g in range(streams):
             listed = lists[g][step]
             row_index[g, :len(listed)], n_rows[g] = listed, len(listed)
             want[g, :len(listed)] = ref.assign(g, listed)
         assign_slots(cuda.to_device(row_index), cuda.to_device(n_rows), d["slot_of"], d["position"], d["stamp"],
                      d["clock"], counters, miss_rows, source, threads)
         got = source.copy_to_host()
-        for g in range(groups):
+        for g in range(streams):
             assert got[g, :n_rows[g]].tolist() == want[g, :n_rows[g]].tolist(), (step, g)
         for name in ("slot_of", "position", "stamp", "clock"):
             np.testing.assert_array_equal(d[name].copy_to_host(), getattr(ref, name), err_msg=name)
         c = counters.copy_to_host()
         np.testing.assert_array_equal(c[:, 1], ref.hits)
         np.testing.assert_array_equal(c[:, 2], ref.lookups)
-        step_hits = [int(((want[g, :n_rows[g]] >= 0) & (want[g, :n_rows[g]] < slots)).sum()) for g in range(groups)]
+        step_hits = [int(((want[g, :n_rows[g]] >= 0) & (want[g, :n_rows[g]] < slots)).sum()) for g in range(streams)]
         assert c[:, 0].tolist() == step_hits

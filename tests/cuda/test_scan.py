@@ -16,7 +16,7 @@ from tests.cuda.helpers import top_byte_histogram, write_store
 
 
 def _store(rng, tokens: np.ndarray, kv_heads: int, d: int, cap: int) -> list[PlaneStore]:
-    """Reference stores of random keys, ``tokens[s]`` per group of session ``s``."""
+    """Reference stores of random keys, ``tokens[s]`` per stream of session ``s``."""
     stores = []
     for g in range(len(tokens) * kv_heads):
         n = int(tokens[g // kv_heads])
@@ -27,13 +27,13 @@ def _store(rng, tokens: np.ndarray, kv_heads: int, d: int, cap: int) -> list[Pla
 
 def _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, warps, max_tokens):
     """The stores written into a store layout of tier ``hbm_planes`` and scanned -> (scores, top_hist)."""
-    groups, heads, d = q.shape
-    layout = StoreLayout(groups, -(-max_tokens // 64 // cap), d, cap, hbm_planes)
+    streams, heads, d = q.shape
+    layout = StoreLayout(streams, -(-max_tokens // 64 // cap), d, cap, hbm_planes)
     near, far = np.zeros(layout.near_words, np.uint64), np.zeros(layout.far_words, np.uint64)
     for g, store in enumerate(stores):
         write_store(store.planes(), store.scales(), layout, g, near, far)
-    scores = cuda.to_device(np.full((groups, heads, max_tokens), np.nan, np.float32))
-    top_hist = cuda.to_device(np.zeros((groups, heads, 256), np.int32))
+    scores = cuda.to_device(np.full((streams, heads, max_tokens), np.nan, np.float32))
+    top_hist = cuda.to_device(np.zeros((streams, heads, 256), np.int32))
     scan_planes(cuda.to_device(q), cuda.to_device(depths), cuda.to_device(tokens), kv_heads, cuda.to_device(near),
                 cuda.to_device(far), layout, sink, local, scores, top_hist, warps)
     return scores.copy_to_host(), top_hist.copy_to_host()
@@ -49,9 +49,9 @@ def test_scan_matches_reference(hbm_planes, seed, sessions, kv_heads, heads, d, 
     max_tokens = 320
     tokens = rng.integers(1, 300, sessions).astype(np.int32)  # ragged: each session its own length
     stores = _store(rng, tokens, kv_heads, d, cap)
-    groups = sessions * kv_heads
-    depths = rng.integers(0, 5, (groups, d)).astype(np.int8)
-    q = rng.standard_normal((groups, heads, d)).astype(np.float32)
+    streams = sessions * kv_heads
+    depths = rng.integers(0, 5, (streams, d)).astype(np.int8)
+    q = rng.standard_normal((streams, heads, d)).astype(np.float32)
     got, hist = _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, warps, max_tokens)
     for g, store in enumerate(stores):
         n, n_sealed = int(tokens[g // kv_heads]), store.n_sealed

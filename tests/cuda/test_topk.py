@@ -12,9 +12,9 @@ from fathom.selection import select as ref_select
 from tests.cuda.helpers import top_byte_histogram
 
 
-def _scores(rng, groups, heads, tokens, levels):
+def _scores(rng, streams, heads, tokens, levels):
     """Scores with many exact ties (few distinct levels), both signs of zero, and crowded in a binade (an offset)."""
-    s = rng.integers(-levels, levels + 1, (groups, heads, tokens)).astype(np.float32) * np.float32(0.37)
+    s = rng.integers(-levels, levels + 1, (streams, heads, tokens)).astype(np.float32) * np.float32(0.37)
     s[rng.random(s.shape) < 0.5] += np.float32(1000.0)
     s[s == 0] = np.where(rng.random((s == 0).sum()) < 0.5, np.float32(-0.0), np.float32(0.0))
     return s
@@ -29,19 +29,19 @@ def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, si
     rng = np.random.default_rng(seed)
     tokens = 320
     lengths = rng.integers(1, tokens + 1, sessions).astype(np.int32)
-    groups = sessions * kv_heads
-    scores = _scores(rng, groups, heads, tokens, levels)
-    hist = np.zeros((groups, heads, 256), np.int32)
-    for g in range(groups):  # what the scan counts: the candidates' top bytes
+    streams = sessions * kv_heads
+    scores = _scores(rng, streams, heads, tokens, levels)
+    hist = np.zeros((streams, heads, 256), np.int32)
+    for g in range(streams):  # what the scan counts: the candidates' top bytes
         n = lengths[g // kv_heads]
         hist[g] = top_byte_histogram(scores[g, :, sink:max(min(n // 64 * 64, n - local), sink)])
-    winners = cuda.to_device(np.zeros((groups, tokens), np.uint32))
-    any_rows = cuda.to_device(np.zeros((groups, tokens // 64), np.uint64))
+    winners = cuda.to_device(np.zeros((streams, tokens), np.uint32))
+    any_rows = cuda.to_device(np.zeros((streams, tokens // 64), np.uint64))
     top_hist = cuda.to_device(hist)
     hist2 = cuda.to_device(np.zeros_like(hist))
-    cand_key = cuda.device_array((groups, heads, tokens), np.uint32)
-    cand_idx = cuda.device_array((groups, heads, tokens), np.int32)
-    cand_count = cuda.to_device(np.zeros((groups, heads), np.int32))
+    cand_key = cuda.device_array((streams, heads, tokens), np.uint32)
+    cand_idx = cuda.device_array((streams, heads, tokens), np.int32)
+    cand_count = cuda.to_device(np.zeros((streams, heads), np.int32))
     lengths_dev = cuda.to_device(lengths)
     select(cuda.to_device(scores.view(np.uint32)), lengths_dev, kv_heads, k, sink, local, top_hist, hist2, cand_key,
            cand_idx, cand_count, winners, any_rows, threads=threads, select_threads=threads, per_block=40,
@@ -50,14 +50,14 @@ def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, si
     assert not cand_count.copy_to_host().any()
 
     max_rows = tokens
-    row_index = cuda.device_array((groups, max_rows), np.int32)
-    head_mask = cuda.device_array((groups, max_rows), np.uint32)
-    n_rows = cuda.device_array(groups, np.int32)
-    block_rows = cuda.device_array((groups, union_blocks(tokens, threads)), np.int32)
+    row_index = cuda.device_array((streams, max_rows), np.int32)
+    head_mask = cuda.device_array((streams, max_rows), np.uint32)
+    n_rows = cuda.device_array(streams, np.int32)
+    block_rows = cuda.device_array((streams, union_blocks(tokens, threads)), np.int32)
     union_rows(any_rows, winners, lengths_dev, kv_heads, block_rows, row_index, head_mask, n_rows, threads)
     assert not winners.copy_to_host().any() and not any_rows.copy_to_host().any()  # cleared for the next step
     sel = Selection(k=k, sink=sink, local=local)
-    for g in range(groups):
+    for g in range(streams):
         n = int(lengths[g // kv_heads])
         want = ref_select(scores[g, :, :n // 64 * 64], n, sel)
         rows = np.flatnonzero(want.any(axis=0))

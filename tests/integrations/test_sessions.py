@@ -79,9 +79,9 @@ def test_layer_stats_reads_one_layer_of_a_calibration_in_each_store():
     assert head.layer == 1
 
 
-@pytest.mark.parametrize("field", ["sessions", "layers", "kv_heads", "group", "head_dim", "max_tokens"])
+@pytest.mark.parametrize("field", ["sessions", "layers", "kv_heads", "group_size", "head_dim", "max_tokens"])
 def test_a_session_shape_refuses_a_size_that_is_not_positive(field):
-    sizes = dict(sessions=1, layers=1, kv_heads=1, group=1, head_dim=8, max_tokens=64)
+    sizes = dict(sessions=1, layers=1, kv_heads=1, group_size=1, head_dim=8, max_tokens=64)
     with pytest.raises(ValueError, match=f"^{field} must be positive, got 0"):
         SessionShape(**{**sizes, field: 0})
 
