@@ -9,21 +9,21 @@ import numpy as np
 
 from bench.timing_settings import GROUP_SIZE, HEAD_DIM, KV_HEADS
 
-# The decode queries' step-to-step correlation per channel: at 0.8, oracle top-512 over the synthetic keys (32k)
-# re-selects 65% of the previous step's rows and an LRU of 4× a step's rows hits 89%, inside what bench rowreuse
-# measured on real generated tokens (59-71% and 89-93%)
+# The decode queries' step-to-step correlation per channel: at 0.8, oracle top-512 over 32k synthetic keys
+# re-selects 65% of the previous step's rows (bench rowreuse on real generated tokens: 59-71%) and an LRU row cache
+# of 4 × G·k slots hits 86% (real: 89-93%, sink and local left out); tests/bench/test_synthetic_decode.py
 QUERY_CORRELATION = 0.8
 
 
 class Synthetic:
-    """Keys, values and queries drawn per channel from a real capture's statistics (on the GPU)."""
+    """Keys, values and queries drawn per channel from a real capture's statistics (on ``device``: the GPU)."""
 
-    def __init__(self, stats: dict, seed: int = 0):
+    def __init__(self, stats: dict, seed: int = 0, device: str = "cuda"):
         import torch
 
-        self.torch = torch
-        self.gen = torch.Generator(device="cuda").manual_seed(seed)
-        self.stats = {k: torch.as_tensor(v, device="cuda") for k, v in stats.items() if k != "meta"}
+        self.torch, self.device = torch, device
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.stats = {k: torch.as_tensor(v, device=device) for k, v in stats.items() if k != "meta"}
         self.meta = stats["meta"]
 
     def _pick(self, name: str, layer: int):
@@ -32,15 +32,15 @@ class Synthetic:
 
     def keys(self, layer: int, sessions: int, m: int):
         mean, std = self._pick("key_mean", layer), self._pick("key_std", layer)
-        z = self.torch.randn((sessions, KV_HEADS, m, HEAD_DIM), device="cuda", generator=self.gen)
+        z = self.torch.randn((sessions, KV_HEADS, m, HEAD_DIM), device=self.device, generator=self.gen)
         return mean[None, :, None] + std[None, :, None] * z
 
     def values(self, sessions: int, m: int):
-        return self.torch.randn((sessions, KV_HEADS, m, HEAD_DIM), device="cuda", generator=self.gen)
+        return self.torch.randn((sessions, KV_HEADS, m, HEAD_DIM), device=self.device, generator=self.gen)
 
     def queries(self, layer: int, sessions: int):
         mean, std = self._pick("query_mean", layer), self._pick("query_std", layer)
-        z = self.torch.randn((sessions, KV_HEADS, GROUP_SIZE, HEAD_DIM), device="cuda", generator=self.gen)
+        z = self.torch.randn((sessions, KV_HEADS, GROUP_SIZE, HEAD_DIM), device=self.device, generator=self.gen)
         return (mean[None, :, None] + std[None, :, None] * z).reshape(sessions, KV_HEADS * GROUP_SIZE, HEAD_DIM)
 
     def query_walk(self, plan: list[int], sessions: int) -> QueryWalk:
@@ -73,11 +73,12 @@ class QueryWalk:
         import torch
 
         self.torch, self.mean, self.std, self.gen = torch, mean, std, gen  # mean, std [L, 1, H, 1, d]
-        self.z = torch.randn((mean.shape[0], sessions, KV_HEADS, GROUP_SIZE, HEAD_DIM), device="cuda", generator=gen)
+        self.z = torch.randn((mean.shape[0], sessions, KV_HEADS, GROUP_SIZE, HEAD_DIM), device=mean.device,
+                             generator=gen)
 
     def step(self):
         """The next token's queries, float32 ``[L, S, H·G, d]``."""
-        noise = self.torch.randn(self.z.shape, device="cuda", generator=self.gen)
+        noise = self.torch.randn(self.z.shape, device=self.z.device, generator=self.gen)
         self.z.mul_(QUERY_CORRELATION).add_(noise, alpha=math.sqrt(1 - QUERY_CORRELATION ** 2))
         q = self.mean + self.std * self.z
         return q.reshape(q.shape[0], q.shape[1], KV_HEADS * GROUP_SIZE, HEAD_DIM)
