@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from fathom import methods as M
 from fathom.decode import HeadIndex, decode_step
@@ -17,7 +16,7 @@ from fathom.integrations.transformers import FathomCache
 from fathom.selection import Selection
 from tests.integrations.test_transformers import (  # noqa: F401  (_quiet_and_single_threaded: autouse here too)
     _cached, _calibration, _quiet_and_single_threaded, batch, generate)
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import tiny_llama, tiny_offload_llama
 
 
 # --- units ------------------------------------------------------------------------------------------------------
@@ -137,10 +136,7 @@ def test_offloaded_sessions_decode_as_the_reference_does(method):
     FATHOM_GPU=1 on the GPU."""
     from fathom.cuda.interop import DEVICE
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
-    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
     settings = dict(budget=17 if method == "double-sparsity" else 20, k=6, sink=2, local=4, max_tokens=80)
     reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=3)
@@ -156,10 +152,7 @@ def test_an_hbm_budget_tiers_the_offloaded_store_and_decodes_the_same_tokens():
 
     from fathom.cuda.interop import DEVICE
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
-    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
     settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
     layout = SessionShape(2, 1, 1, 2, 16, 80).cache_shape().layout
@@ -183,10 +176,7 @@ def test_a_row_cache_decodes_the_same_tokens():
     the same tokens as without, rows served from HBM, and refused where there is nothing offloaded."""
     from fathom.cuda.interop import DEVICE
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
-    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
     settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
     plain = FathomCache(model, "fathom", backend="offloaded", **settings)
@@ -210,10 +200,7 @@ def test_offloaded_sessions_are_pooled_grown_and_continue_a_conversation_as_the_
     from fathom.cuda.interop import DEVICE
     from fathom.integrations.sessions import POOL
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
-    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+    model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
     settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80)
     reference = FathomCache(model, "fathom", backend="reference", **settings)

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from fathom.cuda.interop import DEVICE
 from fathom.integrations.token_graph import decode
 from fathom.integrations.transformers import FathomCache
 from tests.integrations.test_transformers import batch
-from tests.tiny_models import tiny_gemma3
+from tests.tiny_models import tiny_gemma3, tiny_offload_llama
 
 
 @pytest.fixture(autouse=True)
@@ -22,13 +21,6 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         yield
-
-
-def _model(layers: int = 1):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
-    return transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
 
 
 def _generate(model, ids, mask, cache, new, **kwargs):
@@ -39,7 +31,7 @@ def _generate(model, ids, mask, cache, new, **kwargs):
 def test_the_token_graph_generates_what_generates_own_loop_does_and_continues_a_conversation():
     """Turn 1 captures the token graph; turn 2 (a chunk, then decoding) replays the same graph, kept with the
     sessions, bound to the cache's new state."""
-    model = _model()
+    model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
     settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
     eager = FathomCache(model, "fathom", backend="offloaded", **settings)
@@ -63,7 +55,7 @@ def test_the_token_graph_generates_what_generates_own_loop_does_and_continues_a_
 def test_an_eos_stop_leaves_its_token_in_the_cache_and_the_conversation_continues_as_generates_own():
     """The replay of the next token is launched before the host reads the stop, so an EOS stop appends the last
     returned token too: the next turn starts after it and generates what generate's own loop does."""
-    model = _model()
+    model = tiny_offload_llama()
     ids = torch.randint(3, 97, (1, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     mask = torch.ones_like(ids)
     settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=40, pool=False)
@@ -89,7 +81,7 @@ def test_what_the_token_graph_cannot_hold_is_refused():
     model = tiny_gemma3()
     with pytest.raises(ValueError, match="needs every layer to be full attention"):
         _generate(model, ids, mask, FathomCache(model, "dense"), new=2, custom_generate=decode)
-    llama = _model()
+    llama = tiny_offload_llama()
     with pytest.raises(ValueError, match="needs past_key_values=FathomCache"):
         _generate(llama, ids.to(DEVICE), mask.to(DEVICE), None, new=2, custom_generate=decode)
     with pytest.raises(ValueError, match="return_dict_in_generate=False"):
