@@ -52,13 +52,22 @@ COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
            ("mean_depth", "depth", ".2f")]
 
 
-def method_grid(d: int, basis: str) -> list[M.Method]:
-    """Every method at matched bits: fathom flat budgets on both stores, each with its basis' default σ²
-    (reaching DS r = d/4's bits), the other σ² source on the preferred store, every baseline at the design's
-    channel fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136 bits at any d). (Per-layer plans
-    are added by :func:`run`.)"""
+def fathom_families(per_head: bool) -> list[str]:
+    """The fathom curves every result reports: each store (raw, rotated and, once the per-head rule has run,
+    the per-head store), each with design §5's plane gains and with the calibrated gain table."""
+    stores = ["fathom", "fathom-rotated"] + (["fathom-mixed"] if per_head else [])
+    return [f + tag for f in stores for tag in ("", "[gains]")]
+
+
+def method_grid(d: int, basis: str, per_head: bool = False) -> list[M.Method]:
+    """Every method at matched bits: fathom flat budgets (reaching DS r = d/4's bits) on both stores and, with
+    ``per_head``, the per-head store, each with its basis' default σ² and with design §5's or the calibrated
+    plane gains (:func:`fathom_families`); the other σ² source on the preferred store; every baseline at the
+    design's channel fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136 bits at any d).
+    (Per-layer plans are added by :func:`run`.)"""
     budgets = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
-    flat = [M.fathom(b) for b in budgets] + [M.fathom_rotated(b) for b in budgets]
+    flat = [make(b, gains=g) for make in (M.fathom, M.fathom_rotated) + ((M.fathom_mixed,) if per_head else ())
+            for g in M.GAIN_SOURCES for b in budgets]
     other = "calibration" if M.DEFAULT_VARIANCE[basis] == "store" else "store"
     other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, other) for b in (48, 64)]
     grid = flat + other_variance + M.baselines(d) + [M.sparq(16), M.double_sparsity(32)]
@@ -231,15 +240,18 @@ def evaluator(device: str) -> Evaluator:
 
 
 def choose_basis(calibration_capture: Capture, calibration: Calibration, sel: Selection,
-                 on_head=None, evaluate_fn: Evaluator = evaluate) -> tuple[str, dict]:
+                 on_head=None, evaluate_fn: Evaluator = evaluate) -> tuple[str, dict, np.ndarray]:
     """The basis rule (design §7): both stores on calibration text, each with its own default σ²; the lower mean
-    error wins."""
+    error wins, for the model and per (layer, KV head) -> (model's basis, its errors, ``[L, H]`` head bases)."""
     methods = [M.fathom(b) for b in BASIS_RULE_BUDGETS] + [M.fathom_rotated(b) for b in BASIS_RULE_BUDGETS]
     results = evaluate_fn(calibration_capture, calibration, methods, sel, on_head)
     half = len(BASIS_RULE_BUDGETS)
     errors = {"raw": float(np.mean([r.rel_error for r in results[:half]])),
               "rotated": float(np.mean([r.rel_error for r in results[half:]]))}
-    return min(errors, key=errors.get), errors
+    per_head = {b: np.mean([r.rel_error_per_head for r in rs], axis=0)
+                for b, rs in (("raw", results[:half]), ("rotated", results[half:]))}
+    head_basis = np.where(per_head["rotated"] < per_head["raw"], "rotated", "raw")
+    return min(errors, key=errors.get), errors, head_basis
 
 
 def equal_error_bits(curve: list[MethodResult], target: float) -> tuple[float | None, str]:
@@ -258,17 +270,39 @@ def equal_error_bits(curve: list[MethodResult], target: float) -> tuple[float | 
     return None, "not reached"
 
 
-def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dict) -> dict:
+def family_summary(results: list[MethodResult], family: str, d: int) -> dict:
+    """One fathom curve against the baselines: its error at 48 bits, whether that beats SparQ-68, and its
+    equal-error savings vs Double Sparsity at r = d/4 and at 136 bits."""
+    by_label = {r.label: r for r in results}
+    curve = [r for r in results if r.method == family]
+    fathom48 = by_label[f"{family}@48"]
+    out = {"fathom48_error": fathom48.rel_error,
+           "fathom48_beats_sparq68": fathom48.rel_error < by_label["sparq@68"].rel_error,
+           "channels_touched_48": fathom48.channels_touched}
+    for key, ds in (("", by_label["double-sparsity@136"]),
+                    ("_quarter", by_label[f"double-sparsity@{fixed_channel_bits(d // 4):g}"])):
+        bits, how = equal_error_bits(curve, ds.rel_error)
+        out.update({f"equal_error_bits{key}": bits, f"equal_error_how{key}": how,
+                    f"equal_error_saving{key}": None if bits is None else ds.bits / bits})
+    return out
+
+
+def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dict,
+              head_basis: np.ndarray | None = None) -> dict:
     """The headline numbers: equal-error savings vs Double Sparsity at r = d/4 (the design's fraction, the primary
     comparator) and at 136 bits (r = 32; the same at d = 128), fathom-48 vs SparQ-68 (r = 16), channels at 48,
     and where fathom-48 loses: the overlap of each one's top-k with the oracle's, and on how many (layer, KV
-    head) pairs fathom-48 is less accurate than DS r = d/4 and SparQ-68."""
+    head) pairs fathom-48 is less accurate than DS r = d/4 and SparQ-68; the same savings for every fathom curve
+    (``families``: each store, design or calibrated gains). ``head_basis``: the per-head rule's choice."""
     by_label = {r.label: r for r in results}
     family = "fathom" if basis == "raw" else "fathom-rotated"
     curve = [r for r in results if r.method == family]
     fathom48 = by_label[f"{family}@48"]
     sparq68 = by_label["sparq@68"]
+    present = {r.method for r in results}
     summary = {"basis": basis, "variance": M.DEFAULT_VARIANCE[basis], "basis_rule_errors": basis_errors,
+               "heads_rotated": None if head_basis is None else int((head_basis == "rotated").sum()),
+               "families": {f: family_summary(results, f, d) for f in fathom_families(True) if f in present},
                "fathom_family": family,
                "fathom48_error": fathom48.rel_error, "sparq68_error": sparq68.rel_error,
                "fathom48_beats_sparq68": fathom48.rel_error < sparq68.rel_error,
@@ -303,18 +337,19 @@ def run(args: argparse.Namespace) -> Path:
     seconds = {}
     tick = time.perf_counter()
     with tqdm(total=heads, desc="basis rule (calibration text)", unit="head") as bar:
-        basis, basis_errors = choose_basis(calibration_capture, calibration, sel, bar.update, evaluate_fn)
-    calibration = calibration.with_preferred_basis(basis)
+        basis, basis_errors, head_basis = choose_basis(calibration_capture, calibration, sel, bar.update,
+                                                       evaluate_fn)
+    calibration = calibration.with_preferred_basis(basis).with_head_basis(head_basis)
     seconds["basis_rule_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
     with tqdm(total=heads, desc="per-layer plan (calibration text)", unit="head") as bar:
         plans = plan_layers(calibration_capture, calibration, list(PLAN_MEANS), sel, basis, on_head=bar.update,
                             evaluator=evaluate_fn)
     seconds["per_layer_plan_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
-    methods = method_grid(d, basis) + plans
+    methods = method_grid(d, basis, per_head=True) + plans
     with tqdm(total=heads, desc=f"fidelity {name}", unit="head") as bar:
         results = evaluate_fn(capture, calibration, methods, sel, on_head=bar.update)
     seconds["evaluation_s"] = round(time.perf_counter() - tick, 1)
-    summary = summarize(results, d, basis, basis_errors)
+    summary = summarize(results, d, basis, basis_errors, head_basis)
     plan_budgets = {m.label(d): list(m.policy.budgets) for m in plans}
     meta = {"model": info.get("model", "synthetic"), "context": n}
     records = [r.record(**meta) for r in results]
@@ -361,7 +396,7 @@ def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, i
              f"{summary['sparq68_overlap']:.3f}. {fathom48} is less accurate than {ds} on "
              f"{summary['heads_fathom48_worse_than_ds_quarter']} and than {sparq} on "
              f"{summary['heads_fathom48_worse_than_sparq68']} of {summary['heads']} (layer, KV head) pairs.", "",
-             markdown_table(kib, COLUMNS), ""]
+             *_family_lines(summary, shape), markdown_table(kib, COLUMNS), ""]
     key = list(dict.fromkeys([fathom48, ds, "double-sparsity@136", sparq, f"oracle@{16 * shape['head_dim']}"]))
     hit = [fathom48, ds, sparq]
     by_label = {r["label"]: r for r in records}
@@ -377,6 +412,31 @@ def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, i
     lines += ["Error and oracle top-k hit per (layer, KV head):", "",
               markdown_table(rows, [("layer", "layer", "d"), ("head", "KV head", "d")] + columns)]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _family_lines(summary: dict, shape: dict) -> list[str]:
+    """Every fathom curve's savings side by side (none in results written before the per-head rule)."""
+    families = summary.get("families")
+    if not families:
+        return []
+
+    def saving(f: dict, key: str) -> str:
+        value = f[f"equal_error_saving{key}"]
+        return "not reached" if value is None else f"{value:.2f}×"
+
+    rows = [{"family": name, "e48": f["fathom48_error"], "sparq": "yes" if f["fathom48_beats_sparq68"] else "no",
+             "quarter": saving(f, "_quarter"), "ds136": saving(f, ""), "channels": f["channels_touched_48"]}
+            for name, f in families.items()]
+    columns = [("family", "fathom curve", "s"), ("e48", "error at 48 bits", ".4f"),
+               ("sparq", "beats sparq@68", "s"), ("quarter", f"saving vs {summary['ds_quarter_label']}", "s")] + \
+        ([] if summary["ds_quarter_label"] == summary["ds_label"] else
+         [("ds136", f"saving vs {summary['ds_label']}", "s")]) + [("channels", "channels at 48", ".1f")]
+    rotated = summary.get("heads_rotated")
+    per_head = "" if rotated is None else (f"; fathom-mixed: each (layer, KV head) scans the basis it chose on "
+                                           f"calibration text, rotated on {rotated} of {summary['heads']}")
+    return [f"Every fathom curve (raw and rotated stores; `[gains]`: water-filled with the plane gains measured "
+            f"on calibration text instead of design §5's model{per_head}):", "",
+            markdown_table(rows, columns), ""]
 
 
 def _plot(path: Path, results: list[MethodResult], shape: dict, sel: Selection, info: dict) -> None:
@@ -395,7 +455,8 @@ def _plot(path: Path, results: list[MethodResult], shape: dict, sel: Selection, 
         if family == "oracle":
             ax.axhline(rs[0].rel_error, color="k", ls=":", label=f"oracle (exact top-{sel.k})")
             continue
-        style = "-o" if family.startswith("fathom") and "-plan" not in family and "[" not in family else "s"
+        curve = family in fathom_families(True)  # the flat budgets of each store and gain model: a line
+        style = ("--o" if "[gains]" in family else "-o") if curve else "s"
         ax.plot([r.bits_read for r in rs], [r.rel_error for r in rs], style, label=family, ms=5)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

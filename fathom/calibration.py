@@ -6,8 +6,15 @@
   and Loki's PCA coordinates are the same basis;
 * ``sigma2_rotated``: variance of each rotated coordinate (in that order);
 * ``ds_rank``: channels by Double Sparsity's ``mean |q_c| · mean |k_c|``, descending;
+* ``plane_drops_raw`` / ``plane_drops_rotated``: per channel of each store, the drop of
+  its error variance (over calibration tokens) from each bit plane read, made
+  non-increasing in the plane (:func:`fathom.waterfill.calibrated_gains`); with
+  ``scale2_raw`` / ``scale2_rotated``, the mean squared fp16 block scale on the same
+  keys (the store's σ² at calibration), water-filling's calibrated gain table;
 * ``preferred_basis``: the basis rule's decision for the model ("raw" or "rotated"),
-  made on calibration text and recorded here ("" until decided).
+  made on calibration text and recorded here ("" until decided);
+* ``head_basis``: the same rule per (layer, KV head) (None until decided): the
+  basis each head of the per-head store (``fathom-mixed``) scans.
 
 Saved and loaded as one small ``.npz`` per model.
 """
@@ -21,7 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from fathom.capture import Capture
-from fathom.methods import HeadStats
+from fathom.methods import BASES, HeadStats
+from fathom.quantize import BLOCK, MAX_DEPTH, quantize
+from fathom.waterfill import calibrated_gains
 
 
 @dataclass(frozen=True)
@@ -32,26 +41,76 @@ class Calibration:
     ds_rank: np.ndarray  # [L, H, d]
     preferred_basis: str = ""
     meta: dict = field(default_factory=dict)
+    plane_drops_raw: np.ndarray | None = None  # [L, H, d, 4]
+    plane_drops_rotated: np.ndarray | None = None  # [L, H, d, 4]
+    scale2_raw: np.ndarray | None = None  # [L, H, d]
+    scale2_rotated: np.ndarray | None = None  # [L, H, d]
+    head_basis: np.ndarray | None = None  # [L, H] of "raw" / "rotated"
 
     def head_stats(self, layer: int, head: int, basis: str) -> HeadStats:
         """Calibration stats of one (layer, KV head) in the ``basis`` ("raw" or "rotated") store."""
-        sigma2 = self.sigma2_rotated if basis == "rotated" else self.sigma2_raw
-        return HeadStats(sigma2=sigma2[layer, head], ds_rank=self.ds_rank[layer, head])
+        rotated = basis == "rotated"
+        sigma2 = self.sigma2_rotated if rotated else self.sigma2_raw
+        drops = self.plane_drops_rotated if rotated else self.plane_drops_raw
+        scale2 = self.scale2_rotated if rotated else self.scale2_raw
+        return HeadStats(sigma2=sigma2[layer, head], ds_rank=self.ds_rank[layer, head],
+                         plane_drops=None if drops is None else drops[layer, head],
+                         scale2=None if scale2 is None else scale2[layer, head])
 
     def with_preferred_basis(self, basis: str) -> Calibration:
-        if basis not in ("raw", "rotated"):
+        if basis not in BASES:
             raise ValueError(f"basis must be 'raw' or 'rotated', got {basis!r}")
         return replace(self, preferred_basis=basis)
 
+    def with_head_basis(self, head_basis: np.ndarray) -> Calibration:
+        """The per-head basis rule's decision, ``[L, H]`` of "raw" / "rotated"."""
+        head_basis = np.asarray(head_basis)
+        if head_basis.shape != self.sigma2_raw.shape[:2] or not np.isin(head_basis, BASES).all():
+            raise ValueError(f"head_basis must be {self.sigma2_raw.shape[:2]} of 'raw' / 'rotated', got "
+                             f"{head_basis.shape} {np.unique(head_basis).tolist()}")
+        return replace(self, head_basis=head_basis.astype("<U7"))
+
     def save(self, path: str | Path) -> None:
+        optional = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
         np.savez(path, sigma2_raw=self.sigma2_raw, basis=self.basis, sigma2_rotated=self.sigma2_rotated,
-                 ds_rank=self.ds_rank, preferred_basis=self.preferred_basis, meta=json.dumps(self.meta))
+                 ds_rank=self.ds_rank, preferred_basis=self.preferred_basis, meta=json.dumps(self.meta), **optional)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
+        """A saved calibration; files from before the gain table and the per-head rule load without them."""
         with np.load(path) as f:
+            optional = {name: f[name] for name in _OPTIONAL if name in f.files}
             return cls(f["sigma2_raw"], f["basis"], f["sigma2_rotated"], f["ds_rank"],
-                       str(f["preferred_basis"]), json.loads(str(f["meta"])))
+                       str(f["preferred_basis"]), json.loads(str(f["meta"])), **optional)
+
+
+_OPTIONAL = ("plane_drops_raw", "plane_drops_rotated", "scale2_raw", "scale2_rotated", "head_basis")
+
+
+def plane_drops(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What each bit plane is worth on ``keys float [..., n, d]`` (one store's basis; the sealed 64-token blocks):
+    (gain table ``[..., d, 4]`` by :func:`fathom.waterfill.calibrated_gains` from the drop of each channel's
+    error variance over tokens at depth t - 1 -> t (depth 0: the channel unread, its error the key itself),
+    mean squared fp16 block scale ``[..., d]``)."""
+    keys = np.asarray(keys, np.float32)
+    n_sealed = keys.shape[-2] // BLOCK * BLOCK
+    if n_sealed == 0:
+        raise ValueError(f"keys must hold at least one {BLOCK}-token block, got {keys.shape[-2]} tokens")
+    flat = keys[..., :n_sealed, :].reshape(-1, n_sealed, keys.shape[-1])
+    drops, scale2 = [], []
+    for k in flat:
+        codes, scales = quantize(k)  # uint8 [n, d], float16 [d, nb]
+        delta = np.repeat(scales.astype(np.float64).T / 8, BLOCK, axis=0)  # [n, d] cell width at depth 4
+        k64 = k.astype(np.float64)
+        variance = [k64.var(axis=0)]
+        for t in range(1, MAX_DEPTH + 1):
+            cell = 2.0 ** (MAX_DEPTH - t)  # the t-bit code's cell, in 4-bit cells: its midpoint reconstructs
+            k_hat = (((codes >> (MAX_DEPTH - t)).astype(np.float64) + 0.5) * cell - 8.0) * delta
+            variance.append((k64 - k_hat).var(axis=0))
+        drops.append(-np.diff(np.stack(variance, axis=-1), axis=-1))
+        scale2.append(np.square(scales.astype(np.float64)).mean(axis=1))
+    shape = keys.shape[:-2] + (keys.shape[-1],)
+    return calibrated_gains(np.array(drops).reshape(shape + (MAX_DEPTH,))), np.array(scale2).reshape(shape)
 
 
 def calibrate(capture: Capture) -> Calibration:
@@ -70,5 +129,11 @@ def calibrate(capture: Capture) -> Calibration:
     sigma2_rotated = np.take_along_axis(np.clip(eigval, 0, None), order, axis=2)
     ds_stat = np.abs(q_flat).mean(axis=2) * np.abs(keys).mean(axis=2)
     ds_rank = np.argsort(-ds_stat, axis=-1, kind="stable")
-    return Calibration(sigma2_raw.astype(np.float32), basis.astype(np.float32), sigma2_rotated.astype(np.float32),
-                       ds_rank.astype(np.int32), meta=dict(capture.meta))
+    basis = basis.astype(np.float32)
+    # each store's planes as the scan reads them: the rotated store quantizes the float32 product k @ basis
+    drops_raw, scale2_raw = plane_drops(capture.keys)
+    drops_rotated, scale2_rotated = plane_drops(np.einsum("lhnd,lhde->lhne", capture.keys.astype(np.float32), basis))
+    return Calibration(sigma2_raw.astype(np.float32), basis, sigma2_rotated.astype(np.float32),
+                       ds_rank.astype(np.int32), meta=dict(capture.meta),
+                       plane_drops_raw=drops_raw, plane_drops_rotated=drops_rotated, scale2_raw=scale2_raw,
+                       scale2_rotated=scale2_rotated)

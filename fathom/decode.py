@@ -32,6 +32,7 @@ from fathom import _checks
 from fathom.attention import attention
 from fathom.bits import row_bytes, scan_bits
 from fathom.growing import GrowingRows
+from fathom import methods as M
 from fathom.methods import HeadStats, LayerWaterfill, Method
 from fathom.quantize import BLOCK
 from fathom.scoring import DepthScorer, exact_scores, landmark_scores, landmarks
@@ -140,6 +141,8 @@ def method_scores(method: Method, q: np.ndarray, index: HeadIndex, blocks: np.nd
         return exact_scores(q, index.keys[:n_sealed]), None
     if method.scorer == "landmark":
         return landmark_scores(q, index.landmarks), None
+    if method.basis == M.PER_HEAD:
+        raise ValueError(f"{method.name} picks its basis per head: pass method.on_basis(the head's basis)")
     if method.basis not in index.stores:
         raise ValueError(f"method {method.name} needs the {method.basis} store; build HeadIndex with a basis")
     store = index.stores[method.basis]

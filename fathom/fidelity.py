@@ -92,11 +92,22 @@ class Tally:
 
 
 def needs_rotated(methods: list[Method], calibration: Calibration | None) -> bool:
-    """Whether any method scans the rotated store (refused without a calibration: it holds the basis)."""
+    """Whether any method scans the rotated store (refused without a calibration: it holds the basis, and for a
+    per-head method each head's choice)."""
     rotated = any(m.scans_rotated for m in methods)
     if rotated and calibration is None:
-        raise ValueError("calibration is needed for rotated-basis methods (fathom-rotated, loki)")
+        raise ValueError("calibration is needed for rotated-basis methods (fathom-rotated, fathom-mixed, loki)")
+    if any(m.basis == M.PER_HEAD for m in methods) and calibration.head_basis is None:
+        raise ValueError("a per-head method (fathom-mixed) needs the calibration's head_basis "
+                         "(Calibration.with_head_basis)")
     return rotated
+
+
+def head_methods(methods: list[Method], calibration: Calibration | None, layer: int, head: int) -> list[Method]:
+    """What each method runs on one (layer, KV head): a per-head method on the basis that head chose."""
+    if calibration is None or calibration.head_basis is None:
+        return methods
+    return [m.on_basis(str(calibration.head_basis[layer, head])) for m in methods]
 
 
 def oracle_overlap(take: np.ndarray, oracle_take: np.ndarray) -> np.ndarray:
@@ -127,7 +138,7 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
             dense = attend(exact, values, np.broadcast_to(causal[:, None], q.shape[:2] + (n,)))
             oracle_scores, _ = method_scores(M.oracle(), q, index, blocks)
             oracle_take = select_many(oracle_scores, context, blocks * BLOCK, sel, n) & candidate[:, None]
-            for i, method in enumerate(methods):
+            for i, method in enumerate(head_methods(methods, calibration, layer, head)):
                 scores, depths = method_scores(method, q, index, blocks, layer)
                 if scores is None:
                     mask = np.broadcast_to(causal[:, None], q.shape[:2] + (n,))

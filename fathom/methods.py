@@ -41,7 +41,7 @@ Example (at r = d, SparQ reads everything at 4 bits)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -51,6 +51,8 @@ from fathom.quantize import MAX_DEPTH
 from fathom.waterfill import importance, waterfill_batched
 
 VARIANCE_SOURCES = ("store", "calibration")
+PER_BASIS = "per-basis"  # σ² by the basis' default: the per-head store's water-filling, on each head's basis
+GAIN_SOURCES = ("design", "calibrated")  # the plane gains: design §5's model, or calibration's measured table
 # Where σ² comes from, per basis (measured: docs/decisions.md "Where σ² comes from"). On the rotated store the
 # calibration variance is the KLT eigenvalue of the coordinate; on raw channels the store's own mean squared block
 # scale.
@@ -65,13 +67,19 @@ class HeadStats:
     ``sigma2``: calibration variance ``[d]``; ``sigma2_store``: the store's own
     mean squared block scale ``[..., d]`` (None if not kept); ``ds_rank``:
     channels ordered by Double Sparsity's offline statistic ``[d]``; ``layer``:
-    the layer index (per-layer budgets need it; None: not known).
+    the layer index (per-layer budgets need it; None: not known);
+    ``plane_drops``: each plane's measured drop of each channel's error
+    variance on calibration keys ``[d, 4]`` and ``scale2`` the mean squared
+    block scale on the same keys ``[d]`` (the calibrated gain table; None: not
+    calibrated).
     """
 
     sigma2: np.ndarray
     ds_rank: np.ndarray
     sigma2_store: np.ndarray | None = None
     layer: int | None = None
+    plane_drops: np.ndarray | None = None
+    scale2: np.ndarray | None = None
 
 
 def _top_channels(score: np.ndarray, r: int) -> np.ndarray:
@@ -82,16 +90,43 @@ def _top_channels(score: np.ndarray, r: int) -> np.ndarray:
     return depths
 
 
+def _check_sources(variance: str, gains: str) -> None:
+    if variance not in VARIANCE_SOURCES + (PER_BASIS,):
+        raise ValueError(f"variance must be one of {VARIANCE_SOURCES + (PER_BASIS,)}, got {variance!r}")
+    if gains not in GAIN_SOURCES:
+        raise ValueError(f"gains must be one of {GAIN_SOURCES}, got {gains!r}")
+
+
+def _waterfill_depths(q: np.ndarray, stats: HeadStats, budget: float, variance: str, gains: str) -> np.ndarray:
+    """Water-filled depths of query groups ``q [..., G, d]`` with σ² from ``variance`` and the plane gains
+    from ``gains``: design §5's model, or the head's calibrated table scaled so that ``w_c · γ_{c,t}`` is the
+    measured drop times the drift of σ² since calibration (σ² now over σ² then, by the same statistic)."""
+    if variance == PER_BASIS:
+        raise ValueError("a per-head method's policy runs on one basis: resolve it with Method.on_basis first")
+    sigma2 = stats.sigma2 if variance == "calibration" else stats.sigma2_store
+    if sigma2 is None:
+        raise ValueError("stats.sigma2_store is needed for variance='store'")
+    table = None
+    if gains == "calibrated":
+        if stats.plane_drops is None or (variance == "store" and stats.scale2 is None):
+            raise ValueError("gains='calibrated' needs a calibration with plane drops (fathom.calibration)")
+        then = stats.sigma2 if variance == "calibration" else stats.scale2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            table = np.where(then[:, None] > 0, stats.plane_drops / then[:, None], 0.0)
+    return waterfill_batched(importance(q, sigma2), budget, table)
+
+
 @dataclass(frozen=True)
 class Waterfill:
-    """Reverse water-filling under ``budget`` bits/token; σ² from the store or from calibration."""
+    """Reverse water-filling under ``budget`` bits/token; σ² from the store or from calibration (``per-basis``:
+    the basis' default, for the per-head store), plane gains from design §5 or calibration."""
 
     budget: float
     variance: str
+    gains: str = "design"
 
     def __post_init__(self):
-        if self.variance not in VARIANCE_SOURCES:
-            raise ValueError(f"variance must be one of {VARIANCE_SOURCES}, got {self.variance!r}")
+        _check_sources(self.variance, self.gains)
         if not self.budget >= 0:
             raise ValueError(f"budget must be >= 0 bits per token, got {self.budget}")
 
@@ -102,11 +137,12 @@ class Waterfill:
         """The budget of each of ``layers`` layers: the one budget everywhere."""
         return (self.budget,) * layers
 
+    def on_basis(self, basis: str) -> Waterfill:
+        """The policy on one basis: a ``per-basis`` σ² becomes that basis' default."""
+        return self if self.variance != PER_BASIS else replace(self, variance=DEFAULT_VARIANCE[basis])
+
     def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
-        sigma2 = stats.sigma2 if self.variance == "calibration" else stats.sigma2_store
-        if sigma2 is None:
-            raise ValueError("stats.sigma2_store is needed for variance='store'")
-        return waterfill_batched(importance(q, sigma2), self.budget)
+        return _waterfill_depths(q, stats, self.budget, self.variance, self.gains)
 
 
 @dataclass(frozen=True)
@@ -116,10 +152,10 @@ class LayerWaterfill:
     budgets: tuple[float, ...]
     target: float
     variance: str
+    gains: str = "design"
 
     def __post_init__(self):
-        if self.variance not in VARIANCE_SOURCES:
-            raise ValueError(f"variance must be one of {VARIANCE_SOURCES}, got {self.variance!r}")
+        _check_sources(self.variance, self.gains)
         if np.mean(self.budgets) > self.target + 1e-9:
             raise ValueError(f"budgets must average at most target = {self.target}, got {np.mean(self.budgets)}")
 
@@ -133,7 +169,10 @@ class LayerWaterfill:
     def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
         if stats.layer is None or not 0 <= stats.layer < len(self.budgets):
             raise ValueError(f"layer must lie in 0..{len(self.budgets) - 1} for a per-layer plan, got {stats.layer}")
-        return Waterfill(self.budgets[stats.layer], self.variance).depths(q, stats)
+        return _waterfill_depths(q, stats, self.budgets[stats.layer], self.variance, self.gains)
+
+    def on_basis(self, basis: str) -> LayerWaterfill:
+        return self if self.variance != PER_BASIS else replace(self, variance=DEFAULT_VARIANCE[basis])
 
 
 @dataclass(frozen=True)
@@ -195,11 +234,12 @@ class UniformDepth:
 DepthPolicy = Waterfill | LayerWaterfill | QueryTopChannels | FixedChannels | UniformDepth
 SCORERS = ("planes", "landmark", "exact", "dense")
 BASES = ("raw", "rotated")
+PER_HEAD = "per-head"  # each (layer, KV head) scans the basis it chose on calibration text (Calibration.head_basis)
 
 
 @dataclass(frozen=True)
 class Method:
-    """A named method: which store (basis) it scans and how (depth policy or its own scorer)."""
+    """A named method: which store (basis, or ``per-head``) it scans and how (depth policy or its own scorer)."""
 
     name: str
     scorer: str = "planes"
@@ -209,10 +249,18 @@ class Method:
     def __post_init__(self):
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}")
-        if self.basis not in BASES:
-            raise ValueError(f"basis must be one of {BASES}, got {self.basis!r}")
+        if self.basis not in BASES + (PER_HEAD,):
+            raise ValueError(f"basis must be one of {BASES + (PER_HEAD,)}, got {self.basis!r}")
         if (self.scorer == "planes") != (self.policy is not None):
             raise ValueError("policy must be given exactly when scorer == 'planes'")
+        if (self.basis == PER_HEAD) != (getattr(self.policy, "variance", None) == PER_BASIS):
+            raise ValueError(f"a {PER_HEAD} method water-fills with σ² {PER_BASIS!r}, and only it does")
+
+    def on_basis(self, basis: str) -> Method:
+        """The method a head runs: a per-head method on the ``basis`` that head chose; any other as it is."""
+        if self.basis != PER_HEAD:
+            return self
+        return replace(self, basis=basis, policy=self.policy.on_basis(basis))
 
     @property
     def scans_planes(self) -> bool:
@@ -221,8 +269,9 @@ class Method:
 
     @property
     def scans_rotated(self) -> bool:
-        """Whether it scans the rotated store (fathom-rotated, loki): the store then needs a basis."""
-        return self.scans_planes and self.basis == "rotated"
+        """Whether it scans the rotated store (fathom-rotated, loki, on some heads fathom-mixed): the store then
+        needs a basis."""
+        return self.scans_planes and self.basis in ("rotated", PER_HEAD)
 
     def nominal_bits(self, d: int) -> float:
         """Scan bits per token by design §4 (the budget for fathom; 0 for dense)."""
@@ -237,24 +286,35 @@ class Method:
         return f"{self.name}@{self.nominal_bits(d):g}"
 
 
-def _named(name: str, basis: str, variance: str | None) -> tuple[str, str]:
-    """(label name, σ² source): the basis' default source keeps the plain name, the other is named in brackets."""
+def _named(name: str, basis: str, variance: str | None, gains: str = "design") -> tuple[str, str]:
+    """(label name, σ² source): the basis' default source and design §5's gains keep the plain name, the other
+    source and calibrated gains are named in brackets (``fathom[calibration,gains]``)."""
     if basis not in BASES:
         raise ValueError(f"basis must be one of {BASES}, got {basis!r}")
     variance = DEFAULT_VARIANCE[basis] if variance is None else variance
-    return (name if variance == DEFAULT_VARIANCE[basis] else f"{name}[{variance}]"), variance
+    tags = ([variance] if variance != DEFAULT_VARIANCE[basis] else []) + (["gains"] if gains == "calibrated" else [])
+    return (f"{name}[{','.join(tags)}]" if tags else name), variance
 
 
-def fathom(budget: float, variance: str | None = None) -> Method:
-    """Fathom on the raw store; σ² from ``variance`` (default: the raw basis' default, ``store``)."""
-    name, variance = _named("fathom", "raw", variance)
-    return Method(name, policy=Waterfill(budget, variance))
+def fathom(budget: float, variance: str | None = None, gains: str = "design") -> Method:
+    """Fathom on the raw store; σ² from ``variance`` (default: the raw basis' default, ``store``); plane gains
+    from ``gains`` (design §5's model, or ``"calibrated"``: the calibration's measured table)."""
+    name, variance = _named("fathom", "raw", variance, gains)
+    return Method(name, policy=Waterfill(budget, variance, gains))
 
 
-def fathom_rotated(budget: float, variance: str | None = None) -> Method:
-    """Fathom on the rotated store; σ² from ``variance`` (default: the rotated basis' default, ``calibration``)."""
-    name, variance = _named("fathom-rotated", "rotated", variance)
-    return Method(name, basis="rotated", policy=Waterfill(budget, variance))
+def fathom_rotated(budget: float, variance: str | None = None, gains: str = "design") -> Method:
+    """Fathom on the rotated store; σ² from ``variance`` (default: the rotated basis' default, ``calibration``);
+    ``gains`` as in :func:`fathom`."""
+    name, variance = _named("fathom-rotated", "rotated", variance, gains)
+    return Method(name, basis="rotated", policy=Waterfill(budget, variance, gains))
+
+
+def fathom_mixed(budget: float, gains: str = "design") -> Method:
+    """Fathom on the per-head store: each (layer, KV head) scans the basis it chose on calibration text
+    (``Calibration.head_basis``) with that basis' default σ²; ``gains`` as in :func:`fathom`."""
+    return Method("fathom-mixed" + ("[gains]" if gains == "calibrated" else ""), basis=PER_HEAD,
+                  policy=Waterfill(budget, PER_BASIS, gains))
 
 
 def fathom_plan(budgets: tuple[float, ...], target: float, basis: str = "raw",

@@ -1,11 +1,17 @@
 """Per-query read depth by reverse water-filling (design §5).
 
-The ``t``-th plane of channel ``c`` removes ``g_{c,t} = (3/4) · w_c · 4^{-(t-1)}``
-of expected squared score error (importance ``w_c = σ_c² · Σ_h q[h, c]²``), so
-for a water line θ the depth is ``b_c(θ) = #{t : g_{c,t} > θ}`` and the cost
+The ``t``-th plane of channel ``c`` removes ``g_{c,t} = w_c · γ_{c,t}`` of
+expected squared score error (importance ``w_c = σ_c² · Σ_h q[h, c]²``), so for
+a water line θ the depth is ``b_c(θ) = #{t : g_{c,t} > θ}`` and the cost
 ``Σ b_c + 0.25 · #{b_c > 0}`` is non-increasing in θ. θ* is the smallest θ whose
 cost fits the budget, found by 30 bisection steps in log θ (what the GPU
 planner does too, with no host round trip).
+
+The relative gains ``γ`` are design §5's model, ``(3/4) · 4^{-(t-1)}``
+(:data:`DESIGN_GAINS`), unless a calibrated table ``γ [..., d, 4]`` is given
+(:func:`calibrated_gains`: each plane's measured drop of the channel's error
+variance on calibration keys, made non-increasing in t so that a depth is
+always a prefix of planes).
 
 Example::
 
@@ -26,7 +32,7 @@ from fathom.bits import SCALE_BITS
 from fathom.quantize import MAX_DEPTH
 
 BISECTION_STEPS = 30
-_GAIN_DECAY = 4.0 ** -np.arange(MAX_DEPTH)  # g_{c,t} / g_{c,1} for t = 1..4
+DESIGN_GAINS = 0.75 * 4.0 ** -np.arange(MAX_DEPTH)  # design §5: γ_t = (3/4) 4^-(t-1) for t = 1..4
 
 
 def importance(q: np.ndarray, sigma2: np.ndarray) -> np.ndarray:
@@ -34,11 +40,18 @@ def importance(q: np.ndarray, sigma2: np.ndarray) -> np.ndarray:
     return sigma2 * np.square(q).sum(axis=-2)
 
 
-def depths_at(w: np.ndarray, theta: np.ndarray | float) -> np.ndarray:
-    """``b_c(θ) = #{t ∈ 1..4 : g_{c,t} > θ}``, exactly; ``w [..., d]``, θ broadcast over ``[...]``."""
-    gains = 0.75 * np.asarray(w, np.float64)[..., None] * _GAIN_DECAY  # [..., d, 4]
+def plane_gains(w: np.ndarray, gains: np.ndarray | None = None) -> np.ndarray:
+    """``g_{c,t} = w_c · γ_{c,t}`` float64 ``[..., d, 4]``; ``gains``: γ broadcast to ``[..., d, 4]`` (None: the
+    design's :data:`DESIGN_GAINS`)."""
+    gamma = DESIGN_GAINS if gains is None else np.asarray(gains, np.float64)
+    return np.asarray(w, np.float64)[..., None] * gamma
+
+
+def depths_at(w: np.ndarray, theta: np.ndarray | float, gains: np.ndarray | None = None) -> np.ndarray:
+    """``b_c(θ) = #{t ∈ 1..4 : g_{c,t} > θ}``, exactly; ``w [..., d]``, θ broadcast over ``[...]``, ``gains``
+    as in :func:`plane_gains` (non-increasing in t)."""
     theta = np.asarray(theta, np.float64)[..., None, None]
-    return (gains > theta).sum(axis=-1).astype(np.int8)
+    return (plane_gains(w, gains) > theta).sum(axis=-1).astype(np.int8)
 
 
 def depths_closed_form(w: np.ndarray, theta: float) -> np.ndarray:
@@ -52,12 +65,26 @@ def _cost(depths: np.ndarray) -> np.ndarray:
     return depths.sum(axis=-1) + SCALE_BITS * (depths > 0).sum(axis=-1)
 
 
-def waterfill_batched(w: np.ndarray, budget: float) -> np.ndarray:
+def _check_gains(gains: np.ndarray | None, w: np.ndarray) -> np.ndarray | None:
+    if gains is None:
+        return None
+    gains = np.asarray(gains, np.float64)
+    if gains.shape[-1:] != (MAX_DEPTH,) or gains.ndim < 2 or gains.shape[-2] != w.shape[-1]:
+        raise ValueError(f"gains must be [..., d = {w.shape[-1]}, {MAX_DEPTH}], got shape {gains.shape}")
+    _checks.nonnegative("gains", gains)
+    if np.any(np.diff(gains, axis=-1) > 0):
+        raise ValueError("gains must be non-increasing in the plane (a depth reads a prefix of planes)")
+    return gains
+
+
+def waterfill_batched(w: np.ndarray, budget: float, gains: np.ndarray | None = None) -> np.ndarray:
     """Water-fill many query groups at once: ``w float [..., d] >= 0`` -> depths ``int8 [..., d]``.
 
     Each group gets the depths at the smallest θ (to 30 bisection steps in
     log θ) whose cost fits ``budget`` bits per token; groups whose every
-    non-zero channel fits at depth 4 get exactly that.
+    plane of positive gain fits get exactly that. ``gains``: the relative
+    per-plane gains γ ``[..., d, 4]`` (non-negative, non-increasing in t;
+    None: design §5's model).
     """
     w = np.asarray(w, np.float64)
     if w.ndim < 1:
@@ -65,32 +92,63 @@ def waterfill_batched(w: np.ndarray, budget: float) -> np.ndarray:
     _checks.nonnegative("w", w)
     if _checks.real("budget (bits per token)", budget) < 0:
         raise ValueError(f"budget must be >= 0 bits per token, got {budget}")
-    positive = w > 0
-    w_max = w.max(axis=-1, initial=0.0)
-    w_min = np.where(positive, w, np.inf).min(axis=-1, initial=np.inf)
-    any_positive = w_max > 0
-    w_max, w_min = np.where(any_positive, w_max, 1.0), np.where(any_positive, w_min, 1.0)
-    # hi: twice the largest gain, cost 0. lo: half the smallest 4th-plane gain, every positive channel at depth 4.
-    log_hi = np.log(2 * 0.75) + np.log(w_max)
-    log_lo = np.log(0.5 * 0.75 * _GAIN_DECAY[-1]) + np.log(w_min)  # in logs: no underflow for tiny w
+    gains = _check_gains(gains, w)
+    g = plane_gains(w, gains)  # [..., d, 4]
+    g_max = g.max(axis=(-2, -1), initial=0.0)
+    g_min = np.where(g > 0, g, np.inf).min(axis=(-2, -1), initial=np.inf)
+    any_positive = g_max > 0
+    g_max, g_min = np.where(any_positive, g_max, 1.0), np.where(any_positive, g_min, 1.0)
+    # hi: twice the largest gain, cost 0. lo: half the smallest positive gain, every plane of positive gain read.
+    # With the design's gains these are twice 0.75 w_max and half 0.75 w_min / 64, each a sum of logs (no
+    # rounding of a product can land on a gain, and no underflow for tiny w).
+    if gains is None:
+        w_max = np.where(any_positive, w.max(axis=-1, initial=0.0), 1.0)
+        w_min = np.where(any_positive, np.where(w > 0, w, np.inf).min(axis=-1, initial=np.inf), 1.0)
+        log_hi = np.log(2 * DESIGN_GAINS[0]) + np.log(w_max)
+        log_lo = np.log(0.5 * DESIGN_GAINS[-1]) + np.log(w_min)
+    else:
+        log_hi, log_lo = np.log(2.0) + np.log(g_max), np.log(0.5) + np.log(g_min)
     for _ in range(BISECTION_STEPS):
         mid = 0.5 * (log_lo + log_hi)
-        fits = _cost(depths_at(w, np.exp(mid))) <= budget
+        fits = _cost(depths_at(w, np.exp(mid), gains)) <= budget
         log_hi = np.where(fits, mid, log_hi)
         log_lo = np.where(fits, log_lo, mid)
-    at_hi = depths_at(w, np.exp(log_hi))
-    everything = np.where(positive, MAX_DEPTH, 0).astype(np.int8)
+    at_hi = depths_at(w, np.exp(log_hi), gains)
+    everything = (g > 0).sum(axis=-1).astype(np.int8)
     all_fit = (_cost(everything) <= budget)[..., None]
     return np.where(all_fit, everything, at_hi).astype(np.int8)
 
 
-def waterfill(w: np.ndarray, budget: float) -> np.ndarray:
-    """Depths ``int8 [d]`` for one query group's importances ``w [d] >= 0`` under ``budget`` bits/token.
+def waterfill(w: np.ndarray, budget: float, gains: np.ndarray | None = None) -> np.ndarray:
+    """Depths ``int8 [d]`` for one query group's importances ``w [d] >= 0`` under ``budget`` bits/token
+    (``gains``: γ ``[d, 4]``, see :func:`waterfill_batched`).
 
     ``cost(depths) <= budget`` always; all-zero ``w`` gives all-zero depths.
     """
     w = _checks.array("w", w, ndim=1, kind="fiu")
-    return waterfill_batched(w, budget)
+    return waterfill_batched(w, budget, gains)
+
+
+def calibrated_gains(drops: np.ndarray) -> np.ndarray:
+    """A gain table from measured per-plane error drops ``[..., 4]`` (plane t's drop of a channel's error
+    variance): the slopes of the least concave majorant of the cumulative drops ``(t, Σ_{s<=t} drop_s)``,
+    clipped at 0. Non-negative and non-increasing in t, so water-filling reads a prefix of planes; a plane
+    that removes less than a deeper one is credited with their mean (both or neither), one that adds error
+    with nothing.
+    """
+    drops = np.asarray(drops, np.float64)
+    if drops.shape[-1:] != (MAX_DEPTH,):
+        raise ValueError(f"drops must be [..., {MAX_DEPTH}], got shape {drops.shape}")
+    _checks.finite("drops", drops)
+    cum = np.concatenate([np.zeros(drops.shape[:-1] + (1,)), np.cumsum(drops, axis=-1)], axis=-1)  # [..., 5]
+    hull = cum.copy()
+    for i in range(MAX_DEPTH + 1):  # the majorant at t: the highest chord (i, j) over it, with i <= t <= j
+        for j in range(i + 1, MAX_DEPTH + 1):
+            slope = (cum[..., j] - cum[..., i]) / (j - i)
+            for t in range(i, j + 1):
+                hull[..., t] = np.maximum(hull[..., t], cum[..., i] + slope * (t - i))
+    # the hull's slopes fall in exact arithmetic; the running minimum removes rounding's last-ulp rises
+    return np.minimum.accumulate(np.clip(np.diff(hull, axis=-1), 0.0, None), axis=-1)
 
 
 def per_layer_plan(errors: np.ndarray, budgets: np.ndarray, mean_budget: float) -> np.ndarray:

@@ -2,11 +2,12 @@ import numpy as np
 import pytest
 
 from fathom import methods as M
-from fathom.calibration import Calibration, calibrate
+from fathom.calibration import Calibration, calibrate, plane_drops
 from fathom.decode import HeadIndex, decode_step
 from fathom.fidelity import evaluate, plan_layers
 from fathom.selection import Selection
 from fathom.synthetic import SyntheticConfig, generate
+from fathom.waterfill import DESIGN_GAINS
 
 SMALL = SyntheticConfig(layers=2, kv_heads=2, group_size=2, head_dim=16, tokens=400, positions=5)
 
@@ -90,3 +91,50 @@ def test_per_layer_plan_reads_each_layers_own_budget_and_keeps_the_mean(capture_
     flat = [evaluate(capture, calibration, [M.fathom(b)], sel)[0] for b in budgets]
     for layer, (budget, reference) in enumerate(zip(budgets, flat)):  # layer l reads exactly fathom@budgets[l]
         assert result.rel_error_per_layer[layer] == pytest.approx(reference.rel_error_per_layer[layer])
+
+
+def test_plane_drops_of_uniform_keys_are_the_design_model():
+    """Keys uniform in every block lose (3/4) 4^-(t-1) of their variance to the t-th plane: design §5's gains."""
+    rng = np.random.default_rng(0)
+    keys = rng.uniform(-1, 1, (64 * 400, 3)).astype(np.float32) * np.array([1.0, 4.0, 0.25], np.float32)
+    drops, scale2 = plane_drops(keys)
+    np.testing.assert_allclose(drops / keys.var(axis=0)[:, None], np.tile(DESIGN_GAINS, (3, 1)), rtol=0.03)
+    np.testing.assert_allclose(scale2, np.array([1.0, 16.0, 1 / 16]) * 64 / 66, rtol=0.01)  # E max² of 64 |U|
+
+
+def test_peaked_keys_get_less_from_the_first_plane_than_the_design_credits():
+    keys = np.random.default_rng(1).laplace(0, 1, (64 * 200, 4)).astype(np.float32)
+    ratio = plane_drops(keys)[0] / keys.var(axis=0)[:, None]
+    assert (ratio[:, 0] < 0.5 * DESIGN_GAINS[0]).all()
+
+
+def test_calibrated_gains_and_the_per_head_store_evaluate_per_head(capture_and_calibration, tmp_path):
+    capture, calibration = capture_and_calibration
+    assert calibration.plane_drops_raw.shape == capture.keys.shape[:2] + (capture.keys.shape[3], 4)
+    head_basis = np.array([["raw", "rotated"], ["rotated", "raw"]])
+    mixed = calibration.with_head_basis(head_basis)
+    calibration.with_head_basis(head_basis).save(tmp_path / "c.npz")
+    loaded = Calibration.load(tmp_path / "c.npz")
+    np.testing.assert_array_equal(loaded.head_basis, head_basis)
+    np.testing.assert_array_equal(loaded.plane_drops_rotated, calibration.plane_drops_rotated)
+    sel = Selection(k=32)
+    for gains in M.GAIN_SOURCES:
+        raw, rotated, per_head = evaluate(capture, mixed, [M.fathom(24, gains=gains), M.fathom_rotated(24, gains=gains),
+                                                           M.fathom_mixed(24, gains)], sel)
+        want = np.where(head_basis == "rotated", rotated.rel_error_per_head, raw.rel_error_per_head)
+        np.testing.assert_array_equal(per_head.rel_error_per_head, want)
+        assert per_head.label == ("fathom-mixed@24" if gains == "design" else "fathom-mixed[gains]@24")
+    with pytest.raises(ValueError, match="head_basis"):
+        evaluate(capture, calibration, [M.fathom_mixed(24)], sel)
+    with pytest.raises(ValueError, match="^head_basis must be"):
+        calibration.with_head_basis(np.array([["raw", "diagonal"], ["raw", "raw"]]))
+
+
+def test_a_calibration_saved_before_the_gain_table_loads_without_it(tmp_path, capture_and_calibration):
+    _, c = capture_and_calibration
+    np.savez(tmp_path / "old.npz", sigma2_raw=c.sigma2_raw, basis=c.basis, sigma2_rotated=c.sigma2_rotated,
+             ds_rank=c.ds_rank, preferred_basis="raw", meta="{}")
+    old = Calibration.load(tmp_path / "old.npz")
+    assert old.plane_drops_raw is None and old.head_basis is None
+    with pytest.raises(ValueError, match="plane drops"):
+        evaluate(generate(SMALL), old, [M.fathom(24, gains="calibrated")], Selection(k=32))

@@ -6,7 +6,8 @@ from hypothesis import assume, given, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fathom import reference as ref
-from fathom.waterfill import depths_at, depths_closed_form, importance, per_layer_plan, waterfill
+from fathom.waterfill import (DESIGN_GAINS, calibrated_gains, depths_at, depths_closed_form, importance,
+                             per_layer_plan, waterfill, waterfill_batched)
 
 weights = hnp.arrays(np.float64, st.integers(1, 6), elements=st.one_of(
     st.just(0.0), st.floats(1e-3, 1e3, allow_subnormal=False)))
@@ -133,3 +134,52 @@ def test_per_layer_plan_refuses_nan_and_inf_errors(bad):
     errors[1, 1] = bad
     with pytest.raises(ValueError, match="^errors must be finite"):
         per_layer_plan(errors, np.array([32.0, 48.0, 64.0]), 48.0)
+
+
+@given(weights, budgets)
+def test_the_design_gains_as_a_table_give_the_design_depths(w, budget):
+    np.testing.assert_array_equal(waterfill(w, budget, np.tile(DESIGN_GAINS, (len(w), 1))), waterfill(w, budget))
+
+
+gain_tables = st.integers(1, 5).flatmap(lambda d: hnp.arrays(np.float64, (d, 4), elements=st.one_of(
+    st.just(0.0), st.floats(1e-3, 1e3, allow_subnormal=False))))
+
+
+@given(gain_tables, budgets)
+def test_a_calibrated_table_fits_the_budget_and_equals_the_greedy_by_its_gains(drops, budget):
+    gains = calibrated_gains(drops)
+    w = np.ones(len(gains))
+    depths = waterfill(w, budget, gains)
+    assert ref.scan_bits(depths) <= budget
+    assert (depths <= (gains > 0).sum(axis=1)).all()  # a plane of no gain is never read
+    g = np.unique(gains[gains > 0])[::-1]
+    assume(len(g) < 2 or np.all(-np.diff(g) > 1e-6 * g[:-1]))  # bisection resolves gains 1e-6 apart
+    best = np.zeros(len(w), np.int64)
+    for theta in g:  # brute force: planes in falling gain order, a tie group at a time, while the cost fits
+        b = (gains >= theta).sum(axis=1)
+        if cost(b) > budget:
+            break
+        best = b
+    np.testing.assert_array_equal(depths, best)
+
+
+@given(hnp.arrays(np.float64, (3, 4), elements=st.floats(-10, 10)))
+def test_calibrated_gains_are_the_falling_slopes_of_the_cumulative_drops_majorant(drops):
+    gains = calibrated_gains(drops)
+    assert (gains >= 0).all() and (np.diff(gains, axis=-1) <= 0).all()
+    cum = np.cumsum(drops, axis=-1)
+    assert (np.cumsum(gains, axis=-1) >= np.minimum(cum, np.cumsum(np.clip(drops, 0, None), axis=-1)) - 1e-9).all()
+    falling = -np.sort(-np.abs(drops), axis=-1)  # already falling and positive: kept as they are
+    np.testing.assert_allclose(calibrated_gains(falling), falling, rtol=1e-12, atol=1e-12 * np.abs(drops).max())
+
+
+def test_calibrated_gains_pool_a_plane_worth_less_than_the_next_and_drop_one_that_adds_error():
+    np.testing.assert_allclose(calibrated_gains(np.array([0.1, 0.5, 0.1, 0.01])), [0.3, 0.3, 0.1, 0.01])
+    np.testing.assert_allclose(calibrated_gains(np.array([-0.1, 0.5, 0.1, -0.01])), [0.2, 0.2, 0.1, 0.0])
+
+
+def test_waterfill_refuses_a_gain_table_that_rises_or_has_the_wrong_shape():
+    with pytest.raises(ValueError, match="^gains must be non-increasing"):
+        waterfill(np.ones(2), 8.0, np.array([[1, 2, 0, 0], [1, 1, 1, 1.0]]))
+    with pytest.raises(ValueError, match=r"^gains must be \[\.\.\., d = 2, 4\]"):
+        waterfill_batched(np.ones(2), 8.0, np.ones((3, 4)))

@@ -41,7 +41,7 @@ import torch
 from fathom.calibration import Calibration
 from fathom.capture import Capture
 from fathom.decode import plane_depths, running_scale_variance, unit_stats
-from fathom.fidelity import MethodResult, Tally, needs_rotated
+from fathom.fidelity import MethodResult, Tally, head_methods, needs_rotated
 from fathom.methods import Method
 from fathom.quantize import BLOCK, MAX_DEPTH
 from fathom.scoring import LANDMARK_TOKENS, landmarks
@@ -190,15 +190,16 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
         for layer in range(L):
             for head in range(H):
                 h = _Head(capture, layer, head, calibration, rotated, sel, keep, candidate, causal, device)
+                on_head_methods = head_methods(methods, calibration, layer, head)
                 depths = {}
-                for i, m in enumerate(methods):
+                for i, m in enumerate(on_head_methods):
                     if m.scans_planes:
                         depths[i] = plane_depths(m, h.q_store[m.basis], h.stats[m.basis],
                                                  running_scale_variance(h.scales[m.basis], blocks), layer)
                     tally.add_scan(i, layer, head, depths.get(i), blocks)
                 for start in range(0, len(methods), chunk):
-                    _measure(h, methods, range(start, min(start + chunk, len(methods))), depths, sel, causal,
-                             tally, layer, head)
+                    _measure(h, on_head_methods, range(start, min(start + chunk, len(methods))), depths, sel,
+                             causal, tally, layer, head)
                 if on_head is not None:
                     on_head()
     return tally.results()

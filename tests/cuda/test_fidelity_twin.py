@@ -18,14 +18,16 @@ from fathom.synthetic import SyntheticConfig, generate
 
 SMALL = SyntheticConfig(layers=2, kv_heads=2, group_size=3, head_dim=16, tokens=700, positions=6)
 GRID = [M.fathom(24), M.fathom(24, "calibration"), M.fathom_rotated(24), M.fathom_rotated(24, "store"),
-        M.fathom_plan((16, 32), 24), M.sparq(4), M.double_sparsity(4), M.loki(4), M.thumbnail(2), M.landmark(),
-        M.oracle(), M.dense()]
+        M.fathom_plan((16, 32), 24), M.fathom(24, gains="calibrated"), M.fathom_rotated(24, gains="calibrated"),
+        M.fathom_mixed(24), M.fathom_mixed(24, "calibrated"), M.sparq(4), M.double_sparsity(4), M.loki(4),
+        M.thumbnail(2), M.landmark(), M.oracle(), M.dense()]
 
 
 @pytest.fixture(scope="module")
 def small():
     calibration_text = SyntheticConfig(**{**SMALL.__dict__, "text_seed": 1})
-    return generate(SMALL), calibrate(generate(calibration_text))
+    head_basis = np.array([["rotated", "raw"], ["raw", "rotated"]])  # the per-head store reads both
+    return generate(SMALL), calibrate(generate(calibration_text)).with_head_basis(head_basis)
 
 
 @given(st.integers(0, 2 ** 32 - 1), st.integers(1, 4))
