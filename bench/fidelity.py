@@ -18,6 +18,8 @@ checked before any model is loaded (:func:`check_arguments`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import textwrap
 import time
 from functools import partial
@@ -103,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --quick)")
     parser.add_argument("--name", default=None, help="file name stem (default from the setting)")
     parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, design §6)")
+    parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                        help="remake a fidelity JSON's summary, table and plot from its records with this code's "
+                             "summary (no model, no GPU); every other argument is ignored")
     parser.add_argument("--device", default="cpu", help="cpu (default): CPU prefills and the NumPy evaluation; "
                         "cuda: prefills with the model on the GPU (fp32) and the evaluation in torch on the GPU")
 
@@ -119,6 +124,22 @@ def min_context(positions: int, sel: Selection) -> int:
     top-k really selects (:func:`choosable_tokens` > k)."""
     need = sel.k + sel.sink + 1  # sealed tokens beyond the sink, and clear of the local window
     return max(-(-need // BLOCK) * BLOCK, need + sel.local) + positions - 1
+
+
+REPLOT_FIELDS = ("command", "synthetic", "capture", "selection", "summary", "records")
+
+
+def replot_payload(path: Path) -> dict:
+    """A fidelity JSON to ``--replot``: a missing, unreadable or non-JSON file, or one without the fields the
+    summary is remade from, is refused in one line."""
+    try:
+        payload = json.loads(cli.utf8_text("--replot", path))
+    except json.JSONDecodeError as error:
+        raise cli.UsageError(f"--replot {path}: not JSON ({error})") from None
+    missing = [f for f in REPLOT_FIELDS if not isinstance(payload, dict) or f not in payload]
+    if missing:
+        raise cli.UsageError(f"--replot {path}: not a fidelity result (it lacks {', '.join(missing)})")
+    return payload
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -288,20 +309,24 @@ def family_summary(results: list[MethodResult], family: str, d: int) -> dict:
 
 
 def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dict,
-              head_basis: np.ndarray | None = None) -> dict:
+              heads_rotated: int | None = None) -> dict:
     """The headline numbers: equal-error savings vs Double Sparsity at r = d/4 (the design's fraction, the primary
     comparator) and at 136 bits (r = 32; the same at d = 128), fathom-48 vs SparQ-68 (r = 16), channels at 48,
     and where fathom-48 loses: the overlap of each one's top-k with the oracle's, and on how many (layer, KV
     head) pairs fathom-48 is less accurate than DS r = d/4 and SparQ-68; the same savings for every fathom curve
-    (``families``: each store, design or calibrated gains). ``head_basis``: the per-head rule's choice."""
+    (``families``: each store, design or calibrated gains).
+
+    The headline curve is the basis rule's, with design §5's gains: the per-head store (``fathom-mixed``, each
+    head on the basis it chose on calibration text; ``heads_rotated`` of them rotated) where the results hold it,
+    else the store the rule chose for the whole model (``basis``; runs made before the per-head rule)."""
     by_label = {r.label: r for r in results}
-    family = "fathom" if basis == "raw" else "fathom-rotated"
+    present = {r.method for r in results}
+    family = "fathom-mixed" if "fathom-mixed" in present else ("fathom" if basis == "raw" else "fathom-rotated")
     curve = [r for r in results if r.method == family]
     fathom48 = by_label[f"{family}@48"]
     sparq68 = by_label["sparq@68"]
-    present = {r.method for r in results}
     summary = {"basis": basis, "variance": M.DEFAULT_VARIANCE[basis], "basis_rule_errors": basis_errors,
-               "heads_rotated": None if head_basis is None else int((head_basis == "rotated").sum()),
+               "heads_rotated": heads_rotated,
                "families": {f: family_summary(results, f, d) for f in fathom_families(True) if f in present},
                "fathom_family": family,
                "fathom48_error": fathom48.rel_error, "sparq68_error": sparq68.rel_error,
@@ -323,7 +348,27 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
     return summary
 
 
+def replot(args: argparse.Namespace) -> Path:
+    """``--replot``: the summary, table and plot of a fidelity JSON remade from its records (the records, the
+    command that measured them and its date are kept; ``replotted_by`` records this command)."""
+    path = args.replot
+    payload = replot_payload(path)
+    keep = {f.name for f in dataclasses.fields(MethodResult)}
+    results = [MethodResult(**{k: v for k, v in r.items() if k in keep}) for r in payload["records"]]
+    shape, sel, old = payload["capture"], Selection(**payload["selection"]), payload["summary"]
+    summary = summarize(results, shape["head_dim"], old["basis"], old["basis_rule_errors"], old.get("heads_rotated"))
+    payload.update(summary=summary, replotted_by=args.command_line)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    info = {k: payload.get(k) for k in ("synthetic", "model", "evaluation_text", "calibration_text")}
+    _write_table(path.with_suffix(".md"), payload["records"], shape, sel, info, summary)
+    _plot(path.with_suffix(".png"), results, shape, sel, info)
+    print(f"\n{path.with_suffix('.md').read_text()}")
+    return path
+
+
 def run(args: argparse.Namespace) -> Path:
+    if args.replot is not None:
+        return replot(args)
     start = time.perf_counter()
     check_arguments(args)
     evaluate_fn = evaluator(args.device)
@@ -349,7 +394,7 @@ def run(args: argparse.Namespace) -> Path:
     with tqdm(total=heads, desc=f"fidelity {name}", unit="head") as bar:
         results = evaluate_fn(capture, calibration, methods, sel, on_head=bar.update)
     seconds["evaluation_s"] = round(time.perf_counter() - tick, 1)
-    summary = summarize(results, d, basis, basis_errors, head_basis)
+    summary = summarize(results, d, basis, basis_errors, int((head_basis == "rotated").sum()))
     plan_budgets = {m.label(d): list(m.policy.budgets) for m in plans}
     meta = {"model": info.get("model", "synthetic"), "context": n}
     records = [r.record(**meta) for r in results]
@@ -385,7 +430,11 @@ def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, i
     lines = [f"Fidelity of {_title(shape, sel, info)}.", "",
              f"Store basis (decided on calibration text, each store with its default σ²): **{summary['basis']}** "
              f"(mean error at {'/'.join(map(str, BASIS_RULE_BUDGETS))} bits: "
-             + ", ".join(f"{k} {v:.4f}" for k, v in summary["basis_rule_errors"].items()) + ").",
+             + ", ".join(f"{k} {v:.4f}" for k, v in summary["basis_rule_errors"].items()) + ")"
+             + ("." if summary.get("heads_rotated") is None else
+                f" for the whole model; per (layer, KV head) the same rule picks the rotated store on "
+                f"{summary['heads_rotated']} of {summary['heads']} heads, and the headline curve "
+                f"{summary['fathom_family']} scans each head's pick."),
              f"Equal-error saving {saving('_quarter')}"
              + (f"; {saving('')}." if summary["ds_quarter_label"] != summary["ds_label"] else "."),
              f"{fathom48} {summary['fathom48_error']:.4f} vs {sparq} {summary['sparq68_error']:.4f}; "

@@ -9,7 +9,7 @@ from pathlib import Path
 from bench import cli
 from bench.report import RESULTS, context_label, markdown_table
 
-COLUMNS = [("setting", "model, context (text)", "s"), ("d", "d", "d"), ("basis", "store, σ²", "s"),
+COLUMNS = [("setting", "model, context (text)", "s"), ("d", "d", "d"), ("basis", "store (basis rule), σ²", "s"),
            ("ds_quarter", "DS r=d/4 err", ".4f"), ("fathom48", "fathom-48 err", ".4f"),
            ("sparq68", "sparq-68 err", ".4f"), ("plan48", "fathom-plan-48 err", ".4f"), ("oracle", "oracle err", ".4f"),
            ("saving_quarter", "saving vs DS r=d/4", "s"), ("saving", "saving vs DS-136", "s"),
@@ -39,7 +39,8 @@ def rows(results: Path) -> list[dict]:
         hits = [s.get(k) for k in ("fathom48_overlap", "ds_quarter_overlap", "sparq68_overlap")]
         plan = f"{'fathom' if s['basis'] == 'raw' else 'fathom-rotated'}-plan@48"
         out.append({"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
-                    "d": d, "basis": f"{s['basis']}, {s.get('variance', 'store (old run)')}",
+                    "d": d, "basis": f"{s['basis']}, {s.get('variance', 'store (old run)')}" if s.get(
+                        "heads_rotated") is None else f"per head: {s['heads_rotated']} of {s['heads']} rotated",
                     "ds_quarter": s["ds_quarter_error"], "fathom48": s["fathom48_error"],
                     "sparq68": s["sparq68_error"], "oracle": s["oracle_error"],
                     "plan48": next(r["rel_error"] for r in payload["records"] if r["label"] == plan),
@@ -55,6 +56,36 @@ def rows(results: Path) -> list[dict]:
     return out
 
 
+FAMILIES = ("fathom", "fathom[gains]", "fathom-rotated", "fathom-rotated[gains]", "fathom-mixed",
+            "fathom-mixed[gains]")
+
+
+def family_rows(results: Path) -> list[dict]:
+    """One row per real setting that reports every fathom curve (runs since the per-head rule): each curve's
+    error at 48 bits and its equal-error saving vs DS at r = d/4."""
+    out = []
+    for path in sorted(results.glob("fidelity-*.json")):
+        payload = json.loads(path.read_text())
+        families = payload["summary"].get("families")
+        if payload.get("synthetic") or path.stem.endswith("-quick") or not families:
+            continue
+        s, shape = payload["summary"], payload["capture"]
+        row = {"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
+               "sparq68": s["sparq68_error"], "ds_quarter": f"{s['ds_quarter_error']:.4f} ({s['ds_quarter_label']})"}
+        for name in FAMILIES:
+            f = families.get(name)
+            if f is not None:
+                saving = f["equal_error_saving_quarter"]
+                at_most = "≥ " if f["equal_error_how_quarter"] == "at most" else ""
+                row[name] = f"{f['fathom48_error']:.4f} / " + ("—" if saving is None else f"{at_most}{saving:.2f}×")
+        out.append(row)
+    return out
+
+
+FAMILY_COLUMNS = [("setting", "model, context (text)", "s"), ("ds_quarter", "DS r=d/4 err", "s"),
+                  ("sparq68", "sparq-68 err", ".4f")] + [(f, f, "s") for f in FAMILIES]
+
+
 def run(args: argparse.Namespace) -> Path:
     if not args.results.is_dir():
         raise cli.UsageError(f"--results {args.results}: not a folder of fidelity-*.json")
@@ -65,10 +96,17 @@ def run(args: argparse.Namespace) -> Path:
                     "Double Sparsity at r = d/4 (the design's channel fraction) is the primary comparator at every "
                     "head dim; DS-136 (r = 32) is shown where it differs. Top-k hit: the fraction of the oracle's "
                     "exact top-k a method selects. fathom-plan-48: the per-layer plan (design §5's optional "
-                    "tuning step, calibrated on the calibration text) at a mean of 48 bits. Store, σ²: the store the basis rule chose and the σ² source "
-                    "fathom reads there. Prefills: the dense fp32 prefills of the evaluation and calibration "
+                    "tuning step, calibrated on the calibration text) at a mean of 48 bits. Store, σ²: the store "
+                    "the basis rule chose for the model and the σ² source fathom reads there; \"per head\": runs "
+                    "since the per-head rule, whose fathom columns are the per-head store (fathom-mixed: each "
+                    "(layer, KV head) on the basis it chose on calibration text, with that basis' σ²). Prefills: the dense fp32 prefills of the evaluation and calibration "
                     "windows (as recorded with the captures); evaluation: basis rule, per-layer plan and the "
                     "evaluation of every method.\n\n"
-                    f"{table}\n")
+                    f"{table}\n\n"
+                    "Every fathom curve, in the runs that report them all: error at 48 bits / equal-error saving vs "
+                    "DS at r = d/4. Raw and rotated stores, and the per-head store (fathom-mixed); `[gains]`: "
+                    "water-filled with the plane gains measured on the calibration text instead of design §5's "
+                    "model.\n\n"
+                    f"{markdown_table(family_rows(args.results), FAMILY_COLUMNS)}\n")
     print(table)
     return path

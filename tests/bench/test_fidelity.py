@@ -52,6 +52,19 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
     assert records["oracle@2048"]["rel_error"] <= min(r["rel_error"] for r in payload["records"] if r["label"] != "dense")
     assert "synthetic" in (tmp_path / "fidelity-synthetic-quick.md").read_text()
     assert (tmp_path / "fidelity-synthetic-quick.png").read_bytes()[:4] == b"\x89PNG"
+    # every store × gain model is reported; the headline is the per-head store (the basis rule per head)
+    assert set(summary["families"]) == {f"{store}{gains}" for store in ("fathom", "fathom-rotated", "fathom-mixed")
+                                        for gains in ("", "[gains]")}
+    assert summary["fathom_family"] == "fathom-mixed" and 0 <= summary["heads_rotated"] <= 8
+    assert summary["fathom48_error"] == records["fathom-mixed@48"]["rel_error"]
+    # --replot remakes the same summary and files from the records alone
+    path = tmp_path / "fidelity-synthetic-quick.json"
+    (tmp_path / "fidelity-synthetic-quick.md").unlink()
+    main(["fidelity", "--replot", str(path)])
+    again = json.loads(path.read_text())
+    assert again["summary"] == summary and again["records"] == payload["records"]
+    assert again["command"] == payload["command"] and again["replotted_by"].startswith("python -m bench fidelity")
+    assert "fathom-mixed" in (tmp_path / "fidelity-synthetic-quick.md").read_text()
 
 
 def test_equal_error_bits_interpolates_in_log_log_and_says_when_it_cannot():
@@ -180,3 +193,13 @@ def test_min_context_is_exactly_where_top_k_starts_to_select():
         sel = Selection(k=k)
         n = fidelity.min_context(positions, sel)
         assert fidelity.choosable_tokens(n, positions, sel) > k >= fidelity.choosable_tokens(n - 1, positions, sel)
+
+
+def test_replot_refuses_a_file_that_is_not_a_fidelity_result(tmp_path, capsys):
+    (tmp_path / "a.json").write_text("{not json")
+    (tmp_path / "b.json").write_text('{"records": []}')
+    assert refused(["fidelity", "--replot", str(tmp_path / "a.json")], capsys).startswith(
+        f"error: --replot {tmp_path / 'a.json'}: not JSON (")
+    assert refused(["fidelity", "--replot", str(tmp_path / "b.json")], capsys) == (
+        f"error: --replot {tmp_path / 'b.json'}: not a fidelity result (it lacks command, synthetic, capture, "
+        "selection, summary)")

@@ -24,6 +24,15 @@ def test_headline_tables_the_real_settings_only(tmp_path):
     assert ("| m 16k (t) | 64 | raw, store | 0.2500 | 0.1000 | 0.3000 | 0.0900 | 0.0500 | not reached | "
             "2.50× (double-sparsity@136) | 0.800 / 0.700 / 0.750 | 31.0 / 64 | cuda | 1.0 | 2.0 |") in table
     assert table.count("| m 16k") == 1
+    assert "| m 16k (t) | 0.2500 (double-sparsity@68)" not in table  # no curves reported: no second-table row
+    family = {"fathom48_error": 0.11, "equal_error_saving_quarter": 2.0, "equal_error_how_quarter": "at most"}
+    with_curves = {**real, "capture": {"tokens": 32768, "head_dim": 64}, "summary": {**summary, "heads_rotated": 3, "heads": 8,
+                                       "families": {"fathom-mixed": family}}}
+    (tmp_path / "fidelity-m-32k-t.json").write_text(json.dumps(with_curves))
+    main(["headline", "--results", str(tmp_path)])
+    table = (tmp_path / "headline.md").read_text()
+    assert "| m 32k (t) | 64 | per head: 3 of 8 rotated |" in table
+    assert "| m 32k (t) | 0.2500 (double-sparsity@68) | 0.3000 | — | — | — | — | 0.1100 / ≥ 2.00× | — |" in table
 
 
 # --- bad input ------------------------------------------------------------------------------------------------
