@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--positions", type=int, default=None, help="decode positions P (default 128; 64 at >= 64k)")
     parser.add_argument("--synthetic", action="store_true", help="synthetic keys instead of a real model")
     parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK_MODEL} at {QUICK_CONTEXT} tokens, {QUICK_POSITIONS} positions (README: about 1.5 "
+                        help=f"{QUICK_MODEL} at {QUICK_CONTEXT} tokens, {QUICK_POSITIONS} positions (README: about 2.5 "
                              "minutes on 2 CPU cores with the captures cached, about another minute on the first run; "
                              "~40 s with --synthetic)")
     parser.add_argument("--cache", type=Path, default=None,
