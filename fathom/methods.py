@@ -9,6 +9,7 @@ method              basis     depth policy
 fathom              raw       water-filled depths under a budget (bits / token); σ² from the store
 fathom-rotated      rotated   the same on the KLT basis (nothing truncated); σ² from calibration
 fathom-plan         either    water-filling with a per-layer budget calibrated offline
+fathom-mixed        per head  the same on each (layer, KV head)'s basis, chosen on calibration text
 sparq               raw       depth 4 on the r channels with the largest Σ_h |q[h, c]|
 double-sparsity     raw       depth 4 on r channels fixed offline per KV head
 loki                rotated   depth 4 on the first r coordinates (score-variance order)
@@ -388,13 +389,16 @@ class Entry:
 
     def needs_calibration(self, variance: str | None = None) -> bool:
         """Whether it reads calibration statistics (a basis, DS channels, or calibration σ²)."""
+        if self.basis == PER_HEAD:
+            return True
         sigma2 = self.reads_sigma2 and (variance or DEFAULT_VARIANCE[self.basis]) == "calibration"
         return self.basis == "rotated" or self.reads_ds_rank or sigma2
 
     def calibration_needs(self) -> set[str]:
         """What a calibration computed for it holds (``fathom.cuda.calibration.NEEDS``): σ² always, the basis
-        when it scans the rotated store, the DS ranking when it reads one."""
-        return {"sigma2"} | ({"basis"} if self.basis == "rotated" else set()) | \
+        when it scans the rotated store, the DS ranking when it reads one. (The per-head store's choice of basis is
+        made on calibration text by ``python -m bench fidelity``: it is given, never computed from a prompt.)"""
+        return {"sigma2"} | ({"basis"} if self.basis in ("rotated", PER_HEAD) else set()) | \
             ({"ds_rank"} if self.reads_ds_rank else set())
 
     def budget_form(self) -> str:
@@ -414,6 +418,8 @@ CATALOG: dict[str, Entry] = {e.name: e for e in (
           basis="rotated", reads_sigma2=True),
     Entry("fathom-plan", "bits", lambda budget, variance, plan: fathom_plan(plan, budget, "raw", variance),
           reads_sigma2=True, per_layer=True),
+    Entry("fathom-mixed", "bits", lambda budget, variance, plan: fathom_mixed(budget), basis=PER_HEAD,
+          reads_sigma2=True),
     Entry("sparq", "channels", sparq),
     Entry("double-sparsity", "channels", double_sparsity, reads_ds_rank=True),
     Entry("loki", "channels", loki, basis="rotated"),

@@ -130,6 +130,7 @@ def test_the_catalog_parses_every_spec_to_the_factory_method_and_the_label_of_to
     assert M.parse("sparq@68", d) == M.sparq(16)
     assert M.parse("double-sparsity@136", d) == M.double_sparsity(32)
     assert M.parse("loki@68", d) == M.loki(16)
+    assert M.parse("fathom-mixed@48", d) == M.fathom_mixed(48)
     for name, factory in (("dense", M.dense), ("oracle", M.oracle), ("landmark", M.landmark)):
         assert M.parse(name, d) == factory()
     # the decoding benches' "thumbnail" and Method.name's "thumbnail-2bit" are one method
@@ -153,5 +154,22 @@ def test_what_each_method_reads_comes_from_its_catalog_entry():
     needs = {name: M.entry(name).calibration_needs() for name in M.NAMES}
     assert needs["loki"] == needs["fathom-rotated"] == {"sigma2", "basis"}
     assert needs["double-sparsity"] == {"sigma2", "ds_rank"}
-    assert [n for n in M.NAMES if M.entry(n).needs_calibration()] == ["fathom-rotated", "double-sparsity", "loki"]
+    assert [n for n in M.NAMES if M.entry(n).needs_calibration()] == ["fathom-rotated", "fathom-mixed",
+                                                                       "double-sparsity", "loki"]
+    assert needs["fathom-mixed"] == {"sigma2", "basis"}  # and the per-head choice, which only a given one holds
     assert M.entry("fathom").needs_calibration("calibration")
+
+
+def test_a_per_head_method_runs_on_each_heads_basis_and_only_once_resolved():
+    mixed = M.fathom_mixed(48)
+    assert mixed.scans_rotated and mixed.label(64) == "fathom-mixed@48"
+    assert mixed.on_basis("raw").policy == M.fathom(48).policy and mixed.on_basis("raw").basis == "raw"
+    assert mixed.on_basis("rotated").policy == M.fathom_rotated(48).policy
+    assert M.fathom(48).on_basis("rotated") == M.fathom(48)  # any other method runs as it is
+    k, v, q = head(3)
+    with pytest.raises(ValueError, match="picks its basis per head"):
+        decode_step(q, k, v, HeadIndex.build(k, None), mixed, Selection(k=8))
+    with pytest.raises(ValueError, match="per-basis"):
+        M.Method("x", basis=M.PER_HEAD, policy=M.Waterfill(48, "store"))
+    with pytest.raises(ValueError, match="resolve it with Method.on_basis"):
+        mixed.policy.depths(q, M.HeadStats(np.ones(q.shape[-1]), np.arange(q.shape[-1])))

@@ -35,11 +35,13 @@ MAX_D = 512  # shared-memory size of one stream's importances
 
 
 @cuda.jit(cache=True)
-def _waterfill_kernel(q, sigma2, lengths, heads_per_session, from_store, budget_quarters, depths):
-    """q float32 [streams, G, d], sigma2 float64 [streams, d] -> depths int8 [streams, d].
+def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_session, budget_quarters, depths):
+    """q float32 [streams, G, d], sigma2 / scale_sq_sum float64 [streams, d], from_store uint8 [streams] -> depths
+    int8 [streams, d].
 
-    ``from_store``: sigma2 holds the sums of squared block scales; σ² is their mean over the stream's sealed blocks
-    (``lengths`` on the GPU), as ``fathom.decode.HeadIndex.store_variance`` divides."""
+    A stream with ``from_store`` set reads σ² as the mean of the store's squared block scales over its sealed blocks
+    (``scale_sq_sum`` / blocks, ``lengths`` on the GPU, as ``fathom.decode.HeadIndex.store_variance`` divides); the
+    others read ``sigma2`` (calibration)."""
     g = cuda.blockIdx.x
     blocks = max(lengths[g // heads_per_session] // BLOCK, 1)
     t = cuda.threadIdx.x
@@ -60,7 +62,7 @@ def _waterfill_kernel(q, sigma2, lengths, heads_per_session, from_store, budget_
         for h in range(n_heads):
             x = np.float64(q[g, h, c])
             acc = acc + np.float32(x * x)
-        s2 = sigma2[g, c] / np.float64(blocks) if from_store else sigma2[g, c]
+        s2 = scale_sq_sum[g, c] / np.float64(blocks) if from_store[g] else sigma2[g, c]
         wc = s2 * np.float64(acc)
         w[c] = wc
         my_max = max(my_max, wc)
@@ -124,22 +126,29 @@ def _depth_at(wc, theta):
         (1 if g1 * 0.0625 > theta else 0) + (1 if g1 * 0.015625 > theta else 0)
 
 
-def waterfill(q, sigma2, budget: float, depths, lengths, heads_per_session: int = 1, from_store: bool = False,
+def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, lengths, heads_per_session: int = 1,
               threads: int = THREADS, stream=0) -> None:
     """Depths of every stream under ``budget`` bits per token, one block per stream.
 
     Args:
         q: float32 device array ``[streams, G, d]`` (the G query heads of each KV head, in the store's basis).
-        sigma2: float64 ``[streams, d]`` channel variances; ``from_store``: the store's sums of squared block
-            scales, divided on the GPU by each stream's sealed blocks (``lengths`` int32 ``[S]``, stream ``g`` is
-            session ``g // heads_per_session``).
+        sigma2: float64 ``[streams, d]`` calibration channel variances, read by the streams ``from_store`` leaves
+            at 0.
+        scale_sq_sum: float64 ``[streams, d]`` the store's sums of squared block scales, read by the streams whose
+            ``from_store`` is 1, divided on the GPU by each stream's sealed blocks (``lengths`` int32 ``[S]``,
+            stream ``g`` is session ``g // heads_per_session``). Either may be the other's array where no stream
+            reads it.
+        from_store: uint8 ``[streams]``: each stream's σ² source (the per-head store mixes them).
         budget: bits per token (finite, >= 0).
         depths: int8 ``[streams, d]``, written.
     """
     streams, _, d = q.shape
-    if q.dtype != np.float32 or sigma2.dtype != np.float64 or sigma2.shape != (streams, d):
-        raise ValueError(f"q must be float32 [streams, G, d] and sigma2 float64 [streams, d], "
-                         f"got {q.dtype} {q.shape} and {sigma2.dtype} {sigma2.shape}")
+    for name, x in (("sigma2", sigma2), ("scale_sq_sum", scale_sq_sum)):
+        if q.dtype != np.float32 or x.dtype != np.float64 or x.shape != (streams, d):
+            raise ValueError(f"q must be float32 [streams, G, d] and {name} float64 [streams, d], "
+                             f"got {q.dtype} {q.shape} and {x.dtype} {x.shape}")
+    if from_store.shape != (streams,) or from_store.dtype != np.uint8:
+        raise ValueError(f"from_store must be uint8 [{streams}], got {from_store.dtype} {from_store.shape}")
     if depths.shape != (streams, d) or depths.dtype != np.int8:
         raise ValueError(f"depths must be int8 {(streams, d)}, got {depths.dtype} {depths.shape}")
     if d > MAX_D or not 1 <= threads <= THREADS:
@@ -148,7 +157,7 @@ def waterfill(q, sigma2, budget: float, depths, lengths, heads_per_session: int 
         raise ValueError(f"budget must be finite and >= 0 bits per token, got {budget}")
     if streams:
         # cost <= budget  <=>  4 * cost <= 4 * budget: quarter bits are integers, 4 * budget is exact
-        _waterfill_kernel[streams, threads, stream](q, sigma2, lengths, heads_per_session, from_store,
+        _waterfill_kernel[streams, threads, stream](q, sigma2, scale_sq_sum, from_store, lengths, heads_per_session,
                                                    4.0 * float(budget), depths)
 
 

@@ -23,8 +23,9 @@ captures (``fathom.host.graph``). The stages, in order (each can be timed: :meth
 =============  ===================================================================================================
 
 Every method of ``fathom.methods`` runs: plane scorers (fathom with a flat budget or a per-layer plan, σ² from the
-store or from calibration; fathom-rotated and loki on a cache made with a basis; sparq, double-sparsity,
-thumbnail), landmark, oracle and dense.
+store or from calibration; fathom-rotated and loki on a cache made with a basis; fathom-mixed on a cache whose
+basis is the identity on the heads that chose raw channels, each stream's σ² from its head's basis' default; sparq,
+double-sparsity, thumbnail), landmark, oracle and dense.
 
 Example::
 
@@ -181,12 +182,14 @@ class Decoder:
         q_in, layer_out = self.q_in[layer], self.out[layer]
         return [lambda stream: q_in.copy_(q)] + self.launches(layer) + [lambda stream: out.copy_(layer_out)]
 
-    def set_calibration(self, layer: int, sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None) -> None:
-        """Replace ``layer``'s calibration (``sigma2``, ``ds_rank`` ``[H, d]``, where the method reads them) in the
-        tensors the step reads, so steps already captured in a CUDA graph read the new values."""
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None,
+                        head_basis: np.ndarray | None = None) -> None:
+        """Replace ``layer``'s calibration (``sigma2``, ``ds_rank`` ``[H, d]``, the per-head store's ``head_basis
+        [H]``, where the method reads them) in the tensors the step reads, so steps already captured in a CUDA graph
+        read the new values."""
         self.cache.check(layer)
         if self.strategy is not None:
-            self.strategy.set_calibration(layer, sigma2, ds_rank)
+            self.strategy.set_calibration(layer, sigma2, ds_rank, head_basis)
 
     def check(self, layer: int, q: torch.Tensor | None = None) -> None:
         """Validate a step's input before any kernel runs (no sync): the cache open, no error flagged since the

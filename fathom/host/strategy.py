@@ -45,8 +45,10 @@ class StepBuffers:
 
 
 class WaterfillDepths:
-    """Water-filling on the GPU under each layer's budget (a flat budget or a per-layer plan); σ² read from the
-    store's running block scales or from calibration (kept in a tensor that :meth:`set_calibration` refreshes)."""
+    """Water-filling on the GPU under each layer's budget (a flat budget or a per-layer plan); σ² read per stream
+    from the store's running block scales or from calibration (kept in tensors that :meth:`set_calibration`
+    refreshes): the store for ``variance="store"``, calibration for ``"calibration"``, and on the per-head store
+    each head's basis' default (the store on raw heads, calibration on rotated ones)."""
 
     def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
                  ds_rank: np.ndarray | None):
@@ -55,21 +57,34 @@ class WaterfillDepths:
         if len(budgets) != shape.layers:
             raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "
                              f"{shape.layers} layers")
-        self.budgets = budgets
+        self.budgets, self.per_head = budgets, policy.variance == methods.PER_BASIS
         self.sigma2 = None if policy.variance == "store" else _per_stream(shape, "sigma2", sigma2, torch.float64)
+        # each stream's σ² source (1: the store); a per-head store's heads are set by set_calibration
+        self.from_store = torch.full((shape.layers, shape.streams), int(policy.variance == "store"),
+                                     dtype=torch.uint8, device=DEVICE)
 
-    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
+                        head_basis: np.ndarray | None = None) -> None:
+        one_layer = replace(self.cache.shape, layers=1)
         if self.sigma2 is not None and sigma2 is not None:
-            one_layer = replace(self.cache.shape, layers=1)
             self.sigma2[layer].copy_(_per_stream(one_layer, "sigma2", np.asarray(sigma2)[None], torch.float64)[0])
+        if self.per_head and head_basis is not None:
+            H, d = one_layer.kv_heads, one_layer.head_dim
+            head_basis = np.asarray(head_basis)
+            if head_basis.shape != (H,) or not np.isin(head_basis, methods.BASES).all():
+                raise ValueError(f"head_basis must be [{H}] of 'raw' / 'rotated', got {head_basis.tolist()}")
+            raw = np.broadcast_to((head_basis == "raw")[None, :, None], (1, H, d))  # raw heads read the store's σ²
+            self.from_store[layer].copy_(_per_stream(one_layer, "head_basis", raw, torch.uint8)[0, :, 0])
 
     def launch(self, layer: int, basis: str, q_store, buf: StepBuffers) -> Launch:
         store, shape = self.cache.layers[layer], self.cache.shape
-        from_store = self.sigma2 is None
-        sigma2 = as_array(store.stores[basis].scale_sq_sum if from_store else self.sigma2[layer])
+        sums = as_array(store.stores[basis].scale_sq_sum)
+        sigma2 = sums if self.sigma2 is None else as_array(self.sigma2[layer])
+        from_store = as_array(self.from_store[layer])
         budget, lengths, depths = self.budgets[layer], store.arrays["lengths"], as_array(buf.depths)
         heads, threads = shape.kv_heads, min(PLAN_THREADS, shape.head_dim)
-        return lambda stream: waterfill(q_store, sigma2, budget, depths, lengths, heads, from_store, threads, stream)
+        return lambda stream: waterfill(q_store, sigma2, sums, from_store, budget, depths, lengths, heads, threads,
+                                        stream)
 
 
 class TopChannelDepths:
@@ -79,7 +94,8 @@ class TopChannelDepths:
                  ds_rank: np.ndarray | None):
         self.cache, self.r = cache, method.policy.r
 
-    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
+                        head_basis: np.ndarray | None = None) -> None:
         """Reads no calibration."""
 
     def launch(self, layer: int, basis: str, q_store, buf: StepBuffers) -> Launch:
@@ -98,7 +114,8 @@ class FixedDepths:
                                                shape.sessions, 1).reshape(shape.layers, shape.streams, -1),
                                      device=DEVICE)
 
-    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
+                        head_basis: np.ndarray | None = None) -> None:
         if ds_rank is not None:
             one_layer = replace(self.cache.shape, layers=1)
             depths = _fixed_depths(self.policy, one_layer, self.group_size, np.asarray(ds_rank)[None])[0]
@@ -124,13 +141,15 @@ class PlaneScan:
                  ds_rank: np.ndarray | None, warps: int):
         if type(method.policy) not in DEPTH_PLANS:
             raise ValueError(f"no plane scan for the policy of {method.name!r}")
-        self.cache, self.basis, self.warps = cache, method.basis, warps
+        # the per-head store is the rotated store with each raw head's basis the identity
+        self.cache, self.basis, self.warps = cache, "rotated" if method.scans_rotated else "raw", warps
         self.depth_plan = DEPTH_PLANS[type(method.policy)](method, cache, group_size, sigma2, ds_rank)
 
-    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
-        """Copy one layer's calibration (``[H, d]`` each; what the policy reads of it) into the tensors the
-        captured launches read: a CUDA graph of the step stays valid."""
-        self.depth_plan.set_calibration(layer, sigma2, ds_rank)
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
+                        head_basis: np.ndarray | None = None) -> None:
+        """Copy one layer's calibration (``[H, d]`` each, ``head_basis [H]``; what the policy reads of it) into the
+        tensors the captured launches read: a CUDA graph of the step stays valid."""
+        self.depth_plan.set_calibration(layer, sigma2, ds_rank, head_basis)
 
     def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
         """The query into the store's basis, then the depths."""
@@ -158,7 +177,8 @@ class RowScan:
     def __init__(self, cache, rows: str):
         self.cache, self.rows = cache, rows
 
-    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None) -> None:
+    def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
+                        head_basis: np.ndarray | None = None) -> None:
         """Reads no calibration."""
 
     def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
@@ -176,7 +196,7 @@ class RowScan:
 
 def _plane_scan(method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
                 ds_rank: np.ndarray | None, warps: int) -> PlaneScan:
-    if method.basis == "rotated" and not cache.rotated:
+    if method.scans_rotated and not cache.rotated:
         raise ValueError(f"method {method.name!r} scans the rotated store but the cache holds only the raw store "
                          f"(make the cache with a basis)")
     return PlaneScan(method, cache, group_size, sigma2, ds_rank, warps)

@@ -52,7 +52,7 @@ import torch
 from fathom.calibration import Calibration
 from fathom.decode import DecodeStep, HeadIndex, decode_step
 from fathom.growing import GrowingRows
-from fathom.methods import HeadStats, Method
+from fathom.methods import PER_HEAD, HeadStats, Method
 from fathom.quantize import BLOCK
 from fathom.selection import Selection
 
@@ -96,21 +96,46 @@ class SessionShape:
 
 @dataclass(frozen=True)
 class LayerStats:
-    """One layer's calibration as the sessions read it: NumPy ``[H, d]`` (``basis [H, d, d]``)."""
+    """One layer's calibration as the sessions read it: NumPy ``[H, d]`` (``basis [H, d, d]``; ``head_basis [H]``:
+    the basis each KV head of the per-head store scans, None where the calibration holds no per-head rule)."""
 
     sigma2_raw: np.ndarray
     basis: np.ndarray
     sigma2_rotated: np.ndarray
     ds_rank: np.ndarray
+    head_basis: np.ndarray | None = None
 
     @classmethod
     def of(cls, calibration: Calibration, layer: int) -> LayerStats:
+        head_basis = None if calibration.head_basis is None else calibration.head_basis[layer]
         return cls(calibration.sigma2_raw[layer], calibration.basis[layer], calibration.sigma2_rotated[layer],
-                   calibration.ds_rank[layer])
+                   calibration.ds_rank[layer], head_basis)
 
     def sigma2(self, basis: str) -> np.ndarray:
         """σ² ``[H, d]`` in the ``basis`` ("raw" or "rotated") store."""
         return self.sigma2_rotated if basis == "rotated" else self.sigma2_raw
+
+    def check_for(self, method: Method, layer: int) -> None:
+        """Refuse a calibration without the per-head rule for the per-head store (fathom-mixed)."""
+        if method.basis == PER_HEAD and self.head_basis is None:
+            raise ValueError(f"layer {layer}'s calibration has no per-head basis: method {method.name!r} scans the "
+                             "store each (layer, KV head) chose on calibration text (a .calibration.npz written by "
+                             "python -m bench fidelity holds it)")
+
+    def store_basis(self, method: Method) -> np.ndarray:
+        """The basis ``[H, d, d]`` the rotated store holds for ``method``: on the per-head store the identity on
+        the heads that chose the raw basis (their planes are then the raw store's, bit for bit)."""
+        if method.basis != PER_HEAD:
+            return self.basis
+        eye = np.eye(self.basis.shape[-1], dtype=self.basis.dtype)
+        return np.where((np.asarray(self.head_basis) == "rotated")[:, None, None], self.basis, eye)
+
+    def planner_sigma2(self, method: Method) -> np.ndarray:
+        """The calibration σ² ``[H, d]`` the GPU planner holds for ``method``, in the basis of the store it scans
+        (on the per-head store each head's basis; its raw heads read the store's own σ² instead)."""
+        if method.basis != PER_HEAD:
+            return self.sigma2(method.basis)
+        return np.where((np.asarray(self.head_basis) == "rotated")[:, None], self.sigma2_rotated, self.sigma2_raw)
 
     def head(self, head: int, basis: str, layer: int) -> HeadStats:
         """The stats of one KV head in the ``basis`` ("raw" or "rotated") store."""
@@ -160,6 +185,8 @@ class ReferenceSessions:
         self.stats: list[LayerStats | None] = [None] * shape.layers
         if calibration is not None:
             self.stats = [LayerStats.of(calibration, layer) for layer in range(shape.layers)]
+            for layer, stats in enumerate(self.stats):
+                stats.check_for(method, layer)
         elif not (needs_calibration or method.scans_rotated):
             self.stats = [_unit_stats(shape) for _ in range(shape.layers)]
         self.indexes: list[list[list[HeadIndex]] | None] = [None] * shape.layers  # made on the layer's first append
@@ -170,6 +197,7 @@ class ReferenceSessions:
         """``layer``'s calibration, before it holds a token."""
         if self.indexes[layer] is not None:
             raise ValueError(f"layer {layer} already holds tokens: its calibration is fixed")
+        stats.check_for(self.method, layer)
         self.stats[layer] = stats
 
     def lengths(self, layer: int) -> np.ndarray:
@@ -209,11 +237,14 @@ class ReferenceSessions:
             self.append(layer, s, k[s, :, None], v[s, :, None])
         queries = _numpy(q)
         out = np.zeros(queries.shape[:2] + (v.shape[-1],), np.float32)
+        head_basis = self.stats[layer].head_basis
+        on_head = [self.method.on_basis(str(head_basis[h])) if self.method.basis == PER_HEAD else self.method
+                   for h in range(self.shape.kv_heads)]  # the per-head store: each head on the basis it chose
         for s in range(self.shape.sessions):
             for h in range(self.shape.kv_heads):
                 index = self.indexes[layer][s][h]
                 step = decode_step(queries[s, h * G:(h + 1) * G], index.keys, self.values[layer][s][h].array, index,
-                                   self.method, self.selection, self.scale, layer)
+                                   on_head[h], self.selection, self.scale, layer)
                 out[s, h * G:(h + 1) * G] = step.output
                 if self.on_step is not None:
                     self.on_step(layer, s, h, step)
@@ -275,8 +306,9 @@ class OffloadedSessions:
         reads it only to steer the scan (DS's channels, calibration σ²) may be calibrated after the prefill."""
         if self.cache.rotated and self.cache.lengths(layer).any():
             raise ValueError(f"layer {layer} already holds tokens: its calibration is fixed")
+        stats.check_for(self.method, layer)
         if self.cache.rotated:
-            self.cache.set_basis(layer, stats.basis)
+            self.cache.set_basis(layer, stats.store_basis(self.method))
         self._calibrate_decoder(layer, stats)
         self.stats[layer] = stats
 
@@ -321,8 +353,11 @@ class OffloadedSessions:
                 self._calibrate_decoder(layer, stats)
 
     def _calibrate_decoder(self, layer: int, stats: LayerStats) -> None:
-        """``stats`` into the decoder's tensors, σ² in the basis of the store the method scans."""
-        self.decoder.set_calibration(layer, stats.sigma2(self.method.basis), stats.ds_rank)
+        """``stats`` into the decoder's tensors, σ² in the basis of the store the method scans (and, on the per-head
+        store, each head's basis)."""
+        per_head = self.method.basis == PER_HEAD
+        self.decoder.set_calibration(layer, stats.planner_sigma2(self.method), stats.ds_rank,
+                                     stats.head_basis if per_head else None)
 
     def begin_token(self) -> None:
         """Once per decode token, before its first layer's :meth:`step`: a flag raised by any kernel since the last

@@ -66,6 +66,8 @@ class FathomSettings:
             raise ValueError(f"r is read by {', '.join(methods.names('channels'))} only; method is {self.method!r}")
         if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:
             raise ValueError(f"variance must be None or one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
+        if self.variance is not None and entry.basis == methods.PER_HEAD:
+            raise ValueError(f"variance must be None for {self.method}: each head reads its basis' default σ²")
         if isinstance(self.hbm_gb, bool) or not isinstance(self.hbm_gb, (int, float, np.integer, np.floating)) \
                 or not np.isfinite(self.hbm_gb) or self.hbm_gb < 0:
             raise ValueError(f"hbm_gb must be a finite number of GB >= 0, got {self.hbm_gb!r}")

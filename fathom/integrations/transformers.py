@@ -34,7 +34,8 @@ How it plugs in, through transformers' own extension points (nothing is patched)
   starts from it, and ``generate`` continues from its greedy next token.
 
 Calibration: methods that need it (fathom-rotated and loki: the basis;
-double-sparsity: its channels; ``variance="calibration"``: σ²) take
+double-sparsity: its channels; ``variance="calibration"``: σ²; fathom-mixed: the basis and each KV head's
+choice of store, which only a given calibration holds) take
 ``calibration=`` — a ``.calibration.npz`` written by ``python -m bench fidelity``
 or a :class:`~fathom.calibration.Calibration` (e.g. ``calibrate(capture(model,
 ids))`` on a calibration text, with :func:`bench.capture.capture`). Without one
@@ -232,6 +233,10 @@ class FathomCache(Cache):
                                  "cache decodes on the reference backend (pass backend='offloaded' under the CUDA "
                                  "simulator)")
         calibration = load_calibration(calibration, shape)
+        if methods.entry(method).basis == methods.PER_HEAD and (calibration is None or calibration.head_basis is None):
+            raise ValueError(f"method {method!r} scans the store each (layer, KV head) chose on calibration text: pass "
+                             "calibration= with a per-head basis (a .calibration.npz written by python -m bench "
+                             "fidelity); a prompt cannot make that choice")
         self.decoding = Decoding(self.settings, shape, calibration, model.config)
         slots = {layer: slot for slot, layer in enumerate(shape.fathom_layers)}
         layers = [FathomLayer(self.decoding, i, slots[i]) if t == "full_attention"

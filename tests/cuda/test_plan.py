@@ -30,7 +30,8 @@ def test_waterfill_matches_reference(seed, streams, heads, d, budget, zeros):
     w = importance(q, sigma2)
     assume(_gaps_ok(w))
     depths = cuda.to_device(np.full((streams, d), -1, np.int8))
-    waterfill(cuda.to_device(q), cuda.to_device(sigma2), budget, depths, _lengths(streams))
+    sigma2_gpu = cuda.to_device(sigma2)
+    waterfill(cuda.to_device(q), sigma2_gpu, sigma2_gpu, _sources(streams, 0), budget, depths, _lengths(streams))
     np.testing.assert_array_equal(depths.copy_to_host(), waterfill_batched(w, budget))
 
 
@@ -38,22 +39,28 @@ def _lengths(streams: int, tokens: int = 0) -> object:
     return cuda.to_device(np.full(streams, tokens, np.int32))
 
 
+def _sources(streams: int, from_store: int) -> object:
+    return cuda.to_device(np.full(streams, from_store, np.uint8))
+
+
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**31), sessions=st.integers(1, 3), heads_per_session=st.sampled_from([1, 2]),
        budget=st.floats(0, 60))
-def test_waterfill_from_the_store_statistic(seed, sessions, heads_per_session, budget):
-    """σ² = the store's sum of squared scales / each session's sealed blocks (read from the device lengths)."""
+def test_waterfill_from_the_store_statistic_or_calibration_per_stream(seed, sessions, heads_per_session, budget):
+    """A stream marked ``from_store`` reads σ² = the store's sum of squared scales / its session's sealed blocks
+    (from the device lengths); the others read the calibration σ² (the per-head store mixes both)."""
     rng = np.random.default_rng(seed)
     streams, d = sessions * heads_per_session, 16
     q = rng.standard_normal((streams, 2, d)).astype(np.float32)
-    sums = np.exp(rng.uniform(-4, 4, (streams, d)))
+    sums, sigma2 = np.exp(rng.uniform(-4, 4, (2, streams, d)))
+    from_store = rng.integers(0, 2, streams).astype(np.uint8)
     tokens = rng.integers(0, 500, sessions).astype(np.int32)
     blocks = np.maximum(np.repeat(tokens // 64, heads_per_session), 1)
-    w = importance(q, sums / blocks[:, None])
+    w = importance(q, np.where(from_store[:, None] == 1, sums / blocks[:, None], sigma2))
     assume(_gaps_ok(w))
     depths = cuda.to_device(np.full((streams, d), -1, np.int8))
-    waterfill(cuda.to_device(q), cuda.to_device(sums), budget, depths, cuda.to_device(tokens), heads_per_session,
-              from_store=True)
+    waterfill(cuda.to_device(q), cuda.to_device(sigma2), cuda.to_device(sums), cuda.to_device(from_store), budget,
+              depths, cuda.to_device(tokens), heads_per_session)
     np.testing.assert_array_equal(depths.copy_to_host(), waterfill_batched(w, budget))
 
 
@@ -74,5 +81,6 @@ def test_all_zero_and_all_fit():
     q[1] = 1.0
     sigma2 = np.ones((2, 8))
     depths = cuda.to_device(np.full((2, 8), -1, np.int8))
-    waterfill(cuda.to_device(q), cuda.to_device(sigma2), 1000.0, depths, _lengths(2))
+    sigma2_gpu = cuda.to_device(sigma2)
+    waterfill(cuda.to_device(q), sigma2_gpu, sigma2_gpu, _sources(2, 0), 1000.0, depths, _lengths(2))
     np.testing.assert_array_equal(depths.copy_to_host(), [[0] * 8, [4] * 8])

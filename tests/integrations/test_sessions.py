@@ -145,6 +145,42 @@ def test_offloaded_sessions_decode_as_the_reference_does(method):
     offloaded.close()
 
 
+def test_the_per_head_store_decodes_each_head_on_the_store_it_chose_on_both_backends():
+    """fathom-mixed on the offloaded backend (the rotated store with the identity on raw heads, each stream's σ²
+    from its head's basis' default) generates the reference's tokens; over two layers, one raw and one rotated, and
+    with every head raw or every head rotated it generates fathom's and fathom-rotated's tokens (the same store
+    and σ² per head)."""
+    from fathom.cuda.interop import DEVICE
+
+    model = tiny_offload_llama(layers=2)
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    calibration = _calibration(np.random.default_rng(0), 2, 1, 16)
+    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
+    for choice, same_as in ((["raw", "rotated"], None), (["raw", "raw"], "fathom"),
+                            (["rotated", "rotated"], "fathom-rotated")):
+        mixed = calibration.with_head_basis(np.array(choice)[:, None])
+        reference = generate(model, ids, mask, FathomCache(model, "fathom-mixed", backend="reference",
+                                                           calibration=mixed, **settings), new=3)
+        if same_as is None:  # the simulator is slow: the offloaded backend on the mixed choice only
+            offloaded = FathomCache(model, "fathom-mixed", backend="offloaded", calibration=mixed, **settings)
+            torch.testing.assert_close(generate(model, ids, mask, offloaded, new=3), reference, rtol=0, atol=0)
+            offloaded.close()
+        else:
+            single = FathomCache(model, same_as, backend="reference", calibration=mixed, **settings)
+            torch.testing.assert_close(generate(model, ids, mask, single, new=3), reference, rtol=0, atol=0)
+
+
+def test_the_per_head_store_needs_a_calibration_with_its_choice():
+    model = tiny_offload_llama()
+    with pytest.raises(ValueError, match="^method 'fathom-mixed' scans the store each"):
+        FathomCache(model, "fathom-mixed", backend="reference")
+    with pytest.raises(ValueError, match="^method 'fathom-mixed' scans the store each"):
+        FathomCache(model, "fathom-mixed", backend="reference", calibration=_calibration(np.random.default_rng(0),
+                                                                                          1, 1, 16))
+    with pytest.raises(ValueError, match="^variance must be None for fathom-mixed"):
+        FathomCache(model, "fathom-mixed", variance="store")
+
+
 def test_an_hbm_budget_tiers_the_offloaded_store_and_decodes_the_same_tokens():
     """hbm_gb puts the scales and the planes that fit in HBM (here 2 of 4) and decodes what the all-pinned store
     does; a budget on the reference backend is refused when the cache is made."""
