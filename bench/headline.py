@@ -66,9 +66,9 @@ def family_rows(results: Path) -> list[dict]:
     out = []
     for path in sorted(results.glob("fidelity-*.json")):
         payload = json.loads(path.read_text())
-        families = payload["summary"].get("families")
-        if payload.get("synthetic") or path.stem.endswith("-quick") or not families:
+        if payload.get("synthetic") or path.stem.endswith("-quick") or not payload["summary"].get("families"):
             continue
+        families = payload["summary"]["families"]
         s, shape = payload["summary"], payload["capture"]
         row = {"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
                "sparq68": s["sparq68_error"], "ds_quarter": f"{s['ds_quarter_error']:.4f} ({s['ds_quarter_label']})"}

@@ -114,7 +114,9 @@ def plane_drops(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def calibrate(capture: Capture) -> Calibration:
-    """All statistics from a calibration capture (keys and decode queries of calibration text)."""
+    """All statistics from a calibration capture (keys and decode queries of calibration text). The plane table
+    quantizes the keys as a store does (so they must fit float16, as a store's must); a capture shorter than one
+    64-token block has none."""
     keys = capture.keys.astype(np.float64)  # [L, H, n, d]
     queries = capture.queries.astype(np.float64)  # [L, H, P, G, d]
     L, H, _, d = keys.shape
@@ -130,9 +132,12 @@ def calibrate(capture: Capture) -> Calibration:
     ds_stat = np.abs(q_flat).mean(axis=2) * np.abs(keys).mean(axis=2)
     ds_rank = np.argsort(-ds_stat, axis=-1, kind="stable")
     basis = basis.astype(np.float32)
-    # each store's planes as the scan reads them: the rotated store quantizes the float32 product k @ basis
-    drops_raw, scale2_raw = plane_drops(capture.keys)
-    drops_rotated, scale2_rotated = plane_drops(np.einsum("lhnd,lhde->lhne", capture.keys.astype(np.float32), basis))
+    drops_raw = drops_rotated = scale2_raw = scale2_rotated = None  # no sealed block: no plane to measure
+    if capture.keys.shape[2] >= BLOCK:
+        # each store's planes as the scan reads them: the rotated store quantizes the float32 product k @ basis
+        drops_raw, scale2_raw = plane_drops(capture.keys)
+        drops_rotated, scale2_rotated = plane_drops(np.einsum("lhnd,lhde->lhne", capture.keys.astype(np.float32),
+                                                              basis))
     return Calibration(sigma2_raw.astype(np.float32), basis, sigma2_rotated.astype(np.float32),
                        ds_rank.astype(np.int32), meta=dict(capture.meta),
                        plane_drops_raw=drops_raw, plane_drops_rotated=drops_rotated, scale2_raw=scale2_raw,

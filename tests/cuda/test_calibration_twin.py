@@ -11,9 +11,10 @@ from fathom.cuda import calibration as twin
 
 
 def random_capture(seed: int, L: int, H: int, n: int, d: int, P: int, G: int) -> Capture:
-    """Keys with well separated channel scales (distinct eigenvalues), turned by a random rotation and offset."""
+    """Keys with well separated channel scales (distinct eigenvalues), turned by a random rotation and offset, within
+    the float16 range a store quantizes (the reference calibration measures the store's planes too)."""
     rng = np.random.default_rng(seed)
-    scales = 2.0 ** np.arange(d)[::-1]  # variances 4x apart: eigenvectors well defined
+    scales = 2.0 ** (np.arange(d)[::-1] - d // 2)  # variances 4x apart: eigenvectors well defined
     rotation = np.linalg.qr(rng.standard_normal((L, H, d, d)))[0]
     keys = (rng.standard_normal((L, H, n, d)) * scales) @ rotation + rng.normal(0, 3, (L, H, 1, d))
     queries = rng.standard_normal((L, H, P, G, d))
