@@ -53,6 +53,9 @@ class WaterfillDepths:
     def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
                  ds_rank: np.ndarray | None):
         self.cache, policy, shape = cache, method.policy, cache.shape
+        if policy.gains != "design":  # never silently plan with other gains than the method's
+            raise ValueError(f"method {method.name!r} water-fills with the calibrated gain table, which only the "
+                             "reference planner and its torch twin read (the GPU planner uses design §5's gains)")
         budgets = policy.layer_budgets(shape.layers)
         if len(budgets) != shape.layers:
             raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "

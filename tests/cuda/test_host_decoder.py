@@ -291,6 +291,8 @@ def test_bad_input_raises_before_any_kernel():
     cache = HostKVCache(shape)
     _append(cache, k, v, 0, 100)
     decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), Selection(k=20)), GROUP_SIZE)
+    with pytest.raises(ValueError, match="calibrated gain table"):  # the GPU planner reads design §5's gains only
+        Decoder(cache, DecoderSettings(methods.fathom(12.0, gains="calibrated"), Selection(k=20)), GROUP_SIZE)
     q_dev = torch.from_numpy(q).to(DEVICE)
     for bad_layer in (-1, 2, 1.0):
         with pytest.raises(ValueError, match="layer"):
