@@ -275,6 +275,20 @@ def choose_basis(calibration_capture: Capture, calibration: Calibration, sel: Se
     return min(errors, key=errors.get), errors, head_basis
 
 
+def choose_gains(calibration_capture: Capture, calibration: Calibration, sel: Selection,
+                 on_head=None, evaluate_fn: Evaluator = evaluate) -> tuple[str, dict]:
+    """The plane gains the per-head store would read, decided as the basis rule decides: design §5's model and the
+    measured table on calibration text at the rule's budgets, the lower mean error wins. Recorded beside every run
+    (``summary.gains_rule``); the headline keeps design §5's gains until the rule is seen to hold on evaluation
+    text (docs/results.md)."""
+    methods = [M.fathom_mixed(b, g) for g in M.GAIN_SOURCES for b in BASIS_RULE_BUDGETS]
+    results = evaluate_fn(calibration_capture, calibration, methods, sel, on_head)
+    n = len(BASIS_RULE_BUDGETS)
+    errors = {g: float(np.mean([r.rel_error for r in results[i * n:(i + 1) * n]]))
+              for i, g in enumerate(M.GAIN_SOURCES)}
+    return min(errors, key=errors.get), errors
+
+
 def equal_error_bits(curve: list[MethodResult], target: float) -> tuple[float | None, str]:
     """Bits at which a fathom curve reaches ``target`` error, interpolated in log-log between budgets.
 
@@ -309,7 +323,7 @@ def family_summary(results: list[MethodResult], family: str, d: int) -> dict:
 
 
 def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dict,
-              heads_rotated: int | None = None) -> dict:
+              heads_rotated: int | None = None, gains_errors: dict | None = None) -> dict:
     """The headline numbers: equal-error savings vs Double Sparsity at r = d/4 (the design's fraction, the primary
     comparator) and at 136 bits (r = 32; the same at d = 128), fathom-48 vs SparQ-68 (r = 16), channels at 48,
     and where fathom-48 loses: the overlap of each one's top-k with the oracle's, and on how many (layer, KV
@@ -318,7 +332,8 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
 
     The headline curve is the basis rule's, with design §5's gains: the per-head store (``fathom-mixed``, each
     head on the basis it chose on calibration text; ``heads_rotated`` of them rotated) where the results hold it,
-    else the store the rule chose for the whole model (``basis``; runs made before the per-head rule)."""
+    else the store the rule chose for the whole model (``basis``; runs made before the per-head rule).
+    ``gains_errors``: the gains rule's errors on calibration text (:func:`choose_gains`), recorded with its pick."""
     by_label = {r.label: r for r in results}
     present = {r.method for r in results}
     family = "fathom-mixed" if "fathom-mixed" in present else ("fathom" if basis == "raw" else "fathom-rotated")
@@ -326,7 +341,8 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
     fathom48 = by_label[f"{family}@48"]
     sparq68 = by_label["sparq@68"]
     summary = {"basis": basis, "variance": M.DEFAULT_VARIANCE[basis], "basis_rule_errors": basis_errors,
-               "heads_rotated": heads_rotated,
+               "heads_rotated": heads_rotated, "gains_rule_errors": gains_errors,
+               "gains_rule": None if gains_errors is None else min(gains_errors, key=gains_errors.get),
                "families": {f: family_summary(results, f, d) for f in fathom_families(True) if f in present},
                "fathom_family": family,
                "fathom48_error": fathom48.rel_error, "sparq68_error": sparq68.rel_error,
@@ -356,7 +372,8 @@ def replot(args: argparse.Namespace) -> Path:
     keep = {f.name for f in dataclasses.fields(MethodResult)}
     results = [MethodResult(**{k: v for k, v in r.items() if k in keep}) for r in payload["records"]]
     shape, sel, old = payload["capture"], Selection(**payload["selection"]), payload["summary"]
-    summary = summarize(results, shape["head_dim"], old["basis"], old["basis_rule_errors"], old.get("heads_rotated"))
+    summary = summarize(results, shape["head_dim"], old["basis"], old["basis_rule_errors"], old.get("heads_rotated"),
+                        old.get("gains_rule_errors"))
     payload.update(summary=summary, replotted_by=args.command_line)
     path.write_text(json.dumps(payload, indent=1) + "\n")
     info = {k: payload.get(k) for k in ("synthetic", "model", "evaluation_text", "calibration_text")}
@@ -386,6 +403,9 @@ def run(args: argparse.Namespace) -> Path:
                                                        evaluate_fn)
     calibration = calibration.with_preferred_basis(basis).with_head_basis(head_basis)
     seconds["basis_rule_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
+    with tqdm(total=heads, desc="gains rule (calibration text)", unit="head") as bar:
+        _, gains_errors = choose_gains(calibration_capture, calibration, sel, bar.update, evaluate_fn)
+    seconds["gains_rule_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
     with tqdm(total=heads, desc="per-layer plan (calibration text)", unit="head") as bar:
         plans = plan_layers(calibration_capture, calibration, list(PLAN_MEANS), sel, basis, on_head=bar.update,
                             evaluator=evaluate_fn)
@@ -394,7 +414,7 @@ def run(args: argparse.Namespace) -> Path:
     with tqdm(total=heads, desc=f"fidelity {name}", unit="head") as bar:
         results = evaluate_fn(capture, calibration, methods, sel, on_head=bar.update)
     seconds["evaluation_s"] = round(time.perf_counter() - tick, 1)
-    summary = summarize(results, d, basis, basis_errors, int((head_basis == "rotated").sum()))
+    summary = summarize(results, d, basis, basis_errors, int((head_basis == "rotated").sum()), gains_errors)
     plan_budgets = {m.label(d): list(m.policy.budgets) for m in plans}
     meta = {"model": info.get("model", "synthetic"), "context": n}
     records = [r.record(**meta) for r in results]
@@ -483,9 +503,14 @@ def _family_lines(summary: dict, shape: dict) -> list[str]:
     rotated = summary.get("heads_rotated")
     per_head = "" if rotated is None else (f"; fathom-mixed: each (layer, KV head) scans the basis it chose on "
                                            f"calibration text, rotated on {rotated} of {summary['heads']}")
+    gains = summary.get("gains_rule_errors")
+    rule = [] if not gains else [
+        f"Plane gains on calibration text (the per-head store at {'/'.join(map(str, BASIS_RULE_BUDGETS))} bits): "
+        + ", ".join(f"{k} {v:.4f}" for k, v in gains.items()) + f"; the gains rule picks **{summary['gains_rule']}** "
+        "(recorded; the headline reads design §5's gains).", ""]
     return [f"Every fathom curve (raw and rotated stores; `[gains]`: water-filled with the plane gains measured "
             f"on calibration text instead of design §5's model{per_head}):", "",
-            markdown_table(rows, columns), ""]
+            markdown_table(rows, columns), "", *rule]
 
 
 def _plot(path: Path, results: list[MethodResult], shape: dict, sel: Selection, info: dict) -> None:

@@ -51,7 +51,8 @@ def rows(results: Path) -> list[dict]:
                     # the two captures' prefills, when recorded (older cached captures did not record theirs)
                     "prefill": (payload.get("prefill_evaluation_s", 0) + payload.get("prefill_calibration_s", 0)) / 60
                     or None,
-                    "evaluation": sum(payload.get(k, 0) for k in ("basis_rule_s", "per_layer_plan_s", "evaluation_s"))
+                    "evaluation": sum(payload.get(k, 0) for k in ("basis_rule_s", "gains_rule_s", "per_layer_plan_s",
+                                                                   "evaluation_s"))
                     / 60 or None})
     return out
 

@@ -57,6 +57,9 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
                                         for gains in ("", "[gains]")}
     assert summary["fathom_family"] == "fathom-mixed" and 0 <= summary["heads_rotated"] <= 8
     assert summary["fathom48_error"] == records["fathom-mixed@48"]["rel_error"]
+    gains = summary["gains_rule_errors"]  # decided on calibration text like the basis rule, and recorded
+    assert set(gains) == {"design", "calibrated"} and summary["gains_rule"] == min(gains, key=gains.get)
+    assert payload["gains_rule_s"] >= 0
     # --replot remakes the same summary and files from the records alone
     path = tmp_path / "fidelity-synthetic-quick.json"
     (tmp_path / "fidelity-synthetic-quick.md").unlink()
