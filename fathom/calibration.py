@@ -29,7 +29,7 @@ import numpy as np
 
 from fathom.capture import Capture
 from fathom.methods import BASES, HeadStats
-from fathom.quantize import BLOCK, MAX_DEPTH, quantize
+from fathom.quantize import BLOCK, MAX_DEPTH, dequantize, pack_planes, quantize
 from fathom.waterfill import calibrated_gains
 
 
@@ -100,13 +100,11 @@ def plane_drops(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     drops, scale2 = [], []
     for k in flat:
         codes, scales = quantize(k)  # uint8 [n, d], float16 [d, nb]
-        delta = np.repeat(scales.astype(np.float64).T / 8, BLOCK, axis=0)  # [n, d] cell width at depth 4
+        planes = pack_planes(codes)
         k64 = k.astype(np.float64)
         variance = [k64.var(axis=0)]
-        for t in range(1, MAX_DEPTH + 1):
-            cell = 2.0 ** (MAX_DEPTH - t)  # the t-bit code's cell, in 4-bit cells: its midpoint reconstructs
-            k_hat = (((codes >> (MAX_DEPTH - t)).astype(np.float64) + 0.5) * cell - 8.0) * delta
-            variance.append((k64 - k_hat).var(axis=0))
+        for t in range(1, MAX_DEPTH + 1):  # the keys as the scan reads them at depth t
+            variance.append((k64 - dequantize(planes, scales, np.full(k.shape[1], t))).var(axis=0))
         drops.append(-np.diff(np.stack(variance, axis=-1), axis=-1))
         scale2.append(np.square(scales.astype(np.float64)).mean(axis=1))
     shape = keys.shape[:-2] + (keys.shape[-1],)
