@@ -54,22 +54,20 @@ COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
            ("mean_depth", "depth", ".2f")]
 
 
-def fathom_families(per_head: bool) -> list[str]:
-    """The fathom curves every result reports: each store (raw, rotated and, once the per-head rule has run,
-    the per-head store), each with design §5's plane gains and with the calibrated gain table."""
-    stores = ["fathom", "fathom-rotated"] + (["fathom-mixed"] if per_head else [])
-    return [f + tag for f in stores for tag in ("", "[gains]")]
+# The fathom curves every run reports: the raw, rotated and per-head stores, each with design §5's plane gains and
+# with the calibrated gain table (runs made before the per-head rule hold only the first four).
+FATHOM_FAMILIES = tuple(f + tag for f in ("fathom", "fathom-rotated", "fathom-mixed") for tag in ("", "[gains]"))
 
 
-def method_grid(d: int, basis: str, per_head: bool = False) -> list[M.Method]:
-    """Every method at matched bits: fathom flat budgets (reaching DS r = d/4's bits) on both stores and, with
-    ``per_head``, the per-head store, each with its basis' default σ² and with design §5's or the calibrated
-    plane gains (:func:`fathom_families`); the other σ² source on the preferred store; every baseline at the
-    design's channel fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136 bits at any d).
-    (Per-layer plans are added by :func:`run`.)"""
+def method_grid(d: int, basis: str) -> list[M.Method]:
+    """Every method at matched bits: fathom flat budgets (reaching DS r = d/4's bits) on the raw, rotated and
+    per-head stores, each with its basis' default σ² and with design §5's or the calibrated plane gains
+    (:data:`FATHOM_FAMILIES`); the other σ² source on the preferred store; every baseline at the design's channel
+    fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136 bits at any d). (Per-layer plans are added by
+    :func:`run`.)"""
     budgets = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
-    flat = [make(b, gains=g) for make in (M.fathom, M.fathom_rotated) + ((M.fathom_mixed,) if per_head else ())
-            for g in M.GAIN_SOURCES for b in budgets]
+    flat = [make(b, gains=g) for make in (M.fathom, M.fathom_rotated, M.fathom_mixed) for g in M.GAIN_SOURCES
+            for b in budgets]
     other = "calibration" if M.DEFAULT_VARIANCE[basis] == "store" else "store"
     other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, other) for b in (48, 64)]
     grid = flat + other_variance + M.baselines(d) + [M.sparq(16), M.double_sparsity(32)]
@@ -305,6 +303,12 @@ def equal_error_bits(curve: list[MethodResult], target: float) -> tuple[float | 
     return None, "not reached"
 
 
+def _double_sparsity(by_label: dict[str, MethodResult], d: int) -> tuple[tuple[str, MethodResult], ...]:
+    """The two Double Sparsity comparators by summary key suffix: DS-136 ("") and DS at r = d/4 ("_quarter")."""
+    return (("", by_label["double-sparsity@136"]),
+            ("_quarter", by_label[f"double-sparsity@{fixed_channel_bits(d // 4):g}"]))
+
+
 def family_summary(results: list[MethodResult], family: str, d: int) -> dict:
     """One fathom curve against the baselines: its error at 48 bits, whether that beats SparQ-68, and its
     equal-error savings vs Double Sparsity at r = d/4 and at 136 bits."""
@@ -314,8 +318,7 @@ def family_summary(results: list[MethodResult], family: str, d: int) -> dict:
     out = {"fathom48_error": fathom48.rel_error,
            "fathom48_beats_sparq68": fathom48.rel_error < by_label["sparq@68"].rel_error,
            "channels_touched_48": fathom48.channels_touched}
-    for key, ds in (("", by_label["double-sparsity@136"]),
-                    ("_quarter", by_label[f"double-sparsity@{fixed_channel_bits(d // 4):g}"])):
+    for key, ds in _double_sparsity(by_label, d):
         bits, how = equal_error_bits(curve, ds.rel_error)
         out.update({f"equal_error_bits{key}": bits, f"equal_error_how{key}": how,
                     f"equal_error_saving{key}": None if bits is None else ds.bits / bits})
@@ -337,26 +340,23 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
     by_label = {r.label: r for r in results}
     present = {r.method for r in results}
     family = "fathom-mixed" if "fathom-mixed" in present else ("fathom" if basis == "raw" else "fathom-rotated")
-    curve = [r for r in results if r.method == family]
     fathom48 = by_label[f"{family}@48"]
     sparq68 = by_label["sparq@68"]
+    families = {f: family_summary(results, f, d) for f in FATHOM_FAMILIES if f in present}
     summary = {"basis": basis, "variance": M.DEFAULT_VARIANCE[basis], "basis_rule_errors": basis_errors,
                "heads_rotated": heads_rotated, "gains_rule_errors": gains_errors,
                "gains_rule": None if gains_errors is None else min(gains_errors, key=gains_errors.get),
-               "families": {f: family_summary(results, f, d) for f in fathom_families(True) if f in present},
-               "fathom_family": family,
+               "families": families, "fathom_family": family,
                "fathom48_error": fathom48.rel_error, "sparq68_error": sparq68.rel_error,
                "fathom48_beats_sparq68": fathom48.rel_error < sparq68.rel_error,
                "oracle_error": by_label[f"oracle@{16 * d}"].rel_error,
                "channels_touched_48": fathom48.channels_touched, "mean_depth_48": fathom48.mean_depth,
                "fathom48_overlap": fathom48.oracle_overlap, "sparq68_overlap": sparq68.oracle_overlap}
-    for key, ds in (("", by_label["double-sparsity@136"]),
-                    ("_quarter", by_label[f"double-sparsity@{fixed_channel_bits(d // 4):g}"])):
-        bits, how = equal_error_bits(curve, ds.rel_error)
+    for key, ds in _double_sparsity(by_label, d):
         summary.update({f"ds{key}_label": ds.label, f"ds{key}_error": ds.rel_error,
                         f"ds{key}_overlap": ds.oracle_overlap,
-                        f"equal_error_bits{key}": bits, f"equal_error_how{key}": how,
-                        f"equal_error_saving{key}": None if bits is None else ds.bits / bits})
+                        **{f"equal_error_{what}{key}": families[family][f"equal_error_{what}{key}"]
+                           for what in ("bits", "how", "saving")}})
     mine = np.array(fathom48.rel_error_per_head)
     for key, other in (("ds_quarter", by_label[summary["ds_quarter_label"]]), ("sparq68", sparq68)):
         summary[f"heads_fathom48_worse_than_{key}"] = int((mine > np.array(other.rel_error_per_head)).sum())
@@ -410,7 +410,7 @@ def run(args: argparse.Namespace) -> Path:
         plans = plan_layers(calibration_capture, calibration, list(PLAN_MEANS), sel, basis, on_head=bar.update,
                             evaluator=evaluate_fn)
     seconds["per_layer_plan_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
-    methods = method_grid(d, basis, per_head=True) + plans
+    methods = method_grid(d, basis) + plans
     with tqdm(total=heads, desc=f"fidelity {name}", unit="head") as bar:
         results = evaluate_fn(capture, calibration, methods, sel, on_head=bar.update)
     seconds["evaluation_s"] = round(time.perf_counter() - tick, 1)
@@ -529,7 +529,7 @@ def _plot(path: Path, results: list[MethodResult], shape: dict, sel: Selection, 
         if family == "oracle":
             ax.axhline(rs[0].rel_error, color="k", ls=":", label=f"oracle (exact top-{sel.k})")
             continue
-        curve = family in fathom_families(True)  # the flat budgets of each store and gain model: a line
+        curve = family in FATHOM_FAMILIES  # the flat budgets of each store and gain model: a line
         style = ("--o" if "[gains]" in family else "-o") if curve else "s"
         ax.plot([r.bits_read for r in rs], [r.rel_error for r in rs], style, label=family, ms=5)
     ax.set_xscale("log", base=2)
