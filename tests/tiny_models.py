@@ -1,6 +1,8 @@
 """Tiny randomly initialised transformers models (no download), seeded: a GQA Llama and a Gemma-3 with QK-norm
 and sliding-window layers."""
 
+from types import MappingProxyType
+
 import torch
 import transformers
 
@@ -22,6 +24,11 @@ def tiny_offload_llama(layers: int = 1) -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
     return transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
+
+
+# What the offloaded backend's tests decode tiny_offload_llama with: a small k, so the step really selects, and a
+# capacity the tests' 70-token batch outgrows only where a test means it to; unpooled unless a test says otherwise.
+OFFLOAD_SETTINGS = MappingProxyType(dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False))
 
 
 def tiny_gemma3() -> transformers.Gemma3ForCausalLM:

@@ -16,7 +16,7 @@ from fathom.integrations.transformers import FathomCache
 from fathom.selection import Selection
 from tests.integrations.test_transformers import (  # noqa: F401  (_quiet_and_single_threaded: autouse here too)
     _cached, _calibration, _quiet_and_single_threaded, batch, generate)
-from tests.tiny_models import tiny_llama, tiny_offload_llama
+from tests.tiny_models import OFFLOAD_SETTINGS, tiny_llama, tiny_offload_llama
 
 
 # --- units ------------------------------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def test_the_per_head_store_decodes_each_head_on_the_store_it_chose_on_both_back
     model = tiny_offload_llama(layers=2)
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
     calibration = _calibration(np.random.default_rng(0), 2, 1, 16)
-    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
+    settings = OFFLOAD_SETTINGS
     for choice, same_as in ((["raw", "rotated"], None), (["raw", "raw"], "fathom"),
                             (["rotated", "rotated"], "fathom-rotated")):
         mixed = calibration.with_head_basis(np.array(choice)[:, None])
@@ -190,7 +190,7 @@ def test_an_hbm_budget_tiers_the_offloaded_store_and_decodes_the_same_tokens():
 
     model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
-    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
+    settings = OFFLOAD_SETTINGS
     layout = SessionShape(2, 1, 1, 2, 16, 80).cache_shape().layout
     two_planes_gb = 1.01 * 8 * replace(layout, hbm_planes=2).near_words / 1e9  # a third plane needs far more
     pinned = FathomCache(model, "fathom", backend="offloaded", **settings)
@@ -214,7 +214,7 @@ def test_a_row_cache_decodes_the_same_tokens():
 
     model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
-    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
+    settings = OFFLOAD_SETTINGS
     plain = FathomCache(model, "fathom", backend="offloaded", **settings)
     cached = FathomCache(model, "fathom", backend="offloaded", row_cache_rows=16, **settings)
     torch.testing.assert_close(generate(model, ids, mask, cached, new=4), generate(model, ids, mask, plain, new=4),
@@ -238,7 +238,7 @@ def test_offloaded_sessions_are_pooled_grown_and_continue_a_conversation_as_the_
 
     model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
-    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80)
+    settings = dict(OFFLOAD_SETTINGS, pool=True)
     reference = FathomCache(model, "fathom", backend="reference", **settings)
     expected = generate(model, ids, mask, reference, new=2)
     POOL.clear()

@@ -13,7 +13,7 @@ from fathom.cuda.interop import DEVICE
 from fathom.integrations.token_graph import decode
 from fathom.integrations.transformers import FathomCache
 from tests.integrations.test_transformers import batch
-from tests.tiny_models import tiny_gemma3, tiny_offload_llama
+from tests.tiny_models import OFFLOAD_SETTINGS, tiny_gemma3, tiny_offload_llama
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def test_the_token_graph_generates_what_generates_own_loop_does_and_continues_a_
     sessions, bound to the cache's new state."""
     model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
-    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=80, pool=False)
+    settings = OFFLOAD_SETTINGS
     eager = FathomCache(model, "fathom", backend="offloaded", **settings)
     expected = _generate(model, ids, mask, eager, new=2)
     cache = FathomCache(model, "fathom", backend="offloaded", **settings)
@@ -58,7 +58,7 @@ def test_an_eos_stop_leaves_its_token_in_the_cache_and_the_conversation_continue
     model = tiny_offload_llama()
     ids = torch.randint(3, 97, (1, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     mask = torch.ones_like(ids)
-    settings = dict(budget=20, k=6, sink=2, local=4, max_tokens=40, pool=False)
+    settings = dict(OFFLOAD_SETTINGS, max_tokens=40)
     eager = FathomCache(model, "fathom", backend="offloaded", **settings)
     first = _generate(model, ids, mask, eager, new=2)  # eager holds 25: the second new token is not fed
     eos = int(first[0, -1])
