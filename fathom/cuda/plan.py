@@ -1,10 +1,18 @@
 """Reverse water-filling for every stream of a layer in one launch (design §5).
 
 The twin of ``fathom.waterfill.waterfill_batched(importance(q, sigma2), budget)``,
-bit-for-bit away from exact ties: one CUDA block of ``THREADS`` threads per
-stream, channels strided over the threads, the 30 bisection steps in log θ with
-the reference's bounds and all-fit rule, the cost summed in quarter bits
-(integers, so exact in any order).
+bit-for-bit away from exact ties: one CUDA block per stream, the 30 bisection
+steps in log θ with the reference's bounds and all-fit rule, the cost summed in
+quarter bits (integers, so exact in any order).
+
+The bisection is latency-bound (one stream's 128 channels per block), so it
+decides ``split_bits`` steps per round: the round evaluates the cost at the
+``2^split_bits − 1`` midpoints those steps can reach (a complete binary tree,
+each midpoint formed by the same float64 halvings the sequential steps would
+make), one midpoint per lane and the channels split over the warps, then
+thread 0 walks the tree by the costs. The steps taken, and so θ, are the
+sequential bisection's exactly: 6 rounds of 31 midpoints replace 30 dependent
+steps.
 
 Precision: the bisection runs in float64 like the reference. A float32 θ has a
 relative resolution of 6e-8, coarser than the bisection's final interval
@@ -27,31 +35,43 @@ import math
 import numpy as np
 from numba import cuda
 
+from fathom.cuda.interop import SIMULATED
 from fathom.quantize import BLOCK, MAX_DEPTH
 from fathom.waterfill import BISECTION_STEPS
 
-THREADS = 32
+THREADS = 32  # SparQ's top channels: one block per stream
 MAX_D = 512  # shared-memory size of one stream's importances
+MAX_THREADS = 256  # water-filling: 32 lanes (midpoints) × up to 8 warps (channel slices)
+MAX_SPLIT_BITS = 5  # 31 midpoints per round: one per lane
+# The simulator runs every thread in Python: one step per round and one warp cost it the least.
+WATERFILL_THREADS = 32 if SIMULATED else MAX_THREADS
+SPLIT_BITS = 1 if SIMULATED else MAX_SPLIT_BITS
 
 
 @cuda.jit(cache=True)
-def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_session, budget_quarters, depths):
+def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_session, budget_quarters, split_bits,
+                      depths):
     """q float32 [streams, G, d], sigma2 / scale_sq_sum float64 [streams, d], from_store uint8 [streams] -> depths
     int8 [streams, d].
 
     A stream with ``from_store`` set reads σ² as the mean of the store's squared block scales over its sealed blocks
     (``scale_sq_sum`` / blocks, ``lengths`` on the GPU, as ``fathom.decode.HeadIndex.store_variance`` divides); the
-    others read ``sigma2`` (calibration)."""
+    others read ``sigma2`` (calibration). The block's threads are ``lanes`` (at most 32) × channel slices."""
     g = cuda.blockIdx.x
     blocks = max(lengths[g // heads_per_session] // BLOCK, 1)
     t = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
+    lanes = min(32, n_threads)
+    lane = t % lanes
+    part = t // lanes  # this thread's channel slice
+    parts = n_threads // lanes
     n_heads = q.shape[1]
     d = q.shape[2]
     w = cuda.shared.array(MAX_D, np.float64)
-    part_cost = cuda.shared.array(THREADS, np.int64)
-    part_max = cuda.shared.array(THREADS, np.float64)
-    part_min = cuda.shared.array(THREADS, np.float64)
+    part_cost = cuda.shared.array(MAX_THREADS, np.int64)  # [slice, midpoint] in the rounds
+    part_max = cuda.shared.array(MAX_THREADS, np.float64)
+    part_min = cuda.shared.array(MAX_THREADS, np.float64)
+    cost = cuda.shared.array(32, np.int64)  # each midpoint's cost, heap order from the root
     bounds = cuda.shared.array(3, np.float64)  # log_lo, log_hi, all_fit
 
     my_max = 0.0
@@ -73,11 +93,17 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
     part_min[t] = my_min
     part_cost[t] = my_all
     cuda.syncthreads()
+    if t < lanes:  # max, min and an integer sum: exact in any order
+        for i in range(t + lanes, n_threads, lanes):
+            part_max[t] = max(part_max[t], part_max[i])
+            part_min[t] = min(part_min[t], part_min[i])
+            part_cost[t] += part_cost[i]
+    cuda.syncthreads()
     if t == 0:
         w_max = 0.0
         w_min = np.inf
         cost_all = 0
-        for i in range(n_threads):
+        for i in range(lanes):
             w_max = max(w_max, part_max[i])
             w_min = min(w_min, part_min[i])
             cost_all += part_cost[i]
@@ -90,23 +116,44 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
         bounds[2] = 1.0 if cost_all <= budget_quarters else 0.0
     cuda.syncthreads()
 
-    for _ in range(BISECTION_STEPS):
-        theta = math.exp(0.5 * (bounds[0] + bounds[1]))
-        cost = 0
-        for c in range(t, d, n_threads):
-            b = _depth_at(w[c], theta)
-            cost += 4 * b + (1 if b > 0 else 0)
-        part_cost[t] = cost
+    midpoints = (1 << split_bits) - 1
+    for _ in range(BISECTION_STEPS // split_bits):
+        for m in range(lane, midpoints, lanes):
+            node = m + 1  # heap index: its bits below the leading one are the path (0: the cost fit)
+            level = 0
+            while (node >> (level + 1)) > 0:
+                level += 1
+            lo = bounds[0]
+            hi = bounds[1]
+            for bit in range(level - 1, -1, -1):
+                mid = 0.5 * (lo + hi)
+                if (node >> bit) & 1:
+                    lo = mid
+                else:
+                    hi = mid
+            theta = math.exp(0.5 * (lo + hi))
+            mine = 0
+            for c in range(part, d, parts):
+                b = _depth_at(w[c], theta)
+                mine += 4 * b + (1 if b > 0 else 0)
+            part_cost[part * 32 + m] = mine
         cuda.syncthreads()
-        if t == 0:
+        for m in range(t, midpoints, n_threads):
             total = 0
-            for i in range(n_threads):
-                total += part_cost[i]
-            mid = 0.5 * (bounds[0] + bounds[1])
-            if total <= budget_quarters:
-                bounds[1] = mid
-            else:
-                bounds[0] = mid
+            for x in range(parts):
+                total += part_cost[x * 32 + m]
+            cost[m] = total
+        cuda.syncthreads()
+        if t == 0:  # the sequential steps, their costs known
+            node = 1
+            for _ in range(split_bits):
+                mid = 0.5 * (bounds[0] + bounds[1])
+                if cost[node - 1] <= budget_quarters:
+                    bounds[1] = mid
+                    node = 2 * node
+                else:
+                    bounds[0] = mid
+                    node = 2 * node + 1
         cuda.syncthreads()
 
     theta = math.exp(bounds[1])
@@ -127,8 +174,9 @@ def _depth_at(wc, theta):
 
 
 def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, lengths, heads_per_session: int = 1,
-              threads: int = THREADS, stream=0) -> None:
-    """Depths of every stream under ``budget`` bits per token, one block per stream.
+              threads: int = WATERFILL_THREADS, split_bits: int = SPLIT_BITS, stream=0) -> None:
+    """Depths of every stream under ``budget`` bits per token, one block of ``threads`` per stream (at most 32, or a
+    multiple of 32 up to 256), ``split_bits`` bisection steps decided per round (1, 2, 3 or 5: a divisor of 30).
 
     Args:
         q: float32 device array ``[streams, G, d]`` (the G query heads of each KV head, in the store's basis).
@@ -151,14 +199,17 @@ def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, length
         raise ValueError(f"from_store must be uint8 [{streams}], got {from_store.dtype} {from_store.shape}")
     if depths.shape != (streams, d) or depths.dtype != np.int8:
         raise ValueError(f"depths must be int8 {(streams, d)}, got {depths.dtype} {depths.shape}")
-    if d > MAX_D or not 1 <= threads <= THREADS:
-        raise ValueError(f"d must be <= {MAX_D} and threads in 1..{THREADS}, got d = {d}, threads = {threads}")
+    if d > MAX_D or not (1 <= threads <= 32 or (threads <= MAX_THREADS and threads % 32 == 0)):
+        raise ValueError(f"d must be <= {MAX_D} and threads in 1..32 or a multiple of 32 up to {MAX_THREADS}, "
+                         f"got d = {d}, threads = {threads}")
+    if not 1 <= split_bits <= MAX_SPLIT_BITS or BISECTION_STEPS % split_bits:
+        raise ValueError(f"split_bits must divide {BISECTION_STEPS} and lie in 1..{MAX_SPLIT_BITS}, got {split_bits}")
     if not math.isfinite(budget) or budget < 0:
         raise ValueError(f"budget must be finite and >= 0 bits per token, got {budget}")
     if streams:
         # cost <= budget  <=>  4 * cost <= 4 * budget: quarter bits are integers, 4 * budget is exact
         _waterfill_kernel[streams, threads, stream](q, sigma2, scale_sq_sum, from_store, lengths, heads_per_session,
-                                                   4.0 * float(budget), depths)
+                                                   4.0 * float(budget), split_bits, depths)
 
 
 @cuda.jit(cache=True)

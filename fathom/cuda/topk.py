@@ -2,15 +2,16 @@
 
 ``select`` is the twin of ``fathom.selection.select`` (exactly, ties to the earlier token): a radix select of the
 k-th largest score on order-preserving uint32 keys. The scan (``fathom.cuda.scan`` / ``exact``) already counted
-the top key byte (sign and exponent) of every candidate, so the pass over the scores knows the k-th largest's
-byte: tokens above it win outright, and those in its bin are appended to a candidate list — one read of the
-scores. Real scores often crowd into one binade (a shared offset q · mean(k)); when the bin holds more than
-``WIDE_BIN`` tokens, a first pass counts the bin's second key byte instead and a second pass over the scores
-appends only the tokens of that byte's bin (scores read twice, and only then). One CTA per head then finishes the
-remaining key bytes on the short list and breaks ties at the threshold by a radix select on token index, ascending.
-Sink, local and the unsealed tail are kept by every head. Histograms are counted per thread run (a thread's tokens
-in one bin add once) and per warp group, so crowded bins do not serialise on one shared counter; the list is
-appended at block-scan offsets, one global reservation per CTA.
+the top key byte (sign and exponent) of every candidate, so the passes over the scores know the k-th largest's top
+byte. Real scores crowd into one or two binades (a shared offset q · mean(k)): at 128k every candidate of a head
+can share the top byte. So a first pass marks the tokens above that byte and counts the second key byte of the
+tokens in its bin; a second pass marks the tokens above the k-th's second byte and appends those in its bin to a
+candidate list (measured on the H200 at 32k × 16: the list of the top byte alone, ~32k a head, made one CTA per head
+walk it three times: 2.1× slower). One CTA per head then finishes the two low key bytes on the short list and breaks
+ties at the threshold by a radix select on token index, ascending. Sink, local and the unsealed tail are kept by
+every head. Histograms are counted per thread run (a thread's tokens in one bin add once) and per warp group, so
+crowded bins do not serialise on one shared counter; the list is appended at block-scan offsets, one global
+reservation per CTA. (Loading 8 scores per thread before using them was measured 10-20% slower on the H200.)
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
@@ -31,7 +32,6 @@ from fathom.quantize import BLOCK
 
 MAX_THREADS = 1024
 WORDS_PER_THREAD = 4  # bitmap words (64 tokens each) per thread of the row compaction
-WIDE_BIN = 32768  # a top-byte bin with more candidates than this is split by its second byte first
 SUB_HISTOGRAMS = 8  # per-warp-group histograms of the tie passes
 
 
@@ -108,10 +108,12 @@ def _add_run(hist, digit, last, run):
 
 
 @cuda.jit(cache=True)
-def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, wide_bin, top_hist,
-                       hist2, winners, any_rows, cand_key, cand_idx, cand_count):
-    """Grid (chunks, G, streams), one pass over the scores of a chunk for head h (``level`` 0 or 1, see the module).
-    Block (0, 0) of each stream also keeps sink, local and tail, in level 0."""
+def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hist2,
+                       winners, any_rows, cand_key, cand_idx, cand_count):
+    """Grid (chunks, G, streams), one pass over the scores of a chunk for head h: ``level`` 0 marks the tokens above
+    the k-th's top byte and counts the second byte of those in its bin; level 1 marks the tokens above its second
+    byte and appends those in its bin (see the module). Block (0, 0) of each stream also keeps sink, local and tail,
+    in level 0."""
     h = cuda.blockIdx.y
     g = cuda.blockIdx.z
     t = cuda.threadIdx.x
@@ -134,41 +136,35 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
                 _mark(winners, any_rows, g, j, bit)
         return
     hist = cuda.shared.array(RADIX, np.int32)
-    state = cuda.shared.array(6, np.int64)  # digit 1, wanted in its bin, its count, digit 2, list base, -
+    state = cuda.shared.array(6, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2 (its count
+    # then replaced by the CTA's list base)
     _kth_digit(top_hist, g, h, k, hist, state, t, n_threads)
     digit1 = np.uint32(state[0])
-    digit2 = np.uint32(0)
-    wide = state[2] > wide_bin
-    if level == 1 and not wide:
-        return
     if level == 1:
         _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
-        digit2 = np.uint32(state[3])
-    elif wide:  # level 0 of a crowded bin: count its second byte
+    else:
         for i in range(t, RADIX, n_threads):
             hist[i] = 0
         cuda.syncthreads()
+    digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
     matches = 0
     last = np.uint32(RADIX)
     run = 0
     for j in range(start + t, stop, n_threads):
         key = order_key(score_bits[g, h, j])
         top = key >> np.uint32(24)
+        second = (key >> np.uint32(16)) & np.uint32(0xFF)
         if level == 0:
             if top > digit1:
                 _mark(winners, any_rows, g, j, bit)
             elif top == digit1:
-                if wide:
-                    last, run = _add_run(hist, (key >> np.uint32(16)) & np.uint32(0xFF), last, run)
-                else:
-                    matches += 1
+                last, run = _add_run(hist, second, last, run)
         elif top == digit1:
-            second = (key >> np.uint32(16)) & np.uint32(0xFF)
             if second > digit2:
                 _mark(winners, any_rows, g, j, bit)
             elif second == digit2:
                 matches += 1
-    if level == 0 and wide:
+    if level == 0:
         if run:
             cuda.atomic.add(hist, last, run)
         cuda.syncthreads()
@@ -181,15 +177,16 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
     counts[t] = matches
     offset, total = exclusive_scan(counts, t, n_threads)
     if t == 0:
-        state[4] = cuda.atomic.add(cand_count, (g, h), np.int32(total))
+        state[5] = cuda.atomic.add(cand_count, (g, h), np.int32(total))
     cuda.syncthreads()
-    pos = state[4] + offset
-    for j in range(start + t, stop, n_threads):
-        key = order_key(score_bits[g, h, j])
-        if key >> np.uint32(24) == digit1 and (level == 0 or (key >> np.uint32(16)) & np.uint32(0xFF) == digit2):
-            cand_key[g, h, pos] = key
-            cand_idx[g, h, pos] = j
-            pos += 1
+    pos = state[5] + offset
+    if matches:
+        for j in range(start + t, stop, n_threads):
+            key = order_key(score_bits[g, h, j])
+            if key >> np.uint32(16) == (digit1 << np.uint32(8)) | digit2:
+                cand_key[g, h, pos] = key
+                cand_idx[g, h, pos] = j
+                pos += 1
 
 
 @cuda.jit(device=True, inline=True)
@@ -215,10 +212,10 @@ def _tie_pass(cand_key, cand_idx, g, h, m, on_index, shift, prefix, mask, thresh
 
 
 @cuda.jit(cache=True)
-def _ties_kernel(lengths, heads_per_session, k, sink, local, wide_bin, top_hist, hist2, cand_key, cand_idx, cand_count,
-                 winners, any_rows):
-    """One CTA per (head, stream): the remaining key bytes over the candidate list, then ties at the threshold by
-    token index (earliest first), then the winners. Leaves ``top_hist``, ``hist2`` and ``cand_count`` zero."""
+def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hist2, cand_key, cand_idx, cand_count, winners,
+                 any_rows):
+    """One CTA per (head, stream): the two low key bytes over the candidate list, then ties at the threshold by token
+    index (earliest first), then the winners. Leaves ``top_hist``, ``hist2`` and ``cand_count`` zero."""
     h = cuda.blockIdx.x
     g = cuda.blockIdx.y
     t = cuda.threadIdx.x
@@ -231,20 +228,12 @@ def _ties_kernel(lengths, heads_per_session, k, sink, local, wide_bin, top_hist,
     if hi - lo > k:
         m = cand_count[g, h]
         _kth_digit(top_hist, g, h, k, hist, state, t, n_threads)
-        wide = state[2] > wide_bin
-        if wide:
-            _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
-        prefix = np.uint32(state[0] << 24)
-        mask = np.uint32(0xFF000000)
-        remaining = state[1]
-        first = 0
-        if wide:
-            prefix |= np.uint32(state[3] << 16)
-            mask = np.uint32(0xFFFF0000)
-            remaining = state[4]
-            first = 1
+        _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
+        prefix = np.uint32(state[0] << 24) | np.uint32(state[3] << 16)
+        mask = np.uint32(0xFFFF0000)
+        remaining = state[4]
         cuda.syncthreads()
-        for pass_ in range(first, 3):  # key bytes, largest first
+        for pass_ in range(1, 3):  # the two low key bytes, larger first
             shift = np.uint32(16 - 8 * pass_)
             _tie_pass(cand_key, cand_idx, g, h, m, False, shift, prefix, mask, 0, subs, hist, t, n_threads)
             _find_digit(hist, remaining, True, state[6:], t, n_threads)
@@ -342,7 +331,7 @@ def _write_rows_kernel(any_rows, winners, lengths, heads_per_session, block_rows
 
 def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hist2, cand_key,
            cand_idx, cand_count, winners, any_rows, threads: int = 256, select_threads: int = MAX_THREADS,
-           per_block: int = 8192, wide_bin: int = WIDE_BIN, stream=0) -> None:
+           per_block: int = 8192, stream=0) -> None:
     """Each head's top-k among its candidates (sealed tokens but sink and local), plus sink, local and tail for every
     head, marked in ``winners`` (bit h) and ``any_rows``.
 
@@ -355,8 +344,7 @@ def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local
             (left zero).
         winners: uint32 ``[streams, T]`` and any_rows: uint64 ``[streams, ceil(T / 64)]``, zero as allocated and as
             :func:`union_rows` leaves them.
-        per_block: tokens per CTA of the passes over the scores; wide_bin: the bin size above which a second pass
-            splits the k-th top-byte bin by its second byte.
+        per_block: tokens per CTA of the two passes over the scores.
     """
     streams, heads, tokens = score_bits.shape
     if score_bits.dtype != np.uint32 or winners.shape != (streams, tokens) \
@@ -374,9 +362,9 @@ def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local
         chunks = (math.ceil(tokens / per_block), heads, streams)
         for level in (0, 1):
             _candidates_kernel[chunks, threads, stream](score_bits, lengths, heads_per_session, k, sink, local,
-                                                        per_block, level, wide_bin, top_hist, hist2, winners, any_rows,
+                                                        per_block, level, top_hist, hist2, winners, any_rows,
                                                         cand_key, cand_idx, cand_count)
-        _ties_kernel[(heads, streams), select_threads, stream](lengths, heads_per_session, k, sink, local, wide_bin,
+        _ties_kernel[(heads, streams), select_threads, stream](lengths, heads_per_session, k, sink, local,
                                                               top_hist, hist2, cand_key, cand_idx, cand_count, winners,
                                                               any_rows)
 

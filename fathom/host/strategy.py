@@ -85,9 +85,9 @@ class WaterfillDepths:
         sigma2 = sums if self.sigma2 is None else as_array(self.sigma2[layer])
         from_store = as_array(self.from_store[layer])
         budget, lengths, depths = self.budgets[layer], store.arrays["lengths"], as_array(buf.depths)
-        heads, threads = shape.kv_heads, min(PLAN_THREADS, shape.head_dim)
-        return lambda stream: waterfill(q_store, sigma2, sums, from_store, budget, depths, lengths, heads, threads,
-                                        stream)
+        heads = shape.kv_heads
+        return lambda stream: waterfill(q_store, sigma2, sums, from_store, budget, depths, lengths, heads,
+                                        stream=stream)
 
 
 class TopChannelDepths:

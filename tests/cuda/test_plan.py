@@ -1,6 +1,7 @@
 """fathom.cuda.plan against fathom.waterfill.waterfill_batched and SparQ's policy: depths equal bit for bit."""
 
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from numba import cuda
@@ -21,8 +22,11 @@ def _gaps_ok(w: np.ndarray) -> bool:
 
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), heads=st.sampled_from([1, 2, 4]),
-       d=st.sampled_from([8, 16, 40]), budget=st.floats(0, 80), zeros=st.integers(0, 3))
-def test_waterfill_matches_reference(seed, streams, heads, d, budget, zeros):
+       d=st.sampled_from([8, 16, 40]), budget=st.floats(0, 80), zeros=st.integers(0, 3),
+       launch=st.sampled_from([(32, 1), (8, 3), (64, 5), (32, 2)]))
+def test_waterfill_matches_reference(seed, streams, heads, d, budget, zeros, launch):
+    """Every launch shape (threads, bisection steps per round) reaches the reference's depths: the rounds take the
+    sequential steps exactly."""
     rng = np.random.default_rng(seed)
     q = (rng.standard_normal((streams, heads, d)) * np.exp(rng.uniform(-3, 3, d))).astype(np.float32)
     q[:, :, :zeros] = 0  # channels of zero importance are never read
@@ -31,7 +35,9 @@ def test_waterfill_matches_reference(seed, streams, heads, d, budget, zeros):
     assume(_gaps_ok(w))
     depths = cuda.to_device(np.full((streams, d), -1, np.int8))
     sigma2_gpu = cuda.to_device(sigma2)
-    waterfill(cuda.to_device(q), sigma2_gpu, sigma2_gpu, _sources(streams, 0), budget, depths, _lengths(streams))
+    threads, split_bits = launch
+    waterfill(cuda.to_device(q), sigma2_gpu, sigma2_gpu, _sources(streams, 0), budget, depths, _lengths(streams),
+              threads=threads, split_bits=split_bits)
     np.testing.assert_array_equal(depths.copy_to_host(), waterfill_batched(w, budget))
 
 
@@ -84,3 +90,13 @@ def test_all_zero_and_all_fit():
     sigma2_gpu = cuda.to_device(sigma2)
     waterfill(cuda.to_device(q), sigma2_gpu, sigma2_gpu, _sources(2, 0), 1000.0, depths, _lengths(2))
     np.testing.assert_array_equal(depths.copy_to_host(), [[0] * 8, [4] * 8])
+
+
+def test_waterfill_refuses_launch_shapes_it_cannot_split():
+    q = cuda.to_device(np.ones((1, 1, 8), np.float32))
+    sigma2 = cuda.to_device(np.ones((1, 8)))
+    depths = cuda.to_device(np.zeros((1, 8), np.int8))
+    for threads, split_bits in ((40, 1), (512, 1), (32, 4), (32, 6), (32, 0)):
+        with pytest.raises(ValueError, match="threads|split_bits"):
+            waterfill(q, sigma2, sigma2, _sources(1, 0), 10.0, depths, _lengths(1), threads=threads,
+                      split_bits=split_bits)

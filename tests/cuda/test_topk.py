@@ -23,9 +23,10 @@ def _scores(rng, streams, heads, tokens, levels):
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**31), sessions=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]),
        heads=st.sampled_from([1, 3]), k=st.integers(0, 70), sink=st.integers(0, 5), local=st.integers(0, 40),
-       levels=st.sampled_from([2, 1000]), threads=st.sampled_from([32, 64]), wide_bin=st.sampled_from([4, 32768]))
-def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, sink, local, levels, threads, wide_bin):
-    """wide_bin = 4 takes the two-pass path (the k-th top-byte bin split by its second byte) on these small cases."""
+       levels=st.sampled_from([2, 1000]), threads=st.sampled_from([32, 64]), per_block=st.sampled_from([40, 320]))
+def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, sink, local, levels, threads, per_block):
+    """Both passes over the scores split across CTAs (per_block = 40) or not (320): the k-th's top-byte bin is split
+    by its second byte on every path."""
     rng = np.random.default_rng(seed)
     tokens = 320
     lengths = rng.integers(1, tokens + 1, sessions).astype(np.int32)
@@ -44,8 +45,8 @@ def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, si
     cand_count = cuda.to_device(np.zeros((streams, heads), np.int32))
     lengths_dev = cuda.to_device(lengths)
     select(cuda.to_device(scores.view(np.uint32)), lengths_dev, kv_heads, k, sink, local, top_hist, hist2, cand_key,
-           cand_idx, cand_count, winners, any_rows, threads=threads, select_threads=threads, per_block=40,
-           wide_bin=wide_bin)
+           cand_idx, cand_count, winners, any_rows, threads=threads, select_threads=threads,
+           per_block=per_block)
     assert not top_hist.copy_to_host().any() and not hist2.copy_to_host().any()  # zero for the next step
     assert not cand_count.copy_to_host().any()
 
