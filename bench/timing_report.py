@@ -78,6 +78,7 @@ def _setting_label(r: dict) -> str:
 
 
 COLUMNS = [("label", "method@bits", "s"), ("mode", "mode", "s"), ("gpu_ms", "GPU ms", ".2f"),
+           ("tokens_per_s", "tokens / s (GPU)", ".0f"),
            ("wall_ms", "wall ms", ".2f"), ("wall_over_gpu", "wall / GPU", ".2f"),
            ("host_us_per_layer", "host µs / layer", ".0f"), ("floor_ms", "floor ms", ".2f"),
            ("gpu_over_floor", "GPU / floor", ".2f"), ("speedup_vs_ds136", "GPU × vs DS-136", ".2f"),
@@ -101,6 +102,7 @@ def markdown(payload: dict) -> str:
         lines += [f"### {_setting_label(r0)}, store in {'pinned host memory' if regime == 'host' else 'HBM'} "
                   f"({r0['physical_layers']} physical layers)", ""]
         table = [{**r, "scan_mb": r["scan_bytes"] / 1e6, "row_mb": r["row_bytes"] / 1e6,
+                  "tokens_per_s": r["sessions"] * 1e3 / r["gpu_ms"],  # records before it was recorded
                   "row_link_mb": r.get("row_link_bytes", r["row_bytes"]) / 1e6} for r in rows]
         lines += [markdown_table(table, COLUMNS), ""]
         eager = [r for r in rows if r["mode"] == "eager" and r["stages_ms"]]

@@ -213,6 +213,7 @@ def records(run: Run, labels: list[str], link_gbps: float, hbm_gbps: float, args
                         "layers": LAYERS, "physical_layers": run.physical, "regime": run.setting.regime,
                         "mode": mode, "reps": len(sample["gpu"]),
                         "gpu_ms": statistics.median(sample["gpu"]), "wall_ms": statistics.median(sample["wall"]),
+                        "tokens_per_s": run.setting.sessions * 1e3 / statistics.median(sample["gpu"]),
                         "host_ms": statistics.median(sample["host"]),
                         "host_us_per_layer": statistics.median(sample["host"]) * 1e3 / LAYERS,
                         "scan_bytes": scan, "row_bytes": rows, "row_link_bytes": read["row_link"],
