@@ -29,8 +29,12 @@ the host),
 ``attention_gpu_ms`` (every layer's Fathom step of one token, replayed on the cache the run left, CUDA events,
 GPU queued behind a sleep so the host is not timed), ``hbm_gb`` (peak torch allocation, weights included),
 ``pinned_gb`` (the Fathom store's pinned host memory), ``prefill_vs_hf`` (prefill / hf-sdpa's).
-``--compile-probe`` also times the first offloaded decode of a fresh process with Numba's kernel cache empty and
-then filled (``process_cold_s``, ``process_warm_s``).
+``--compile-probe`` also times, in fresh processes, the first offloaded decode (:data:`PROBE`) with Numba's kernel
+cache empty (``process_cold_s``) and then filled by that run (``process_warm_s``), the warm-up command a deployment
+runs first (:data:`WARMUP`, ``warmup_s``, its own cache empty) and the first offloaded decode after it
+(``process_after_warmup_s``), with the kernel signatures each probe compiled (``cold_kernels_compiled``,
+``after_warmup_kernels_compiled``: 0 when the warm-up covers the decode). Each cache is a temporary
+``NUMBA_CACHE_DIR``: the package's own kernel cache is left as it is.
 
 Writes ``generate-<name>.json``, ``.md`` and ``.png``; ``--readme docs/results.md`` rewrites the table there.
 """
@@ -39,9 +43,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,8 +79,11 @@ with HostKVCache(CacheShape(sessions=1, layers=1, kv_heads=8, head_dim=128, max_
     decoder = Decoder(cache, DecoderSettings(methods.fathom(48), Selection(k=256)), group_size=4)
     StepGraph(decoder, append=True)(torch.randn(1, 32, 128, device="cuda"), k[:, :, :1], k[:, :, :1])
     torch.cuda.synchronize()
-print(time.perf_counter() - t)
+seconds = time.perf_counter() - t
+from fathom.cuda import kernel_cache
+print(seconds, sum(use.compiled for use in kernel_cache.use().values()))
 """
+WARMUP = ("--head-dim", "128", "--group-size", "4")  # python -m fathom.integrations.warmup: PROBE's shape, every method
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-tokens", type=int, default=256,
                         help="tokens of a conversation's second turn, fed to the pooled call's cache (0: no turn)")
     parser.add_argument("--compile-probe", action="store_true", help="time a fresh process's first offloaded "
-                        "decode with the kernel cache empty and filled")
+                        "decode with the kernel cache empty, filled, and filled by the warm-up command (timed too)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     parser.add_argument("--name", default="run", help="results are generate-<name>.{json,md,png}")
     parser.add_argument("--readme", type=Path, default=None, help="rewrite this file's table (docs/results.md)")
@@ -146,8 +155,7 @@ def run(args: argparse.Namespace) -> Path:
     records, probe = [], None
     if args.compile_probe:
         probe = compile_probe()
-        print(f"fresh process, first offloaded decode: {probe['process_cold_s']:.1f} s with the kernel cache empty, "
-              f"{probe['process_warm_s']:.1f} s filled")
+        print(probe_sentence(probe))
     for model_name in args.models:
         model = build_model(model_name)
         for context in args.contexts:
@@ -452,18 +460,42 @@ def _replay_gpu_ms(replay, reps: int) -> float:
 
 
 def compile_probe() -> dict:
-    """A fresh process's first offloaded decode (import, pinned memory, kernel compile or load, capture), with
-    Numba's kernel cache for this package emptied first, then again with it filled."""
-    from fathom.cuda import interop
+    """A fresh process's first offloaded decode (:data:`PROBE`: import, pinned memory, kernel compile or load,
+    capture) with Numba's kernel cache empty, then again with it filled by that run; the warm-up command
+    (:data:`WARMUP`) in a fresh process on another empty cache, and the first offloaded decode after it. Each cache
+    is a temporary ``NUMBA_CACHE_DIR`` (Numba then reads no other): the package's own is left as it is."""
+    with tempfile.TemporaryDirectory() as probed, tempfile.TemporaryDirectory() as warmed:
+        cold_s, cold_compiled = _probe(probed)
+        warm_s, _ = _probe(probed)
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "fathom.integrations.warmup", *WARMUP], capture_output=True, text=True,
+                       check=True, env={**os.environ, "NUMBA_CACHE_DIR": warmed})
+        warmup_s = time.perf_counter() - start
+        after_s, after_compiled = _probe(warmed)
+    return {"process_cold_s": cold_s, "process_warm_s": warm_s, "cold_kernels_compiled": cold_compiled,
+            "warmup_command": " ".join(("python -m fathom.integrations.warmup",) + WARMUP), "warmup_s": warmup_s,
+            "process_after_warmup_s": after_s, "after_warmup_kernels_compiled": after_compiled}
 
-    folder = interop.PACKAGE / "cuda" / "__pycache__"
-    for path in folder.glob("*.nb[ic]"):
-        path.unlink()
-    times = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
-        times.append(float(done.stdout.strip().splitlines()[-1]))
-    return {"process_cold_s": times[0], "process_warm_s": times[1]}
+
+def _probe(cache: str) -> tuple[float, int]:
+    """:data:`PROBE` in a fresh process whose Numba caches kernels in ``cache``: its seconds and the kernel signatures
+    it compiled."""
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
+                          env={**os.environ, "NUMBA_CACHE_DIR": cache})
+    seconds, compiled = done.stdout.split()[-2:]
+    return float(seconds), int(compiled)
+
+
+def probe_sentence(probe: dict) -> str:
+    """What :func:`compile_probe` measured, in words (a probe recorded before the warm-up command existed has only
+    its first two times)."""
+    text = (f"A fresh process's first offloaded decode: {probe['process_cold_s']:.1f} s with Numba's kernel cache "
+            f"empty, {probe['process_warm_s']:.1f} s with it filled")
+    if "warmup_s" not in probe:
+        return text + "."
+    return (text + f" ({probe['cold_kernels_compiled']} kernel signatures compiled when empty); after the warm-up "
+            f"command `{probe['warmup_command']}` ({probe['warmup_s']:.1f} s in a fresh process, its cache empty) "
+            f"{probe['process_after_warmup_s']:.1f} s, compiling {probe['after_warmup_kernels_compiled']}.")
 
 
 def _line(r: dict) -> str:
@@ -495,8 +527,7 @@ def markdown(payload: dict) -> str:
                                                  f"({r['error']})" for r in failed)
     probe = payload.get("compile_probe")
     if probe:
-        text += (f"\n\nA fresh process's first offloaded decode: {probe['process_cold_s']:.1f} s with Numba's kernel "
-                 f"cache empty, {probe['process_warm_s']:.1f} s with it filled.")
+        text += "\n\n" + probe_sentence(probe)
     return text
 
 

@@ -121,7 +121,12 @@ class ModelShape:
 
     @classmethod
     def of(cls, model) -> ModelShape:
-        config = model.config.get_text_config(decoder=True)
+        return cls.of_config(model.config)
+
+    @classmethod
+    def of_config(cls, config) -> ModelShape:
+        """The shapes a transformers config states (a multimodal config's text decoder)."""
+        config = config.get_text_config(decoder=True)
         n_layers, q_heads = config.num_hidden_layers, config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads

@@ -1,10 +1,14 @@
 """``python -m bench generate``: bad arguments refused before any model is built or CUDA is asked for; the table,
-the README section and the plot made from a result."""
+the README section and the plot made from a result; the compile probe's sentence and warm-up command."""
 
 import pytest
 
 from bench import generate
 from tests.cli import refused
+
+PROBE = {"process_cold_s": 9.0, "process_warm_s": 2.0, "cold_kernels_compiled": 23,
+         "warmup_command": "python -m fathom.integrations.warmup --head-dim 128 --group-size 4", "warmup_s": 30.5,
+         "process_after_warmup_s": 2.1, "after_warmup_kernels_compiled": 0}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -26,11 +30,12 @@ def test_the_table_and_the_readme_section_come_from_the_records(tmp_path):
               "setup_s": 1.2, "steady_ms": 27.5, "tokens_per_s": 36.4, "attention_gpu_ms": 24.1, "gpu_busy_ms": 26.0,
               "host_ms_per_token": 1.5, "hbm_gb": 17.9, "pinned_gb": 23.1}
     payload = {"command": "python -m bench generate", "device": "H200", "weights": "random", "new_tokens": 24,
-               "warmup": 3, "compile_probe": {"process_cold_s": 9.0, "process_warm_s": 2.0},
+               "warmup": 3, "compile_probe": PROBE,
                "records": [record, {**record, "system": "hf-sdpa", "error": "out of GPU memory"}]}
     text = generate.markdown(payload)
     assert "| qwen3-8b | 131072 | 1 | fathom@48+graph | 14.00 | 1.06 | 13.10 | 410 | 31 |" in text
-    assert "Not measured: qwen3-8b 131072 x1 hf-sdpa (out of GPU memory)" in text and "9.0 s" in text
+    assert "Not measured: qwen3-8b 131072 x1 hf-sdpa (out of GPU memory)" in text
+    assert generate.probe_sentence(PROBE) in text
     readme = tmp_path / "README.md"
     readme.write_text("before\n<!-- generate:start -->\nold\n<!-- generate:end -->\nafter\n")
     generate.update_readme(readme, payload, tmp_path / "generate-x.json")
@@ -39,3 +44,21 @@ def test_the_table_and_the_readme_section_come_from_the_records(tmp_path):
     assert updated.endswith("<!-- generate:end -->\nafter\n")
     generate.plot(payload, tmp_path / "x.png")
     assert (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_the_probe_sentence_says_all_three_measurements_and_reads_a_probe_from_before_the_warm_up():
+    assert generate.probe_sentence(PROBE) == (
+        "A fresh process's first offloaded decode: 9.0 s with Numba's kernel cache empty, 2.0 s with it filled (23 "
+        "kernel signatures compiled when empty); after the warm-up command `python -m fathom.integrations.warmup "
+        "--head-dim 128 --group-size 4` (30.5 s in a fresh process, its cache empty) 2.1 s, compiling 0.")
+    committed = {"process_cold_s": 11.4, "process_warm_s": 5.9}  # docs/results.md's run: the keys it kept
+    assert generate.probe_sentence(committed) == ("A fresh process's first offloaded decode: 11.4 s with Numba's "
+                                                  "kernel cache empty, 5.9 s with it filled.")
+
+
+def test_the_probe_runs_a_warm_up_command_the_warm_up_accepts():
+    from fathom.integrations import warmup
+
+    args = warmup.argument_parser().parse_args(generate.WARMUP)
+    assert warmup.shapes_of(args) == [(128, 4)] and args.methods is None  # every method, PROBE's shape
+    assert "python -m fathom.integrations.warmup " + " ".join(generate.WARMUP) == PROBE["warmup_command"]
