@@ -70,6 +70,24 @@ class Calibration:
                              f"{head_basis.shape} {np.unique(head_basis).tolist()}")
         return replace(self, head_basis=head_basis.astype("<U7"))
 
+    def of_heads(self, start: int, stop: int) -> Calibration:
+        """The statistics of KV heads ``start .. stop - 1`` alone (every array ``[L, stop - start, ...]``): a
+        tensor-parallel rank's share of the model's. ``meta["kv_heads"]`` records which heads of the model they are.
+
+        >>> L, H, d = 1, 4, 2
+        >>> whole = Calibration(np.ones((L, H, d)), np.zeros((L, H, d, d)), np.ones((L, H, d)),
+        ...                     np.zeros((L, H, d), np.int32))
+        >>> share = whole.of_heads(2, 4)
+        >>> share.basis.shape, share.meta["kv_heads"]
+        ((1, 2, 2, 2), [2, 4])
+        """
+        H = self.sigma2_raw.shape[1]
+        if not 0 <= start < stop <= H:
+            raise ValueError(f"start, stop must satisfy 0 <= start < stop <= {H}, got {start}, {stop}")
+        offset = self.meta.get("kv_heads", [0, H])[0]  # a share of a share counts from the model's first head
+        shares = {name: getattr(self, name)[:, start:stop] for name in _PER_HEAD if getattr(self, name) is not None}
+        return replace(self, meta={**self.meta, "kv_heads": [offset + start, offset + stop]}, **shares)
+
     def save(self, path: str | Path) -> None:
         optional = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
         np.savez(path, sigma2_raw=self.sigma2_raw, basis=self.basis, sigma2_rotated=self.sigma2_rotated,
@@ -85,6 +103,7 @@ class Calibration:
 
 
 _OPTIONAL = ("plane_drops_raw", "plane_drops_rotated", "scale2_raw", "scale2_rotated", "head_basis")
+_PER_HEAD = ("sigma2_raw", "basis", "sigma2_rotated", "ds_rank", *_OPTIONAL)  # every array, [L, H, ...]
 
 
 def plane_drops(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

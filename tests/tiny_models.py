@@ -7,10 +7,11 @@ import torch
 import transformers
 
 
-def tiny_llama() -> transformers.LlamaForCausalLM:
-    """d = 16, 4 query heads over 2 KV heads, 2 layers, vocabulary 97."""
+def tiny_llama(vocab: int = 97) -> transformers.LlamaForCausalLM:
+    """d = 16, 4 query heads over 2 KV heads, 2 layers, vocabulary ``vocab`` (96 for tensor parallelism over 2 ranks:
+    transformers 5.17 shards lm_head's outputs evenly or refuses)."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100.0)
     return transformers.LlamaForCausalLM(config).eval()
 

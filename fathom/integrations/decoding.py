@@ -53,7 +53,9 @@ class Decoding:
         if self.given_calibration is not None or len(self.layer_calibrations) < len(self.shape.fathom_layers):
             return self.given_calibration
         layers = [self.layer_calibrations[slot] for slot in range(len(self.shape.fathom_layers))]
-        return stack(layers, {"text": "prompt", "layers": self.shape.fathom_layers})
+        H, rank = self.shape.kv_heads, self.shape.rank
+        return stack(layers, {"text": "prompt", "layers": self.shape.fathom_layers,
+                              "kv_heads": [rank * H, (rank + 1) * H]})
 
     def prompt_rows(self, slot: int, valid: torch.Tensor) -> list[slice | torch.Tensor]:
         """The non-pad positions of each batch row of the prompt (``valid bool [B, n]``), read on the host once per

@@ -1,5 +1,6 @@
 """What a :class:`~fathom.integrations.transformers.FathomCache` is made from: its settings (validated), the
-attention shapes read off the model's config, and the calibration it is given (loaded and checked)."""
+attention shapes read off the model's config (under transformers' tensor parallelism, this rank's share of the
+heads), and the calibration it is given (loaded and checked)."""
 
 from __future__ import annotations
 
@@ -106,14 +107,29 @@ class FathomSettings:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The attention shapes a cache needs, read off the model's config."""
+    """The attention shapes a cache needs, read off the model's config.
+
+    Under transformers' tensor parallelism (a model loaded with ``distributed_config=DistributedConfig(tp_size=N)``
+    or ``tp_plan="auto"``) each of the ``ranks`` processes computes attention for its own heads: ``kv_heads`` is
+    this rank's share (the model's KV heads // ``ranks``; heads ``rank · kv_heads ..`` of the model, as the
+    column-wise ``k_proj`` shards them), the group size is the model's. Without it ``ranks = 1``, ``rank = 0``.
+
+    >>> import transformers
+    >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+    ...                                   num_attention_heads=4, num_key_value_heads=2)
+    >>> ModelShape.of(transformers.LlamaForCausalLM(config))  # doctest: +NORMALIZE_WHITESPACE
+    ModelShape(layer_types=('full_attention',), kv_heads=2, group_size=2, head_dim=16, sliding_window=None,
+               context=2048, ranks=1, rank=0)
+    """
 
     layer_types: tuple[str, ...]
-    kv_heads: int
+    kv_heads: int  # this rank's
     group_size: int
     head_dim: int
     sliding_window: int | None
     context: int | None  # the model's context length, where its config states one
+    ranks: int = 1  # tensor-parallel ranks the model's heads are split over
+    rank: int = 0  # this process' place among them
 
     @property
     def fathom_layers(self) -> list[int]:
@@ -137,12 +153,28 @@ class ModelShape:
                              "attention")
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise ValueError("model soft-caps its attention logits; Fathom's exact attention does not")
-        return cls(types, kv_heads, q_heads // kv_heads, head_dim, getattr(config, "sliding_window", None),
-                   getattr(config, "max_position_embeddings", None))
+        ranks, rank = tensor_parallel_rank(model)
+        if kv_heads % ranks:
+            raise ValueError(f"model must have KV heads divisible by its tensor-parallel size (model.tp_size = "
+                             f"{ranks}), got {kv_heads} KV heads")
+        return cls(types, kv_heads // ranks, q_heads // kv_heads, head_dim, getattr(config, "sliding_window", None),
+                   getattr(config, "max_position_embeddings", None), ranks, rank)
+
+
+def tensor_parallel_rank(model) -> tuple[int, int]:
+    """(ranks, rank): the size of ``model``'s tensor parallelism, as transformers records it when it shards the model
+    (``model.tp_size``, None when it did not), and this process' coordinate on the mesh's ``tp`` dimension (the
+    whole mesh when it is one-dimensional, as transformers 5.17 builds it); (1, 0) without tensor parallelism."""
+    ranks = getattr(model, "tp_size", None) or 1
+    if ranks == 1:
+        return 1, 0
+    mesh = model._device_mesh  # set by transformers beside tp_size; its "tp" dimension orders the heads' shards
+    return ranks, mesh.get_local_rank("tp" if "tp" in (mesh.mesh_dim_names or ()) else None)
 
 
 def load_calibration(calibration, shape: ModelShape) -> Calibration | None:
-    """A Calibration (or the path of one) checked against the model's full-attention layers."""
+    """A Calibration (or the path of one) checked against the model's full-attention layers; under tensor
+    parallelism the whole model's is cut to this rank's KV heads, and a rank's own share is taken as it is."""
     if calibration is None:
         return None
     if isinstance(calibration, (str, Path)):
@@ -154,9 +186,17 @@ def load_calibration(calibration, shape: ModelShape) -> Calibration | None:
                          f"{type(calibration).__name__}")
     layers = shape.fathom_layers
     expected = (len(layers), shape.kv_heads, shape.head_dim)
+    whole = (len(layers), shape.kv_heads * shape.ranks, shape.head_dim)
+    own = [shape.rank * shape.kv_heads, (shape.rank + 1) * shape.kv_heads]  # this rank's KV heads of the model's
+    if shape.ranks > 1 and calibration.sigma2_raw.shape == whole:
+        calibration = calibration.of_heads(*own)
     if calibration.sigma2_raw.shape != expected:
-        raise ValueError(f"calibration must have [layers, KV heads, head dim] = {expected} (the model's "
+        also = f" (this rank's KV heads) or {whole} (the model's)" if shape.ranks > 1 else ""
+        raise ValueError(f"calibration must have [layers, KV heads, head dim] = {expected}{also} (the model's "
                          f"full-attention layers), got {calibration.sigma2_raw.shape}")
+    if calibration.meta.get("kv_heads", own) != own:
+        raise ValueError(f"calibration must cover this rank's KV heads {own} (half-open, of the model's), it covers "
+                         f"{calibration.meta['kv_heads']}")
     if calibration.meta.get("layers", layers) != layers:
         raise ValueError(f"calibration covers layers {calibration.meta['layers']}, the model's full-attention "
                          f"layers are {layers}")

@@ -114,6 +114,11 @@ class FathomLayer(CacheLayerMixin):
             if implementation != ATTENTION:
                 raise ValueError(f"the model's attention implementation is {implementation!r}; FathomCache decodes "
                                  f"through {ATTENTION!r} (set by FathomCache(model, ...))")
+        shape = self.decoding.shape
+        if key_states.shape[1] != shape.kv_heads:  # a cache of another model, or a TP plan that leaves heads whole
+            raise ValueError(f"key_states must have the {shape.kv_heads} KV heads the cache was made for (the "
+                             f"model's {shape.kv_heads * shape.ranks} over {shape.ranks} tensor-parallel ranks), "
+                             f"got {key_states.shape[1]}")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.length += key_states.shape[-2]
