@@ -137,11 +137,12 @@ class ModelShape:
 
     @classmethod
     def of(cls, model) -> ModelShape:
-        return cls.of_config(model.config)
+        return cls.of_config(model.config, *tensor_parallel_rank(model))
 
     @classmethod
-    def of_config(cls, config) -> ModelShape:
-        """The shapes a transformers config states (a multimodal config's text decoder)."""
+    def of_config(cls, config, ranks: int = 1, rank: int = 0) -> ModelShape:
+        """The shapes a transformers config states (a multimodal config's text decoder), on ``rank`` of ``ranks``
+        tensor-parallel ranks (:func:`tensor_parallel_rank`)."""
         config = config.get_text_config(decoder=True)
         n_layers, q_heads = config.num_hidden_layers, config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
@@ -153,7 +154,6 @@ class ModelShape:
                              "attention")
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise ValueError("model soft-caps its attention logits; Fathom's exact attention does not")
-        ranks, rank = tensor_parallel_rank(model)
         if kv_heads % ranks:
             raise ValueError(f"model must have KV heads divisible by its tensor-parallel size (model.tp_size = "
                              f"{ranks}), got {kv_heads} KV heads")
