@@ -55,8 +55,10 @@ COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
 
 
 # The fathom curves every run reports: the raw, rotated and per-head stores, each with design §5's plane gains and
-# with the calibrated gain table (runs made before the per-head rule hold only the first four).
-FATHOM_FAMILIES = tuple(f + tag for f in ("fathom", "fathom-rotated", "fathom-mixed") for tag in ("", "[gains]"))
+# with the calibrated gain table (runs made before the per-head rule hold only the first four), named as the
+# methods name themselves (fathom, fathom[gains], fathom-rotated, ...).
+FATHOM_STORES = (M.fathom, M.fathom_rotated, M.fathom_mixed)
+FATHOM_FAMILIES = tuple(make(0, gains=gains).name for make in FATHOM_STORES for gains in M.GAIN_SOURCES)
 
 
 def method_grid(d: int, basis: str) -> list[M.Method]:
@@ -66,8 +68,7 @@ def method_grid(d: int, basis: str) -> list[M.Method]:
     fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136 bits at any d). (Per-layer plans are added by
     :func:`run`.)"""
     budgets = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
-    flat = [make(b, gains=g) for make in (M.fathom, M.fathom_rotated, M.fathom_mixed) for g in M.GAIN_SOURCES
-            for b in budgets]
+    flat = [make(b, gains=g) for make in FATHOM_STORES for g in M.GAIN_SOURCES for b in budgets]
     other = "calibration" if M.DEFAULT_VARIANCE[basis] == "store" else "store"
     other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, other) for b in (48, 64)]
     grid = flat + other_variance + M.baselines(d) + [M.sparq(16), M.double_sparsity(32)]
