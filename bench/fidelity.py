@@ -129,16 +129,8 @@ REPLOT_FIELDS = ("command", "synthetic", "capture", "selection", "summary", "rec
 
 
 def replot_payload(path: Path) -> dict:
-    """A fidelity JSON to ``--replot``: a missing, unreadable or non-JSON file, or one without the fields the
-    summary is remade from, is refused in one line."""
-    try:
-        payload = json.loads(cli.utf8_text("--replot", path))
-    except json.JSONDecodeError as error:
-        raise cli.UsageError(f"--replot {path}: not JSON ({error})") from None
-    missing = [f for f in REPLOT_FIELDS if not isinstance(payload, dict) or f not in payload]
-    if missing:
-        raise cli.UsageError(f"--replot {path}: not a fidelity result (it lacks {', '.join(missing)})")
-    return payload
+    """A fidelity JSON to ``--replot``, refused in one line without the fields the summary is remade from."""
+    return cli.result_json(path, "a fidelity result", REPLOT_FIELDS)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
