@@ -92,7 +92,7 @@ class CacheShape:
     def __post_init__(self):
         for name in ("sessions", "layers", "kv_heads", "head_dim", "max_tokens", "segment_blocks"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+            if not _checks.is_integer(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.head_dim % 4 or self.head_dim > 256:
             raise ValueError(f"head_dim must be a multiple of 4 and at most 256 (rows move as 8-byte words), "
@@ -101,11 +101,9 @@ class CacheShape:
             raise ValueError(f"segment_blocks must be a power of two, got {self.segment_blocks}")
         if self.store not in STORES:
             raise ValueError(f"store must be one of {STORES}, got {self.store!r}")
-        if self.hbm_planes is not None and (not isinstance(self.hbm_planes, (int, np.integer))
-                                            or isinstance(self.hbm_planes, bool) or not 0 <= self.hbm_planes <= PLANES):
+        if self.hbm_planes is not None and not (_checks.is_integer(self.hbm_planes) and 0 <= self.hbm_planes <= PLANES):
             raise ValueError(f"hbm_planes must be None or an integer in 0..{PLANES}, got {self.hbm_planes!r}")
-        if not isinstance(self.row_cache_rows, (int, np.integer)) or isinstance(self.row_cache_rows, bool) \
-                or not 0 <= self.row_cache_rows < 1 << 30:
+        if not (_checks.is_integer(self.row_cache_rows) and 0 <= self.row_cache_rows < 1 << 30):
             raise ValueError(f"row_cache_rows must be an integer in 0..{(1 << 30) - 1}, got {self.row_cache_rows!r}")
 
     @property
@@ -341,7 +339,7 @@ class HostKVCache:
         """Refuse a closed cache or a bad layer index, and report an error a kernel flagged since the last call."""
         if self.closed:
             raise ValueError("this HostKVCache has been closed")
-        if layer is not None and not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.shape.layers):
+        if layer is not None and not (_checks.is_integer(layer) and 0 <= layer < self.shape.layers):
             raise ValueError(f"layer must be an integer in 0..{self.shape.layers - 1}, got {layer!r}")
         flags = self.status.host[:, :DRY_RUN]
         if flags.any():
@@ -481,7 +479,7 @@ class HostKVCache:
     def reset(self, session: int) -> None:
         """Empty ``session`` in every layer (its memory is kept and reused)."""
         self.check()
-        if not (isinstance(session, (int, np.integer)) and 0 <= session < self.shape.sessions):
+        if not (_checks.is_integer(session) and 0 <= session < self.shape.sessions):
             raise ValueError(f"session must be an integer in 0..{self.shape.sessions - 1}, got {session!r}")
         heads = slice(session * self.shape.kv_heads, (session + 1) * self.shape.kv_heads)
         for store in self.layers:
@@ -518,7 +516,7 @@ class HostKVCache:
         end."""
         self.check()
         s = self.shape
-        if not isinstance(max_tokens, (int, np.integer)) or max_tokens < s.max_tokens:
+        if not (_checks.is_integer(max_tokens) and max_tokens >= s.max_tokens):
             raise ValueError(f"max_tokens must be an integer >= the current {s.max_tokens}, got {max_tokens!r}")
         bigger = HostKVCache(replace(s, max_tokens=int(max_tokens)), rotated=self.rotated)
         if not SIMULATED:

@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fathom import methods
+from fathom import _checks, methods
 from fathom.bits import row_bytes, tier_scan_bits
 from fathom.cuda.attention import CHUNK_ROWS, attend, gather_rows
 from fathom.cuda.block import RADIX
@@ -103,7 +103,7 @@ class Decoder:
         if not isinstance(cache, HostKVCache):
             raise ValueError(f"cache must be a HostKVCache, got {type(cache).__name__}")
         cache.check()
-        if not isinstance(group_size, (int, np.integer)) or not 1 <= group_size <= 8:
+        if not (_checks.is_integer(group_size) and 1 <= group_size <= 8):
             raise ValueError(f"group_size must be an integer in 1..8 query heads per KV head, got {group_size!r}")
         if not isinstance(settings, DecoderSettings):
             raise ValueError(f"settings must be DecoderSettings, got {type(settings).__name__}")
