@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_MODEL} at {QUICK_CONTEXT} tokens, {QUICK_POSITIONS} positions (README: about 2.5 "
                              "minutes on 2 CPU cores with the captures cached, about another minute on the first run; "
-                             "~40 s with --synthetic)")
+                             "~20 s with --synthetic)")
     parser.add_argument("--cache", type=Path, default=None,
                         help=f"model / corpus / capture cache folder (default ${CACHE_ENV} or ~/.cache/fathom)")
     parser.add_argument("--out", type=Path, default=None,

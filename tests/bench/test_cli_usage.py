@@ -193,7 +193,7 @@ def test_fidelity_help_lists_the_models_and_corpora_and_readmes_figures(capsys, 
         assert name in text, name
     assert "a few minutes" not in text
     docs = " ".join(" ".join(p.read_text(encoding="utf-8") for p in (README, BENCHES)).split())
-    for figure in ("about 2.5 minutes on 2 CPU cores", "about another minute", "~40 s"):  # cited from the docs
+    for figure in ("about 2.5 minutes on 2 CPU cores", "about another minute", "~20 s"):  # cited from the docs
         assert figure in text and figure in docs, figure
 
 
