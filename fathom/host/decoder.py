@@ -210,8 +210,8 @@ class Decoder:
 
     def _build(self, layer: int) -> list[tuple[str, list[Launch]]]:
         s, sel = self.cache.shape, self.settings.selection
-        store = self.cache.layers[layer]
-        heads, lengths, status = s.kv_heads, store.arrays["lengths"], self.cache.status_flags(layer)
+        cache_layer = self.cache.layers[layer]
+        heads, lengths, status = s.kv_heads, cache_layer.arrays["lengths"], self.cache.status_flags(layer)
         q = self.q_in[layer].view(s.streams, self.group_size, s.head_dim)
         out = as_array(self.out[layer].view(s.streams, self.group_size, s.head_dim))
         a = {name: as_array(getattr(self, name)) for name in
@@ -237,18 +237,18 @@ class Decoder:
         q_arr = as_array(q)
         ctas = self.gather_ctas
         if self.row_cached:
-            slab, source, miss_rows = store.rows.arrays, as_array(self.row_source), as_array(self.miss_rows)
+            slab, source, miss_rows = cache_layer.rows.arrays, as_array(self.row_source), as_array(self.miss_rows)
             assign_threads = min(1024, 4 * threads)
             steps += [("slots", [lambda stream: assign_slots(a["row_index"], a["n_rows"], slab["slot_of"],
                                                              slab["position"], slab["stamp"], slab["clock"],
                                                              slab["counters"], miss_rows, source, assign_threads,
                                                              stream)]),
                       ("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
-                                                           store.arrays["kv"], a["staged"], ctas, threads, stream,
+                                                           cache_layer.arrays["kv"], a["staged"], ctas, threads, stream,
                                                            source, slab["slab"])])]
         else:
             steps += [("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
-                                                           store.arrays["kv"], a["staged"], ctas, threads,
+                                                           cache_layer.arrays["kv"], a["staged"], ctas, threads,
                                                            stream)])]
         steps.append(("attention", [lambda stream: attend(q_arr, a["staged"], a["head_mask"], a["n_rows"], lengths,
                                                           heads, dense, scale, status, a["part_m"], a["part_l"],
