@@ -281,7 +281,7 @@ class Decoder:
         the store's near tier holds (``CacheShape.hbm_planes``), over the link (pinned host memory) for the rest
         (``fathom.bits.tier_scan_bits``); K rows and landmarks are all pinned. ``link / (hbm + link)`` is the host
         plane fraction of a plane method."""
-        if self.strategy is None or self.settings.method.scorer != "planes":
+        if self.strategy is None or not self.settings.method.scans_planes:
             return 0.0, self.scan_nbytes(layer)
         sealed = np.repeat(self.cache.lengths(layer) // BLOCK * BLOCK, self.cache.shape.kv_heads)
         near, far = tier_scan_bits(self.depths.cpu().numpy(), self.cache.shape.layout.hbm_planes)
