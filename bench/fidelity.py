@@ -459,7 +459,7 @@ def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, i
              f"{summary['heads_fathom48_worse_than_ds_quarter']} and than {sparq} on "
              f"{summary['heads_fathom48_worse_than_sparq68']} of {summary['heads']} (layer, KV head) pairs.", "",
              *_family_lines(summary, shape), markdown_table(kib, COLUMNS), ""]
-    key = list(dict.fromkeys([fathom48, ds, "double-sparsity@136", sparq, f"oracle@{16 * shape['head_dim']}"]))
+    key = list(dict.fromkeys([fathom48, ds, "double-sparsity@136", sparq, M.oracle().label(shape['head_dim'])]))
     hit = [fathom48, ds, sparq]
     by_label = {r["label"]: r for r in records}
     error = {k: np.array(by_label[k]["rel_error_per_head"]) for k in key}
