@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"windows at evenly spaced offsets of the {CORPUS} corpus (default %(default)s)")
     parser.add_argument("-k", type=int, default=None, help="top-k per query head (default by context, design §6)")
     parser.add_argument("--methods", nargs="+", default=None,
-                        help=f"{decoding.spec_help(exclude=('fathom-plan',))}. Default: the full grid: dense, "
+                        help=f"{decoding.spec_help(exclude=decoding.PER_LAYER)}. Default: the full grid: dense, "
                              f"oracle, fathom at {', '.join(map(str, FATHOM_BUDGETS))} bits (and fathom-rotated "
                              "when the calibration chose the rotated store), sparq, double-sparsity and loki at "
                              "r = d/8, d/4, 16 and 32 channels, thumbnail, landmark")

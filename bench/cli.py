@@ -6,7 +6,8 @@ prints ``error: <message>`` to stderr and exits with status 2, without a
 traceback (argparse's own errors exit 2 the same way). Any other exception is
 a bug and keeps its traceback. The helpers below are the checks more than one
 command needs, argparse types whose refusal says what a value should be
-(:func:`int_list`), and :func:`plain`, a docstring as ``--help`` text.
+(:func:`int_list`), :func:`result_json`, a result file to ``--replot`` read or refused, and :func:`plain`, a
+docstring as ``--help`` text.
 
 Example (a command's first lines)::
 
@@ -22,6 +23,7 @@ Example (a command's first lines)::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from pathlib import Path
@@ -89,6 +91,30 @@ def utf8_text(name: str, path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise UsageError(f"{name} {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+
+
+def result_json(path: Path, what: str, fields: tuple[str, ...], record_fields: tuple[str, ...] = ()) -> dict:
+    """A result JSON to ``--replot``: a missing, unreadable or non-JSON file, one without ``fields``, or (with
+    ``record_fields``) one whose ``records`` are not objects holding them, is refused in one line naming the file
+    and calling it not ``what`` (e.g. "a fidelity result")."""
+    try:
+        payload = json.loads(utf8_text("--replot", path))
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--replot {path}: not JSON ({error})") from None
+    if not isinstance(payload, dict):
+        raise UsageError(f"--replot {path}: not {what} (not a JSON object)")
+    missing = [key for key in fields if key not in payload]
+    if missing:
+        raise UsageError(f"--replot {path}: not {what} (it lacks {', '.join(missing)})")
+    if record_fields:
+        records = payload["records"]
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise UsageError(f"--replot {path}: not {what} (its records are not a list of objects)")
+        for i, record in enumerate(records):
+            missing = [key for key in record_fields if key not in record]
+            if missing:
+                raise UsageError(f"--replot {path}: not {what} (record {i} lacks {', '.join(missing)})")
+    return payload
 
 
 def int_list(text: str) -> list[int]:

@@ -33,6 +33,7 @@ from fathom.bits import fixed_channel_bits
 NO_BUDGET = methods.names("none")
 FIXED_CHANNELS = methods.names("channels")
 BUDGETED = methods.names("bits") + FIXED_CHANNELS
+PER_LAYER = tuple(n for n in methods.NAMES if methods.entry(n).per_layer)  # budgets planned on data: no bench plans
 
 
 def spec_help(exclude: tuple[str, ...] = ()) -> str:

@@ -55,8 +55,10 @@ COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
 
 
 # The fathom curves every run reports: the raw, rotated and per-head stores, each with design §5's plane gains and
-# with the calibrated gain table (runs made before the per-head rule hold only the first four).
-FATHOM_FAMILIES = tuple(f + tag for f in ("fathom", "fathom-rotated", "fathom-mixed") for tag in ("", "[gains]"))
+# with the calibrated gain table (runs made before the per-head rule hold only the first four), named as the
+# methods name themselves (fathom, fathom[gains], fathom-rotated, ...).
+FATHOM_STORES = (M.fathom, M.fathom_rotated, M.fathom_mixed)
+FATHOM_FAMILIES = tuple(make(0, gains=gains).name for make in FATHOM_STORES for gains in M.GAIN_SOURCES)
 
 
 def method_grid(d: int, basis: str) -> list[M.Method]:
@@ -66,8 +68,7 @@ def method_grid(d: int, basis: str) -> list[M.Method]:
     fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136 bits at any d). (Per-layer plans are added by
     :func:`run`.)"""
     budgets = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
-    flat = [make(b, gains=g) for make in (M.fathom, M.fathom_rotated, M.fathom_mixed) for g in M.GAIN_SOURCES
-            for b in budgets]
+    flat = [make(b, gains=g) for make in FATHOM_STORES for g in M.GAIN_SOURCES for b in budgets]
     other = "calibration" if M.DEFAULT_VARIANCE[basis] == "store" else "store"
     other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, other) for b in (48, 64)]
     grid = flat + other_variance + M.baselines(d) + [M.sparq(16), M.double_sparsity(32)]
@@ -95,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_MODEL} at {QUICK_CONTEXT} tokens, {QUICK_POSITIONS} positions (README: about 2.5 "
                              "minutes on 2 CPU cores with the captures cached, about another minute on the first run; "
-                             "~40 s with --synthetic)")
+                             "~20 s with --synthetic)")
     parser.add_argument("--cache", type=Path, default=None,
                         help=f"model / corpus / capture cache folder (default ${CACHE_ENV} or ~/.cache/fathom)")
     parser.add_argument("--out", type=Path, default=None,
@@ -128,16 +129,8 @@ REPLOT_FIELDS = ("command", "synthetic", "capture", "selection", "summary", "rec
 
 
 def replot_payload(path: Path) -> dict:
-    """A fidelity JSON to ``--replot``: a missing, unreadable or non-JSON file, or one without the fields the
-    summary is remade from, is refused in one line."""
-    try:
-        payload = json.loads(cli.utf8_text("--replot", path))
-    except json.JSONDecodeError as error:
-        raise cli.UsageError(f"--replot {path}: not JSON ({error})") from None
-    missing = [f for f in REPLOT_FIELDS if not isinstance(payload, dict) or f not in payload]
-    if missing:
-        raise cli.UsageError(f"--replot {path}: not a fidelity result (it lacks {', '.join(missing)})")
-    return payload
+    """A fidelity JSON to ``--replot``, refused in one line without the fields the summary is remade from."""
+    return cli.result_json(path, "a fidelity result", REPLOT_FIELDS)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -466,7 +459,7 @@ def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, i
              f"{summary['heads_fathom48_worse_than_ds_quarter']} and than {sparq} on "
              f"{summary['heads_fathom48_worse_than_sparq68']} of {summary['heads']} (layer, KV head) pairs.", "",
              *_family_lines(summary, shape), markdown_table(kib, COLUMNS), ""]
-    key = list(dict.fromkeys([fathom48, ds, "double-sparsity@136", sparq, f"oracle@{16 * shape['head_dim']}"]))
+    key = list(dict.fromkeys([fathom48, ds, "double-sparsity@136", sparq, M.oracle().label(shape['head_dim'])]))
     hit = [fathom48, ds, sparq]
     by_label = {r["label"]: r for r in records}
     error = {k: np.array(by_label[k]["rel_error_per_head"]) for k in key}

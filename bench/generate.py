@@ -51,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.cli import UsageError, file_stem, int_list, name_list, require_cuda, writable_folder
+from bench.cli import UsageError, file_stem, int_list, name_list, require_cuda, result_json, writable_folder
 from bench.report import RESULTS, context_label, markdown_table, write_json
 
 SHAPES = {  # transformers configs of the 8B models' shapes (random weights)
@@ -188,17 +188,20 @@ def run(args: argparse.Namespace) -> Path:
     return path
 
 
+# what the merged table, the plot and the section in docs/results.md read of a generate JSON (``--replot``)
+REPLOT_FIELDS = ("command", "device", "weights", "new_tokens", "warmup", "records")
+RECORD_FIELDS = ("model", "context", "batch", "system")
+
+
 def replot(args) -> Path:
     """Several runs' JSONs as one table and plot (and the section in docs/results.md)."""
-    import json
-
     payloads = []
     for path in args.replot:
-        try:
-            payload = json.loads(path.read_text(encoding="utf-8"))
-            payload["records"], payload["command"]
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
-            raise UsageError(f"--replot {path}: not a generate result ({error})") from None
+        payload = result_json(path, "a generate result", REPLOT_FIELDS, RECORD_FIELDS)
+        unmeasured = [i for i, r in enumerate(payload["records"]) if "steady_ms" not in r and "error" not in r]
+        if unmeasured:
+            raise UsageError(f"--replot {path}: not a generate result (record {unmeasured[0]} has neither "
+                             "steady_ms nor error)")
         payloads.append(payload)
     merged = {"command": "; ".join(f"`{p['command']}`" for p in payloads).strip("`"), "device": payloads[0]["device"],
               "weights": payloads[0]["weights"], "new_tokens": min(p["new_tokens"] for p in payloads),

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from bench import cli
+from bench.fidelity import FATHOM_FAMILIES
 from bench.report import RESULTS, context_label, markdown_table
 
 COLUMNS = [("setting", "model, context (text)", "s"), ("d", "d", "d"), ("basis", "store (basis rule), σ²", "s"),
@@ -37,7 +38,7 @@ def rows(results: Path) -> list[dict]:
         s, shape = payload["summary"], payload["capture"]
         d = shape["head_dim"]
         hits = [s.get(k) for k in ("fathom48_overlap", "ds_quarter_overlap", "sparq68_overlap")]
-        plan = f"{'fathom' if s['basis'] == 'raw' else 'fathom-rotated'}-plan@48"
+        plan = next(label for label in payload["per_layer_plans"] if label.endswith("@48"))  # on the rule's store
         out.append({"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
                     "d": d, "basis": f"{s['basis']}, {s.get('variance', 'store (old run)')}" if s.get(
                         "heads_rotated") is None else f"per head: {s['heads_rotated']} of {s['heads']} rotated",
@@ -57,10 +58,6 @@ def rows(results: Path) -> list[dict]:
     return out
 
 
-FAMILIES = ("fathom", "fathom[gains]", "fathom-rotated", "fathom-rotated[gains]", "fathom-mixed",
-            "fathom-mixed[gains]")
-
-
 def family_rows(results: Path) -> list[dict]:
     """One row per real setting that reports every fathom curve (runs since the per-head rule): each curve's
     error at 48 bits and its equal-error saving vs DS at r = d/4."""
@@ -73,7 +70,7 @@ def family_rows(results: Path) -> list[dict]:
         s, shape = payload["summary"], payload["capture"]
         row = {"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
                "sparq68": s["sparq68_error"], "ds_quarter": f"{s['ds_quarter_error']:.4f} ({s['ds_quarter_label']})"}
-        for name in FAMILIES:
+        for name in FATHOM_FAMILIES:
             f = families.get(name)
             if f is not None:
                 saving = f["equal_error_saving_quarter"]
@@ -84,7 +81,7 @@ def family_rows(results: Path) -> list[dict]:
 
 
 FAMILY_COLUMNS = [("setting", "model, context (text)", "s"), ("ds_quarter", "DS r=d/4 err", "s"),
-                  ("sparq68", "sparq-68 err", ".4f")] + [(f, f, "s") for f in FAMILIES]
+                  ("sparq68", "sparq-68 err", ".4f")] + [(f, f, "s") for f in FATHOM_FAMILIES]
 
 
 def run(args: argparse.Namespace) -> Path:

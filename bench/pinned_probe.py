@@ -14,15 +14,23 @@ import mmap
 import threading
 import time
 
+from bench.cli import plain
+
 GIB = 1 << 30
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.pinned_probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.pinned_probe",
+                                     description=plain(__doc__.split("\n\n")[0]))  # no reST in --help
     parser.add_argument("--gib", type=int, default=8, help="GiB per allocation (default 8)")
     parser.add_argument("--out", default="bench/results/pinned-probe.json", help="JSON written here")
     args = parser.parse_args(argv)
+    if args.gib < 1:
+        parser.error(f"--gib must be >= 1, got {args.gib}")
     import torch
+
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
     from cuda.bindings import driver
     from numba import cuda
 

@@ -35,6 +35,7 @@ from bench.cli import UsageError
 from bench.decoding import MethodSpec
 from bench.report import RESULTS, context_label, markdown_table, write_json
 from bench.row_cache import lru_hits, previous_step_reuse
+from fathom import methods
 
 MIN_CONTEXT = 512  # tokens: the prompt must leave top-k a choice beyond sink, local and k
 
@@ -122,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=128,
                         help="greedy decode steps recorded per run (default %(default)s)")
     parser.add_argument("--methods", type=cli.name_list, default=["oracle", "fathom@48"],
-                        help=f"comma-separated {decoding.spec_help(exclude=('dense', 'fathom-plan'))} "
+                        help=f"comma-separated {decoding.spec_help(exclude=('dense', *decoding.PER_LAYER))} "
                              "(default oracle,fathom@48)")
     parser.add_argument("--capacities", type=cli.int_list, default=[1, 2, 4, 8],
                         help="LRU capacities in units of a head's mean rows per step (default 1,2,4,8)")
@@ -169,8 +170,9 @@ def check_args(args) -> dict[str, tuple[list[MethodSpec], Path | None]]:
                 raise UsageError(f"--contexts must lie in {max(MIN_CONTEXT, args.new_tokens + 1)}..{info.context} "
                                  f"({model}; the prompt holds context − new tokens), got {context}")
         specs = parse_methods(args.methods, info.head_dim)
-        if any(s.method == "fathom-plan" for s in specs):
-            raise UsageError("--methods: fathom-plan plans its budgets on the prompt; name a fixed-budget method")
+        planned = [s.method for s in specs if methods.entry(s.method).per_layer]
+        if planned:
+            raise UsageError(f"--methods: {planned[0]} plans its budgets on the prompt; name a fixed-budget method")
         calibration = args.calibration or decoding.default_calibration(model)
         if calibration is not None:
             decoding.check_calibration(calibration, model)

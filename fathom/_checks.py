@@ -1,4 +1,4 @@
-"""Argument checks shared by the reference: every failure is a ValueError naming the argument."""
+"""Argument checks shared by the reference and the host side: every failure is a ValueError naming the argument."""
 
 from __future__ import annotations
 
@@ -41,9 +41,14 @@ def depths(name: str, x, d: int | None = None) -> np.ndarray:
     return x
 
 
+def is_integer(x) -> bool:
+    """Whether ``x`` is an integer, Python's or NumPy's (not a bool, nor a float even when whole)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def integer(name: str, x, minimum: int | None = None) -> int:
     """``x`` as an int after checking it is an integer (not a bool, float or string) ``>= minimum``."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+    if not is_integer(x):
         raise ValueError(f"{name} must be an integer, got {x!r}")
     if minimum is not None and x < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")

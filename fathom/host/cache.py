@@ -92,7 +92,7 @@ class CacheShape:
     def __post_init__(self):
         for name in ("sessions", "layers", "kv_heads", "head_dim", "max_tokens", "segment_blocks"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+            if not _checks.is_integer(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.head_dim % 4 or self.head_dim > 256:
             raise ValueError(f"head_dim must be a multiple of 4 and at most 256 (rows move as 8-byte words), "
@@ -101,11 +101,9 @@ class CacheShape:
             raise ValueError(f"segment_blocks must be a power of two, got {self.segment_blocks}")
         if self.store not in STORES:
             raise ValueError(f"store must be one of {STORES}, got {self.store!r}")
-        if self.hbm_planes is not None and (not isinstance(self.hbm_planes, (int, np.integer))
-                                            or isinstance(self.hbm_planes, bool) or not 0 <= self.hbm_planes <= PLANES):
+        if self.hbm_planes is not None and not (_checks.is_integer(self.hbm_planes) and 0 <= self.hbm_planes <= PLANES):
             raise ValueError(f"hbm_planes must be None or an integer in 0..{PLANES}, got {self.hbm_planes!r}")
-        if not isinstance(self.row_cache_rows, (int, np.integer)) or isinstance(self.row_cache_rows, bool) \
-                or not 0 <= self.row_cache_rows < 1 << 30:
+        if not (_checks.is_integer(self.row_cache_rows) and 0 <= self.row_cache_rows < 1 << 30):
             raise ValueError(f"row_cache_rows must be an integer in 0..{(1 << 30) - 1}, got {self.row_cache_rows!r}")
 
     @property
@@ -216,9 +214,9 @@ class RowSlab:
         self.slot_of[:, :old.slot_of.shape[1]] = old.slot_of
 
 
-class LayerStore:
-    """One layer of the cache: rows, landmarks, the raw (and rotated) store, lengths, error flags and the row
-    cache (``rows``, None without one)."""
+class CacheLayer:
+    """One layer of the cache: K/V rows, landmarks, the raw (and rotated) bit-plane store (``stores``), lengths and
+    the row cache (``rows``, None without one). The error flags are the cache's (``HostKVCache.status``)."""
 
     def __init__(self, shape: CacheShape, basis: torch.Tensor | None, pinned: PinnedLayer):
         streams, d = shape.streams, shape.head_dim
@@ -278,7 +276,7 @@ class HostKVCache:
         self._pinned: list[Future] = [allocator.submit(PinnedLayer.allocate, s, self.store_names)
                                       for _ in range(s.layers)]
         allocator.shutdown(wait=False)  # the queued allocations still run; nothing more is queued
-        self._stores: list[LayerStore | None] = [None] * s.layers  # made at the layer's first use
+        self._layers: list[CacheLayer | None] = [None] * s.layers  # made at the layer's first use
         if basis is not None:
             for layer in range(s.layers):
                 self._set_basis(layer, basis[layer])
@@ -288,16 +286,17 @@ class HostKVCache:
         self._one_session = [self._all_sessions[i:i + 1] for i in range(s.sessions)]
 
     @property
-    def layers(self) -> Sequence[LayerStore]:
-        """Every layer's :class:`LayerStore`; ``layers[l]`` waits for layer ``l``'s pinned memory only."""
-        return _LayerStores(self)
+    def layers(self) -> Sequence[CacheLayer]:
+        """Every layer's :class:`CacheLayer`; ``layers[l]`` waits for layer ``l``'s pinned memory only."""
+        return _CacheLayers(self)
 
-    def _layer_store(self, layer: int) -> LayerStore:
-        """``layer``'s store, made at its first use once its pinned memory is there (waits for that layer only)."""
-        store = self._stores[layer]
-        if store is None:
-            store = self._stores[layer] = LayerStore(self.shape, self._bases[layer], self._pinned[layer].result())
-        return store
+    def _cache_layer(self, layer: int) -> CacheLayer:
+        """``layer``'s :class:`CacheLayer`, made at its first use once its pinned memory is there (waits for that layer
+        only)."""
+        cache_layer = self._layers[layer]
+        if cache_layer is None:
+            cache_layer = self._layers[layer] = CacheLayer(self.shape, self._bases[layer], self._pinned[layer].result())
+        return cache_layer
 
     # -- what the host knows --------------------------------------------------------------------------------
 
@@ -333,23 +332,23 @@ class HostKVCache:
         self.check()
         return int(self._lengths.max())
 
-    def layer(self, layer: int) -> LayerStore:
+    def layer(self, layer: int) -> CacheLayer:
         self.check(layer)
-        return self._layer_store(layer)
+        return self._cache_layer(layer)
 
     def check(self, layer: int | None = None) -> None:
         """Refuse a closed cache or a bad layer index, and report an error a kernel flagged since the last call."""
         if self.closed:
             raise ValueError("this HostKVCache has been closed")
-        if layer is not None and not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.shape.layers):
+        if layer is not None and not (_checks.is_integer(layer) and 0 <= layer < self.shape.layers):
             raise ValueError(f"layer must be an integer in 0..{self.shape.layers - 1}, got {layer!r}")
         flags = self.status.host[:, :DRY_RUN]
         if flags.any():
             layer_hit, kind = (int(x) for x in np.argwhere(flags)[0])
             cuda.synchronize()
-            for i, store in enumerate(self._stores):  # the GPU's lengths are the truth: appends were dropped
-                if store is not None:
-                    self._lengths[i] = store.lengths.cpu().numpy()
+            for i, cache_layer in enumerate(self._layers):  # the GPU's lengths are the truth: appends were dropped
+                if cache_layer is not None:
+                    self._lengths[i] = cache_layer.lengths.cpu().numpy()
             flags[...] = 0
             what = "an append" if kind != BAD_QUERY else "a decode step"
             raise ValueError(f"{what} of layer {layer_hit} was refused on the GPU: it had {_FLAG_NAMES[kind]}"
@@ -441,26 +440,27 @@ class HostKVCache:
     def enqueue_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor, stream) -> None:
         """The GPU work of an append, with no check and no host-side state: ``k, v [S'·H, m, d]`` of sessions
         ``sessions`` (int32 on the GPU). Every launch reads the lengths on the GPU (what a CUDA graph captures)."""
-        store, heads = self._layer_store(layer), self.shape.kv_heads
+        cache_layer, heads = self._cache_layer(layer), self.shape.kv_heads
         status = self._status[layer]
         k32 = k.float().contiguous()
         v32 = v.float().contiguous()
-        k_store = k32 if store.basis is None else torch.bmm(k32, store.basis[_stream_index(sessions, heads)])
+        basis = cache_layer.basis
+        k_store = k32 if basis is None else torch.bmm(k32, basis[_stream_index(sessions, heads)])
         words = self.shape.head_dim // 4
         k_words = as_array(k.to(torch.bfloat16).contiguous().view(torch.int64)).view(np.uint64)
         v_words = as_array(v.to(torch.bfloat16).contiguous().view(torch.int64)).view(np.uint64)
         streams, m = k32.shape[:2]
-        lengths = store.arrays["lengths"]
+        lengths = cache_layer.arrays["lengths"]
         index = as_array(sessions)
         k_arr, v_arr, ks_arr = as_array(k32), as_array(v32), as_array(k_store)
         append_rows(k_arr, ks_arr, v_arr, k_words.reshape(streams, m, words), v_words.reshape(streams, m, words),
-                    lengths, index, heads, status, store.arrays["kv"], stream)
-        for name, st in store.stores.items():
+                    lengths, index, heads, status, cache_layer.arrays["kv"], stream)
+        for name, store in cache_layer.stores.items():
             source = k_arr if name == "raw" else ks_arr
-            seal_blocks(source, st.arrays["tail"], lengths, index, heads, status, st.arrays["near"], st.arrays["far"],
-                        st.arrays["scales"], self.shape.layout, st.arrays["scale_sq_sum"], store.arrays["marks16"],
-                        name == "raw", stream)
-        raw, rotated = store.stores["raw"], store.stores.get("rotated", store.stores["raw"])
+            seal_blocks(source, store.arrays["tail"], lengths, index, heads, status, store.arrays["near"],
+                        store.arrays["far"], store.arrays["scales"], self.shape.layout, store.arrays["scale_sq_sum"],
+                        cache_layer.arrays["marks16"], name == "raw", stream)
+        raw, rotated = cache_layer.stores["raw"], cache_layer.stores.get("rotated", cache_layer.stores["raw"])
         finish_append(k_arr, ks_arr, raw.arrays["tail"], rotated.arrays["tail"], lengths, index, heads, status,
                       stream)
 
@@ -481,35 +481,35 @@ class HostKVCache:
     def reset(self, session: int) -> None:
         """Empty ``session`` in every layer (its memory is kept and reused)."""
         self.check()
-        if not (isinstance(session, (int, np.integer)) and 0 <= session < self.shape.sessions):
+        if not (_checks.is_integer(session) and 0 <= session < self.shape.sessions):
             raise ValueError(f"session must be an integer in 0..{self.shape.sessions - 1}, got {session!r}")
         heads = slice(session * self.shape.kv_heads, (session + 1) * self.shape.kv_heads)
-        for store in self.layers:
-            store.lengths[session] = 0
-            for st in store.stores.values():
-                st.scale_sq_sum[heads] = 0
-            if store.rows is not None:  # its positions will hold new tokens
-                store.rows.empty(heads)
+        for cache_layer in self.layers:
+            cache_layer.lengths[session] = 0
+            for store in cache_layer.stores.values():
+                store.scale_sq_sum[heads] = 0
+            if cache_layer.rows is not None:  # its positions will hold new tokens
+                cache_layer.rows.empty(heads)
         self._lengths[:, session] = 0
 
     def clear(self) -> None:
         """Empty every session of every layer, flags included (the memory is kept: a pooled cache's reuse)."""
         self.check()
-        for store in self.layers:
-            store.lengths.zero_()
-            for st in store.stores.values():
-                st.scale_sq_sum.zero_()
-            if store.rows is not None:
-                store.rows.empty()
+        for cache_layer in self.layers:
+            cache_layer.lengths.zero_()
+            for store in cache_layer.stores.values():
+                store.scale_sq_sum.zero_()
+            if cache_layer.rows is not None:
+                cache_layer.rows.empty()
         self._lengths[...] = 0
         self.status.host[...] = 0
 
     def empty_row_cache(self) -> None:
         """Forget every row the row cache holds, and its counters (the rows refill from the next step)."""
         self.check()
-        for store in self.layers:
-            if store.rows is not None:
-                store.rows.empty()
+        for cache_layer in self.layers:
+            if cache_layer.rows is not None:
+                cache_layer.rows.empty()
 
     def grown(self, max_tokens: int) -> HostKVCache:
         """A cache of the same sessions, layers and stores (and tier) holding ``max_tokens`` per session, with
@@ -518,7 +518,7 @@ class HostKVCache:
         end."""
         self.check()
         s = self.shape
-        if not isinstance(max_tokens, (int, np.integer)) or max_tokens < s.max_tokens:
+        if not (_checks.is_integer(max_tokens) and max_tokens >= s.max_tokens):
             raise ValueError(f"max_tokens must be an integer >= the current {s.max_tokens}, got {max_tokens!r}")
         bigger = HostKVCache(replace(s, max_tokens=int(max_tokens)), rotated=self.rotated)
         if not SIMULATED:
@@ -532,16 +532,16 @@ class HostKVCache:
                 new.rows.copy_from(old.rows)
             if old.basis is not None:
                 new.basis.copy_(old.basis)
-            for name, st in old.stores.items():
+            for name, store in old.stores.items():
                 target = new.stores[name]
-                for old_tier, new_tier, record_words in ((st.near, target.near, layout.near_record_words),
-                                                         (st.far, target.far, layout.far_record_words)):
+                for old_tier, new_tier, record_words in ((store.near, target.near, layout.near_record_words),
+                                                         (store.far, target.far, layout.far_record_words)):
                     if record_words:  # an empty tier has nothing to copy (and no segments to view)
                         per_segment = s.head_dim * record_words
                         new_tier.view(s.streams, -1, per_segment)[:, :segments].copy_(
                             old_tier.view(s.streams, segments, per_segment))
-                target.scale_sq_sum.copy_(st.scale_sq_sum)
-                target.tail.copy_(st.tail)
+                target.scale_sq_sum.copy_(store.scale_sq_sum)
+                target.tail.copy_(store.tail)
         bigger.status.host[...] = self.status.host
         bigger._lengths[...] = self._lengths
         self.close()
@@ -559,9 +559,9 @@ class HostKVCache:
 
     def store_variance(self, layer: int, basis: str = "raw") -> torch.Tensor:
         """σ² from the store (design §5): mean squared fp16 block scale per stream, float64 ``[streams, d]``."""
-        store = self.layer(layer)
-        blocks = torch.repeat_interleave(store.lengths.long() // BLOCK, self.shape.kv_heads).clamp(min=1)
-        return store.stores[basis].scale_sq_sum / blocks[:, None]
+        cache_layer = self.layer(layer)
+        blocks = torch.repeat_interleave(cache_layer.lengths.long() // BLOCK, self.shape.kv_heads).clamp(min=1)
+        return cache_layer.stores[basis].scale_sq_sum / blocks[:, None]
 
     def close(self) -> None:
         """Release every pinned buffer (after the GPU is done with them); any later call raises."""
@@ -582,8 +582,8 @@ class HostKVCache:
         self.close()
 
 
-class _LayerStores(Sequence):
-    """The layers of an :class:`HostKVCache` as a sequence that makes each store at its first use."""
+class _CacheLayers(Sequence):
+    """The layers of an :class:`HostKVCache` as a sequence that makes each layer at its first use."""
 
     def __init__(self, cache: HostKVCache):
         self._cache = cache
@@ -596,7 +596,7 @@ class _LayerStores(Sequence):
             return [self[i] for i in range(*layer.indices(len(self)))]
         if not -len(self) <= layer < len(self):
             raise IndexError(f"layer {layer} out of range")
-        return self._cache._layer_store(layer % len(self))
+        return self._cache._cache_layer(layer % len(self))
 
 
 def _check_host_memory(nbytes: int, shape: CacheShape) -> None:

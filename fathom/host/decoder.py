@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fathom import methods
+from fathom import _checks, methods
 from fathom.bits import row_bytes, tier_scan_bits
 from fathom.cuda.attention import CHUNK_ROWS, attend, gather_rows
 from fathom.cuda.block import RADIX
@@ -103,7 +103,7 @@ class Decoder:
         if not isinstance(cache, HostKVCache):
             raise ValueError(f"cache must be a HostKVCache, got {type(cache).__name__}")
         cache.check()
-        if not isinstance(group_size, (int, np.integer)) or not 1 <= group_size <= 8:
+        if not (_checks.is_integer(group_size) and 1 <= group_size <= 8):
             raise ValueError(f"group_size must be an integer in 1..8 query heads per KV head, got {group_size!r}")
         if not isinstance(settings, DecoderSettings):
             raise ValueError(f"settings must be DecoderSettings, got {type(settings).__name__}")
@@ -210,8 +210,8 @@ class Decoder:
 
     def _build(self, layer: int) -> list[tuple[str, list[Launch]]]:
         s, sel = self.cache.shape, self.settings.selection
-        store = self.cache.layers[layer]
-        heads, lengths, status = s.kv_heads, store.arrays["lengths"], self.cache.status_flags(layer)
+        cache_layer = self.cache.layers[layer]
+        heads, lengths, status = s.kv_heads, cache_layer.arrays["lengths"], self.cache.status_flags(layer)
         q = self.q_in[layer].view(s.streams, self.group_size, s.head_dim)
         out = as_array(self.out[layer].view(s.streams, self.group_size, s.head_dim))
         a = {name: as_array(getattr(self, name)) for name in
@@ -237,18 +237,18 @@ class Decoder:
         q_arr = as_array(q)
         ctas = self.gather_ctas
         if self.row_cached:
-            slab, source, miss_rows = store.rows.arrays, as_array(self.row_source), as_array(self.miss_rows)
+            slab, source, miss_rows = cache_layer.rows.arrays, as_array(self.row_source), as_array(self.miss_rows)
             assign_threads = min(1024, 4 * threads)
             steps += [("slots", [lambda stream: assign_slots(a["row_index"], a["n_rows"], slab["slot_of"],
                                                              slab["position"], slab["stamp"], slab["clock"],
                                                              slab["counters"], miss_rows, source, assign_threads,
                                                              stream)]),
                       ("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
-                                                           store.arrays["kv"], a["staged"], ctas, threads, stream,
+                                                           cache_layer.arrays["kv"], a["staged"], ctas, threads, stream,
                                                            source, slab["slab"])])]
         else:
             steps += [("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
-                                                           store.arrays["kv"], a["staged"], ctas, threads,
+                                                           cache_layer.arrays["kv"], a["staged"], ctas, threads,
                                                            stream)])]
         steps.append(("attention", [lambda stream: attend(q_arr, a["staged"], a["head_mask"], a["n_rows"], lengths,
                                                           heads, dense, scale, status, a["part_m"], a["part_l"],
@@ -281,7 +281,7 @@ class Decoder:
         the store's near tier holds (``CacheShape.hbm_planes``), over the link (pinned host memory) for the rest
         (``fathom.bits.tier_scan_bits``); K rows and landmarks are all pinned. ``link / (hbm + link)`` is the host
         plane fraction of a plane method."""
-        if self.strategy is None or self.settings.method.scorer != "planes":
+        if self.strategy is None or not self.settings.method.scans_planes:
             return 0.0, self.scan_nbytes(layer)
         sealed = np.repeat(self.cache.lengths(layer) // BLOCK * BLOCK, self.cache.shape.kv_heads)
         near, far = tier_scan_bits(self.depths.cpu().numpy(), self.cache.shape.layout.hbm_planes)

@@ -80,11 +80,11 @@ class WaterfillDepths:
             self.from_store[layer].copy_(_per_stream(one_layer, "head_basis", raw, torch.uint8)[0, :, 0])
 
     def launch(self, layer: int, basis: str, q_store, buf: StepBuffers) -> Launch:
-        store, shape = self.cache.layers[layer], self.cache.shape
-        sums = as_array(store.stores[basis].scale_sq_sum)
+        cache_layer, shape = self.cache.layers[layer], self.cache.shape
+        sums = as_array(cache_layer.stores[basis].scale_sq_sum)
         sigma2 = sums if self.sigma2 is None else as_array(self.sigma2[layer])
         from_store = as_array(self.from_store[layer])
-        budget, lengths, depths = self.budgets[layer], store.arrays["lengths"], as_array(buf.depths)
+        budget, lengths, depths = self.budgets[layer], cache_layer.arrays["lengths"], as_array(buf.depths)
         heads = shape.kv_heads
         return lambda stream: waterfill(q_store, sigma2, sums, from_store, budget, depths, lengths, heads,
                                         stream=stream)
@@ -156,18 +156,18 @@ class PlaneScan:
 
     def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
         """The query into the store's basis, then the depths."""
-        store = self.cache.layers[layer]
+        cache_layer = self.cache.layers[layer]
         launches: list[Launch] = []
         if self.basis == "rotated":
-            launches.append(lambda stream: torch.bmm(buf.q, store.basis, out=buf.q_store))
+            launches.append(lambda stream: torch.bmm(buf.q, cache_layer.basis, out=buf.q_store))
         q_store = as_array(buf.q_store if self.basis == "rotated" else buf.q)
         return launches + [self.depth_plan.launch(layer, self.basis, q_store, buf)]
 
     def scan(self, layer: int, buf: StepBuffers, sel) -> list[Launch]:
-        store = self.cache.layers[layer]
-        near, far = store.stores[self.basis].arrays["near"], store.stores[self.basis].arrays["far"]
+        cache_layer = self.cache.layers[layer]
+        near, far = cache_layer.stores[self.basis].arrays["near"], cache_layer.stores[self.basis].arrays["far"]
         q_store = as_array(buf.q_store if self.basis == "rotated" else buf.q)
-        depths, lengths = as_array(buf.depths), store.arrays["lengths"]
+        depths, lengths = as_array(buf.depths), cache_layer.arrays["lengths"]
         scores, top_hist = as_array(buf.scores), as_array(buf.top_hist)
         heads, layout, warps = self.cache.shape.kv_heads, self.cache.shape.layout, self.warps
         return [lambda stream: scan_planes(q_store, depths, lengths, heads, near, far, layout, sel.sink, sel.local,
@@ -188,10 +188,10 @@ class RowScan:
         return []
 
     def scan(self, layer: int, buf: StepBuffers, sel) -> list[Launch]:
-        store = self.cache.layers[layer]
-        rows = store.arrays["kv"] if self.rows == "keys" else store.arrays["marks"]
+        cache_layer = self.cache.layers[layer]
+        rows = cache_layer.arrays["kv"] if self.rows == "keys" else cache_layer.arrays["marks"]
         bf16, per_row = (True, 1) if self.rows == "keys" else (False, LANDMARK_TOKENS)
-        lengths, heads = store.arrays["lengths"], self.cache.shape.kv_heads
+        lengths, heads = cache_layer.arrays["lengths"], self.cache.shape.kv_heads
         q, scores, top_hist = as_array(buf.q), as_array(buf.scores), as_array(buf.top_hist)
         return [lambda stream: scan_rows(q, rows, bf16, per_row, lengths, heads, sel.sink, sel.local, scores,
                                          top_hist, stream=stream)]

@@ -172,7 +172,8 @@ def test_the_methods_help_says_which_methods_take_bits_and_it_is_true(capsys, mo
 # --- --help: plain text, the choices, the defaults --------------------------------------------------------------
 
 HELPS = [[], ["fidelity"], ["headline"], ["ruler"], ["ruler", "lm-eval"], ["ruler", "samples"], ["ruler", "generate"],
-         ["ruler", "score"], ["agreement"], ["rowreuse"], ["timing"], ["soak"], ["channel-stats"], ["fetch"]]
+         ["ruler", "score"], ["agreement"], ["rowreuse"], ["timing"], ["generate"], ["soak"], ["channel-stats"],
+         ["fetch"]]
 
 
 @pytest.mark.parametrize("argv", HELPS, ids=lambda argv: " ".join(argv) or "bench")
@@ -192,7 +193,7 @@ def test_fidelity_help_lists_the_models_and_corpora_and_readmes_figures(capsys, 
         assert name in text, name
     assert "a few minutes" not in text
     docs = " ".join(" ".join(p.read_text(encoding="utf-8") for p in (README, BENCHES)).split())
-    for figure in ("about 2.5 minutes on 2 CPU cores", "about another minute", "~40 s"):  # cited from the docs
+    for figure in ("about 2.5 minutes on 2 CPU cores", "about another minute", "~20 s"):  # cited from the docs
         assert figure in text and figure in docs, figure
 
 
@@ -247,6 +248,21 @@ def test_commands_that_need_a_gpu_say_so_in_one_line(monkeypatch, capsys):
     for command in (["timing", "--contexts", "32768"], ["soak", "--cycles", "100"]):
         err = refused(command, capsys)
         assert err == f"error: python -m bench {command[0]} needs a CUDA GPU (torch.cuda.is_available() is False)"
+
+
+def test_the_pinned_probe_refuses_in_one_line_and_its_help_is_plain(monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    from bench import pinned_probe
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, message in ((["--gib", "0"], "error: --gib must be >= 1, got 0"), ([], "error: needs a CUDA GPU")):
+        with pytest.raises(SystemExit) as exit_info:
+            pinned_probe.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err and message in err.strip().splitlines()[-1], err
+    with pytest.raises(SystemExit):
+        pinned_probe.main(["--help"])
+    assert "cuMemHostAlloc" in (out := capsys.readouterr().out) and "``" not in out, out
 
 
 def test_timing_and_soak_refuse_bad_arguments_before_any_gpu_work(capsys):

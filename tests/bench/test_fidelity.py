@@ -206,3 +206,6 @@ def test_replot_refuses_a_file_that_is_not_a_fidelity_result(tmp_path, capsys):
     assert refused(["fidelity", "--replot", str(tmp_path / "b.json")], capsys) == (
         f"error: --replot {tmp_path / 'b.json'}: not a fidelity result (it lacks command, synthetic, capture, "
         "selection, summary)")
+    (tmp_path / "c.json").write_text("[1, 2]")
+    assert refused(["fidelity", "--replot", str(tmp_path / "c.json")], capsys) == (
+        f"error: --replot {tmp_path / 'c.json'}: not a fidelity result (not a JSON object)")

@@ -1,5 +1,6 @@
 """``python -m bench generate``: bad arguments refused before any model is built or CUDA is asked for; the table,
-the README section and the plot made from a result; the compile probe's sentence and warm-up command."""
+the README section and the plot made from a result; a result --replot cannot read refused in one line; the compile
+probe's sentence and warm-up command."""
 
 import pytest
 
@@ -22,6 +23,29 @@ PROBE = {"process_cold_s": 9.0, "process_warm_s": 2.0, "cold_kernels_compiled": 
 ])
 def test_bad_arguments_are_refused_before_any_work(capsys, tmp_path, argv, message):
     assert message in refused(["generate", "--out", str(tmp_path), *argv], capsys)
+
+
+TOP = '"command": "c", "device": "d", "weights": "random", "new_tokens": 24, "warmup": 3'
+RECORD = '"model": "m", "context": 32768, "batch": 1, "system": "dense"'
+
+
+@pytest.mark.parametrize("contents, message", [
+    (None, "cannot read it (No such file or directory)"),
+    ("nope", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("[1, 2]", "not a generate result (not a JSON object)"),
+    ('{"command": "c"}', "not a generate result (it lacks device, weights, new_tokens, warmup, records)"),
+    ("{" + TOP + ', "records": {}}', "(its records are not a list of objects)"),
+    ("{" + TOP + ', "records": [{"system": "x"}]}', "(record 0 lacks model, context, batch)"),
+    ("{" + TOP + ', "records": [{' + RECORD + '}]}', "(record 0 has neither steady_ms nor error)"),
+], ids=["missing", "not-json", "not-an-object", "no-fields", "records-not-a-list", "record-fields", "unmeasured"])
+def test_replot_refuses_a_file_it_cannot_plot_naming_it(tmp_path, capsys, contents, message):
+    path = tmp_path / "run.json"
+    if contents is not None:
+        path.write_text(contents)
+    out = tmp_path / "out"
+    err = refused(["generate", "--replot", str(path), "--out", str(out), "--name", "x"], capsys)
+    assert err.startswith(f"error: --replot {path}: ") and message in err, err
+    assert not list(out.glob("generate-x.*"))
 
 
 def test_the_table_and_the_readme_section_come_from_the_records(tmp_path):

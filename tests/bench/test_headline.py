@@ -16,6 +16,7 @@ def test_headline_tables_the_real_settings_only(tmp_path):
     real = {"synthetic": False, "model": "m", "evaluation_text": "t", "capture": {"tokens": 16384, "head_dim": 64},
             "summary": summary, "wall_s": 120.0, "device": "cuda", "prefill_evaluation_s": 30,
             "records": [{"label": "fathom-plan@48", "rel_error": 0.09}],
+            "per_layer_plans": {"fathom-plan@48": [48.0], "fathom-plan@64": [64.0]},
             "prefill_calibration_s": 30, "basis_rule_s": 20, "per_layer_plan_s": 20, "evaluation_s": 80}
     (tmp_path / "fidelity-m-16k-t.json").write_text(json.dumps(real))
     (tmp_path / "fidelity-synthetic.json").write_text(json.dumps({**real, "synthetic": True}))

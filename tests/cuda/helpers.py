@@ -51,19 +51,18 @@ def selected(decoder, layer: int) -> np.ndarray:
 def sealed_planes(cache, layer: int, stream: int, basis: str = "raw") -> tuple[np.ndarray, np.ndarray]:
     """One (session, KV head)'s sealed planes ``uint64 [d, 4, n_blocks]`` and scales ``float16 [d, n_blocks]`` of an
     offloaded cache, read back on the host through the store's layout (syncs)."""
-    store = cache.layer(layer)
+    store = cache.layer(layer).stores[basis]
     if not SIMULATED:
         torch.cuda.synchronize()
     n_blocks = int(cache.lengths(layer)[stream // cache.shape.kv_heads]) // BLOCK
-    st = store.stores[basis]
-    return cache.shape.layout.read(st.near.cpu().numpy(), st.far.cpu().numpy(), stream, n_blocks)
+    return cache.shape.layout.read(store.near.cpu().numpy(), store.far.cpu().numpy(), stream, n_blocks)
 
 
 def sealed_landmarks(cache, layer: int, stream: int) -> np.ndarray:
     """One (session, KV head)'s landmarks of the sealed blocks, ``float16 [n_sealed / 8, d]``, read on the host
     (syncs)."""
-    store = cache.layer(layer)
+    marks = cache.layer(layer).marks
     if not SIMULATED:
         torch.cuda.synchronize()
     n_sealed = int(cache.lengths(layer)[stream // cache.shape.kv_heads]) // BLOCK * BLOCK
-    return store.marks.host[stream, :n_sealed // LANDMARK_TOKENS, 0].copy().view(np.float16)
+    return marks.host[stream, :n_sealed // LANDMARK_TOKENS, 0].copy().view(np.float16)

@@ -328,8 +328,11 @@ def test_bad_input_raises_before_any_kernel():
         Decoder(cache, DecoderSettings(methods.double_sparsity(2)), GROUP_SIZE, ds_rank=np.zeros((2, 1, D), int))
     with pytest.raises(ValueError, match="sigma2"):
         Decoder(cache, DecoderSettings(methods.fathom(12.0, variance="calibration")), GROUP_SIZE)
-    with pytest.raises(ValueError, match="group_size"):
-        Decoder(cache, DecoderSettings(), 9)
+    for group_size in (9, 2.0, True):  # an integer in 1..8, not a float or bool
+        with pytest.raises(ValueError, match="group_size"):
+            Decoder(cache, DecoderSettings(), group_size)
+    with pytest.raises(ValueError, match="layer must be an integer"):
+        cache.lengths(True)
     with pytest.raises(ValueError, match=r"basis\[0, 0\] must be orthonormal"):
         HostKVCache(shape, basis=np.ones((2, 1, D, D)))
     with pytest.raises(ValueError, match="store must be one of"):
