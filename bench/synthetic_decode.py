@@ -43,10 +43,10 @@ class Synthetic:
         z = self.torch.randn((sessions, KV_HEADS, GROUP_SIZE, HEAD_DIM), device=self.device, generator=self.gen)
         return (mean[None, :, None] + std[None, :, None] * z).reshape(sessions, KV_HEADS * GROUP_SIZE, HEAD_DIM)
 
-    def query_walk(self, plan: list[int], sessions: int) -> QueryWalk:
-        """Decode queries of the layers ``plan`` that drift from token to token (:class:`QueryWalk`)."""
-        mean = self.torch.stack([self._pick("query_mean", layer) for layer in plan])[:, None, :, None]
-        std = self.torch.stack([self._pick("query_std", layer) for layer in plan])[:, None, :, None]
+    def query_walk(self, layer_order: list[int], sessions: int) -> QueryWalk:
+        """Decode queries of the layers ``layer_order`` that drift from token to token (:class:`QueryWalk`)."""
+        mean = self.torch.stack([self._pick("query_mean", layer) for layer in layer_order])[:, None, :, None]
+        std = self.torch.stack([self._pick("query_std", layer) for layer in layer_order])[:, None, :, None]
         return QueryWalk(mean, std, sessions, self.gen)
 
     def calibration(self, layers: int) -> tuple[np.ndarray, np.ndarray]:

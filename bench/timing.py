@@ -35,11 +35,10 @@ timed token and its records in :mod:`bench.timing_run`; the tables, plot, summar
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from bench import timing_report
-from bench.cli import UsageError, file_stem, int_list, name_list, require_cuda, utf8_text, writable_folder
+from bench.cli import UsageError, file_stem, int_list, name_list, require_cuda, result_json, writable_folder
 from bench.report import RESULTS
 from bench.synthetic_decode import Synthetic
 from bench.timing_run import Run, copy_rate, hbm_rate, records
@@ -140,24 +139,7 @@ RECORD_FIELDS = ("method", "label", "context", "sessions", "ragged", "k", "regim
 def replot_payload(path: Path) -> dict:
     """A timing JSON to ``--replot``; a missing, unreadable or non-JSON file, or one without the fields the table
     and plot read, is refused, naming it."""
-    try:
-        payload = json.loads(utf8_text("--replot", path))
-    except json.JSONDecodeError as error:
-        raise UsageError(f"--replot {path}: not JSON ({error})") from None
-    what = "not a timing JSON of python -m bench timing"
-    if not isinstance(payload, dict):
-        raise UsageError(f"--replot {path}: {what} (not a JSON object)")
-    missing = [key for key in REPLOT_FIELDS if key not in payload]
-    if missing:
-        raise UsageError(f"--replot {path}: {what} (it lacks {', '.join(missing)})")
-    records = payload["records"]
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise UsageError(f"--replot {path}: {what} (its records are not a list of objects)")
-    for i, record in enumerate(records):
-        missing = [key for key in RECORD_FIELDS if key not in record]
-        if missing:
-            raise UsageError(f"--replot {path}: {what} (record {i} lacks {', '.join(missing)})")
-    return payload
+    return result_json(path, "a timing JSON of python -m bench timing", REPLOT_FIELDS, RECORD_FIELDS)
 
 
 def run(args: argparse.Namespace) -> Path:

@@ -70,7 +70,7 @@ class Run:
 
         self.torch, self.setting = torch, setting
         self.physical = physical_layers(setting, args.host_gb)
-        self.plan = [layer % self.physical for layer in range(LAYERS)]
+        self.layer_order = [layer % self.physical for layer in range(LAYERS)]  # the physical layer of each of the 36
         shape = CacheShape(sessions=setting.sessions, layers=self.physical, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                            max_tokens=max(setting.lengths) + HEADROOM,
                            store="host" if setting.regime == "host" else "device",
@@ -87,10 +87,10 @@ class Run:
                     self.cache.append(layer, data.keys(layer, 1, m), data.values(1, m), sessions=[s])
         torch.cuda.synchronize()
         self.fill_s = time.perf_counter() - started
-        self.walk = data.query_walk(self.plan, setting.sessions)
+        self.walk = data.query_walk(self.layer_order, setting.sessions)
         self.q = self.walk.step()
-        self.k_new = torch.stack([data.keys(layer, setting.sessions, 1) for layer in self.plan])
-        self.v_new = torch.stack([data.values(setting.sessions, 1) for _ in self.plan])
+        self.k_new = torch.stack([data.keys(layer, setting.sessions, 1) for layer in self.layer_order])
+        self.v_new = torch.stack([data.values(setting.sessions, 1) for _ in self.layer_order])
         table = method_table()
         sel = Selection(k=setting.k)
         self.decoders, self.graphs = {}, {}
@@ -98,7 +98,7 @@ class Run:
             decoder = Decoder(self.cache, DecoderSettings(table[label], sel), GROUP_SIZE, ds_rank=ds_rank)
             self.decoders[label] = decoder
             if "graph" in args.modes:
-                self.graphs[label] = StepGraph(decoder, layers=self.plan, append=True)
+                self.graphs[label] = StepGraph(decoder, layers=self.layer_order, append=True)
         self.samples = {(label, mode): {"gpu": [], "wall": [], "host": [], "stages": []}
                         for label in labels for mode in args.modes}
         self.nbytes: dict[str, dict] = {}  # per method: what one eager token read (:meth:`read_bytes`)
@@ -107,7 +107,7 @@ class Run:
 
     def eager_token(self, decoder, events=None) -> None:
         """Append + step of every layer, eagerly; with ``events``, a pair of events around each stage."""
-        for i, layer in enumerate(self.plan):
+        for i, layer in enumerate(self.layer_order):
             self.cache.append(layer, self.k_new[i], self.v_new[i])
             decoder.run(layer, self.q[i], on_stage=None if events is None else self._stage_timer(events))
 
@@ -162,7 +162,7 @@ class Run:
         decoder = self.decoders[label]
         scan = scan_link = rows = row_link = tokens = 0.0
         self.q = self.walk.step()
-        for i, layer in enumerate(self.plan):
+        for i, layer in enumerate(self.layer_order):
             decoder.run(layer, self.q[i])
             scan += decoder.scan_nbytes(layer)
             scan_link += decoder.scan_nbytes_by_tier(layer)[1]
