@@ -10,12 +10,14 @@ from pathlib import Path
 import numpy as np
 
 from fathom import methods
+from fathom.bits import fixed_channel_bits
 from fathom.calibration import Calibration
 from fathom.methods import Method
 
 BACKENDS = ("auto", "reference", "offloaded")
 SETTINGS = ("r", "sink", "local", "variance", "plan", "calibration", "backend", "max_tokens", "hbm_gb", "row_cache_rows",
             "pool")
+DEFAULT_BUDGET = 48.0  # bits per token of the bit-budget methods when none is given
 RESERVE_TOKENS = 4096  # room reserved past the longest prompt when max_tokens is not given (grown beyond it)
 
 
@@ -23,9 +25,9 @@ RESERVE_TOKENS = 4096  # room reserved past the longest prompt when max_tokens i
 class FathomSettings:
     """What a :class:`FathomCache` decodes with (validated here; the model-dependent checks are the cache's).
 
-    ``budget``: bits per token for fathom, fathom-rotated and fathom-plan (the plan's mean); for sparq,
-    double-sparsity and loki it names ``r = budget / 4.25`` channels at 4 bits (68 -> 16, 136 -> 32) unless
-    ``r`` is given; other methods do not read it. ``k``: top-k per query head (None: design §6's k by the
+    ``budget``: bits per token for fathom, fathom-rotated, fathom-mixed and fathom-plan (the plan's mean; None:
+    :data:`DEFAULT_BUDGET`); for sparq, double-sparsity and loki it names ``r = budget / 4.25`` channels at 4 bits
+    (68 -> 16, 136 -> 32), and one of ``budget`` and ``r`` must be given; other methods do not read it. ``k``: top-k per query head (None: design §6's k by the
     longest prompt). ``plan``: fathom-plan's per-layer budgets, one per full-attention layer (None: planned
     on the prompt). ``max_tokens``: per session, offloaded backend (None: the longest prompt plus
     :data:`RESERVE_TOKENS`, in a bucket of :func:`~fathom.integrations.sessions.capacity`; grown when needed).
@@ -38,7 +40,7 @@ class FathomSettings:
     """
 
     method: str = "fathom"
-    budget: float = 48
+    budget: float | None = None
     k: int | None = None
     r: int | None = None
     sink: int = 4
@@ -53,6 +55,11 @@ class FathomSettings:
 
     def __post_init__(self):
         entry = methods.entry(self.method)
+        if self.budget is None:  # the method's default: no fixed-channel count is a default worth guessing
+            if entry.budget == "channels" and self.r is None:
+                raise ValueError(f"budget must be given for {self.method}: r·4.25 bits (e.g. budget=68 for r = 16), "
+                                 f"or pass r=")
+            object.__setattr__(self, "budget", DEFAULT_BUDGET if self.r is None else fixed_channel_bits(self.r))
         methods.check_budget(self.method, self.budget, planned=self.plan is not None)
         for name in ("k", "r", "max_tokens"):
             value = getattr(self, name)

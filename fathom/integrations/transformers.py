@@ -185,9 +185,10 @@ class FathomCache(Cache):
             whose layers without a FathomCache still run sdpa, and switches it back when the last cache on it is
             closed or garbage collected).
         method: a name of :data:`fathom.methods.CATALOG` (design §7).
-        budget: bits per token (fathom, fathom-rotated; fathom-plan's mean). For sparq, double-sparsity and
-            loki, ``r·4.25`` bits for r channels (68 -> r = 16, 136 -> r = 32) unless ``r=`` is given.
-            Not read by dense, oracle, thumbnail (2 planes of every channel) and landmark.
+        budget: bits per token (fathom, fathom-rotated, fathom-mixed; fathom-plan's mean); None: 48. For sparq,
+            double-sparsity and loki, ``r·4.25`` bits for r channels (68 -> r = 16, 136 -> r = 32), or ``r=``:
+            one of the two must be given. Not read by dense, oracle, thumbnail (2 planes of every channel) and
+            landmark.
         k: top-k per query head; None: design §6's k by the longest prompt (``Selection.for_context``).
         prompt: a :func:`prefill` of this model: the cache starts holding it (one dense prefill shared by the
             caches of several methods); generate then continues from ``prompt.next_token``.
@@ -210,7 +211,7 @@ class FathomCache(Cache):
     :meth:`close` (also run when the cache is garbage collected) hands the offloaded memory back.
     """
 
-    def __init__(self, model, method: str = "fathom", budget: float = 48, k: int | None = None,
+    def __init__(self, model, method: str = "fathom", budget: float | None = None, k: int | None = None,
                  prompt: Prompt | None = None, **settings):
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
