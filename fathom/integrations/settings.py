@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fathom import methods
+from fathom import _checks, methods
 from fathom.bits import fixed_channel_bits
 from fathom.calibration import Calibration
 from fathom.methods import Method
@@ -27,16 +27,16 @@ class FathomSettings:
 
     ``budget``: bits per token for fathom, fathom-rotated, fathom-mixed and fathom-plan (the plan's mean; None:
     :data:`DEFAULT_BUDGET`); for sparq, double-sparsity and loki it names ``r = budget / 4.25`` channels at 4 bits
-    (68 -> 16, 136 -> 32), and one of ``budget`` and ``r`` must be given; other methods do not read it. ``k``: top-k per query head (None: design §6's k by the
-    longest prompt). ``plan``: fathom-plan's per-layer budgets, one per full-attention layer (None: planned
-    on the prompt). ``max_tokens``: per session, offloaded backend (None: the longest prompt plus
-    :data:`RESERVE_TOKENS`, in a bucket of :func:`~fathom.integrations.sessions.capacity`; grown when needed).
-    ``hbm_gb``: HBM the offloaded store's scales and top bit planes may take (GB; 0: every plane pinned in host
-    memory): the most planes per channel that fit at the cache's capacity when it is made (``fathom.layout``'s
-    tiers; a grown cache keeps its tier). ``row_cache_rows``: HBM row cache slots per (session, layer, KV head),
-    offloaded backend (0: none; ``fathom.row_cache``: the rows a step selected recently stay in HBM and only the
-    misses cross the link; 4× a step's ``G · k + sink + local`` rows hits about 90% on real text). ``pool``: offloaded sessions are handed to
-    ``fathom.integrations.sessions.POOL`` when the cache closes.
+    (68 -> 16, 136 -> 32), and one of ``budget`` and ``r`` must be given; other methods do not read it. ``k``: top-k
+    per query head (None: design §6's k by the longest prompt). ``plan``: fathom-plan's per-layer budgets, one per
+    full-attention layer (None: planned on the prompt). ``max_tokens``: per session, offloaded backend (None: the
+    longest prompt plus :data:`RESERVE_TOKENS`, in a bucket of :func:`~fathom.integrations.sessions.capacity`; grown
+    when needed). ``hbm_gb``: HBM the offloaded store's scales and top bit planes may take (GB; 0: every plane
+    pinned in host memory): the most planes per channel that fit at the cache's capacity when it is made
+    (``fathom.layout``'s tiers; a grown cache keeps its tier). ``row_cache_rows``: HBM row cache slots per (session,
+    layer, KV head), offloaded backend (0: none; ``fathom.row_cache``: the rows a step selected recently stay in HBM
+    and only the misses cross the link; 4× a step's ``G · k + sink + local`` rows hits about 90% on real text).
+    ``pool``: offloaded sessions are handed to ``fathom.integrations.sessions.POOL`` when the cache closes.
     """
 
     method: str = "fathom"
@@ -55,21 +55,20 @@ class FathomSettings:
 
     def __post_init__(self):
         entry = methods.entry(self.method)
+        for name in ("k", "r", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not _checks.is_integer(value) or value < (0 if name == "k" else 1)):
+                raise ValueError(f"{name} must be None or an integer >= {0 if name == 'k' else 1}, got {value!r}")
+        for name in ("sink", "local"):
+            value = getattr(self, name)
+            if not _checks.is_integer(value) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.budget is None:  # the method's default: no fixed-channel count is a default worth guessing
             if entry.budget == "channels" and self.r is None:
                 raise ValueError(f"budget must be given for {self.method}: r·4.25 bits (e.g. budget=68 for r = 16), "
                                  f"or pass r=")
             object.__setattr__(self, "budget", DEFAULT_BUDGET if self.r is None else fixed_channel_bits(self.r))
         methods.check_budget(self.method, self.budget, planned=self.plan is not None)
-        for name in ("k", "r", "max_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                      or value < (0 if name == "k" else 1)):
-                raise ValueError(f"{name} must be None or an integer >= {0 if name == 'k' else 1}, got {value!r}")
-        for name in ("sink", "local"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.r is not None and entry.budget != "channels":
             raise ValueError(f"r is read by {', '.join(methods.names('channels'))} only; method is {self.method!r}")
         if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:
@@ -81,8 +80,7 @@ class FathomSettings:
             raise ValueError(f"hbm_gb must be a finite number of GB >= 0, got {self.hbm_gb!r}")
         if self.hbm_gb > 0 and self.backend == "reference":
             raise ValueError("hbm_gb places the offloaded store's top planes in HBM: the reference backend has none")
-        if isinstance(self.row_cache_rows, bool) or not isinstance(self.row_cache_rows, (int, np.integer)) \
-                or not 0 <= self.row_cache_rows < 1 << 30:
+        if not _checks.is_integer(self.row_cache_rows) or not 0 <= self.row_cache_rows < 1 << 30:
             raise ValueError(f"row_cache_rows must be an integer in 0..{(1 << 30) - 1}, got {self.row_cache_rows!r}")
         if self.row_cache_rows and self.backend == "reference":
             raise ValueError("row_cache_rows keeps offloaded rows in HBM: the reference backend holds every row "

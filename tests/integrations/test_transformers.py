@@ -192,6 +192,7 @@ def test_every_update_call_form_of_transformers_5_is_accepted():
     ({"budget": -1}, "budget must be a finite number"),
     ({"method": "sparq", "budget": 50}, r"budget must be r·4.25 bits for an integer r in 1..16"),
     ({"method": "double-sparsity"}, r"budget must be given for double-sparsity: r·4.25 bits"),
+    ({"method": "sparq", "r": "16"}, "r must be None or an integer >= 1"),
     ({"method": "loki", "r": 17}, r"integer r in 1..16"),
     ({"r": 4}, "r is read by sparq, double-sparsity, loki only"),
     ({"k": -1}, "k must be None or an integer >= 0"),
