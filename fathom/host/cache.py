@@ -57,6 +57,7 @@ from fathom import _checks
 from fathom.cuda.append import append_rows, finish_append
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
 from fathom.cuda.pack import seal_blocks
+from fathom.cuda.scan import MAX_D as MAX_HEAD_DIM  # the plane scan's channels
 from fathom.host.pinned import MappedBuffer
 from fathom.layout import StoreLayout
 from fathom.quantize import BLOCK, PLANES
@@ -94,9 +95,9 @@ class CacheShape:
             value = getattr(self, name)
             if not _checks.is_integer(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.head_dim % 4 or self.head_dim > 256:
-            raise ValueError(f"head_dim must be a multiple of 4 and at most 256 (rows move as 8-byte words), "
-                             f"got {self.head_dim}")
+        if self.head_dim % 4 or self.head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be a multiple of 4 and at most {MAX_HEAD_DIM} (rows move as 8-byte "
+                             f"words), got {self.head_dim}")
         if self.segment_blocks & (self.segment_blocks - 1):
             raise ValueError(f"segment_blocks must be a power of two, got {self.segment_blocks}")
         if self.store not in STORES:

@@ -48,6 +48,7 @@ from fathom.cuda.attention import CHUNK_ROWS, attend, gather_rows
 from fathom.cuda.block import RADIX
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
 from fathom.cuda.row_cache import assign_slots
+from fathom.cuda.scan import MAX_HEADS as MAX_GROUP_SIZE  # query heads a scan CTA accumulates
 from fathom.cuda.topk import select, union_blocks, union_rows
 from fathom.decode import step_bits
 from fathom.host.cache import HostKVCache
@@ -103,8 +104,9 @@ class Decoder:
         if not isinstance(cache, HostKVCache):
             raise ValueError(f"cache must be a HostKVCache, got {type(cache).__name__}")
         cache.check()
-        if not (_checks.is_integer(group_size) and 1 <= group_size <= 8):
-            raise ValueError(f"group_size must be an integer in 1..8 query heads per KV head, got {group_size!r}")
+        if not (_checks.is_integer(group_size) and 1 <= group_size <= MAX_GROUP_SIZE):
+            raise ValueError(f"group_size must be an integer in 1..{MAX_GROUP_SIZE} query heads per KV head, got "
+                             f"{group_size!r}")
         if not isinstance(settings, DecoderSettings):
             raise ValueError(f"settings must be DecoderSettings, got {type(settings).__name__}")
         self.cache, self.settings, self.group_size = cache, settings, int(group_size)

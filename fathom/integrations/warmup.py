@@ -38,10 +38,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fathom import _checks
 from fathom.bits import fixed_channel_bits
 from fathom.cuda import kernel_cache
 from fathom.cuda.kernel_cache import KernelUse
-from fathom.integrations.settings import FathomSettings, ModelShape
+from fathom.host.cache import MAX_HEAD_DIM
+from fathom.host.decoder import MAX_GROUP_SIZE
+from fathom.integrations.settings import DEFAULT_BUDGET, FathomSettings, ModelShape
 from fathom.methods import CATALOG, Method, entry, read_spec
 from fathom.quantize import BLOCK
 from fathom.selection import Selection
@@ -53,7 +56,6 @@ PROMPTS = (3 * BLOCK + 8, 2 * BLOCK + 8)  # tokens per session: sealed blocks an
 MAX_TOKENS = 4 * BLOCK
 ROW_CACHE_ROWS = 64
 SELECTION = Selection(k=8)
-MAX_HEAD_DIM, MAX_GROUP = 256, 8  # what the kernels take (fathom.host.cache.CacheShape, fathom.host.decoder.Decoder)
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class Warmup:
 def every_method(head_dim: int) -> tuple[str, ...]:
     """A spec of every method FathomCache runs: the bits methods at FathomCache's default budget, the fixed-channel
     ones at r = d/4, the others bare (the budget compiles nothing of its own)."""
-    bits = FathomSettings().budget
+    bits = DEFAULT_BUDGET
     r_bits = fixed_channel_bits(max(1, head_dim // 4))
     return tuple(name if e.budget == "none" else f"{name}@{bits if e.budget == 'bits' else r_bits:g}"
                  for name, e in CATALOG.items())
@@ -94,12 +96,12 @@ def every_method(head_dim: int) -> tuple[str, ...]:
 def check_shape(head_dim, group_size) -> None:
     """Refuse a head dim or group size the kernels do not take (one line naming the argument)."""
     for name, value in (("head_dim", head_dim), ("group_size", group_size)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if not _checks.is_integer(value):
             raise ValueError(f"{name} must be an integer, got {value!r}")
     if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % 4 == 0):
         raise ValueError(f"head_dim must be a multiple of 4 in 4..{MAX_HEAD_DIM}, got {head_dim}")
-    if not 1 <= group_size <= MAX_GROUP:
-        raise ValueError(f"group_size must be in 1..{MAX_GROUP} query heads per KV head, got {group_size}")
+    if not 1 <= group_size <= MAX_GROUP_SIZE:
+        raise ValueError(f"group_size must be in 1..{MAX_GROUP_SIZE} query heads per KV head, got {group_size}")
 
 
 def method_of(spec: str, head_dim: int) -> Method:
@@ -187,7 +189,7 @@ def argument_parser() -> argparse.ArgumentParser:
                                  "process loads its kernels instead of compiling them in its first prefill.")
     parser.add_argument("--head-dim", type=int, help=f"attention head dim d (a multiple of 4 in 4..{MAX_HEAD_DIM}); "
                                                      "with --group-size")
-    parser.add_argument("--group-size", type=int, help=f"query heads per KV head G (1..{MAX_GROUP}); with --head-dim")
+    parser.add_argument("--group-size", type=int, help=f"query heads per KV head G (1..{MAX_GROUP_SIZE}); with --head-dim")
     parser.add_argument("--model", action="append", default=[],
                         help="a transformers config to read d and G from: a folder, a config.json, or a hub id already "
                              "in the local cache (nothing is downloaded); may repeat")
