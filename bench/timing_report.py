@@ -67,6 +67,11 @@ def write(payload: dict, out: Path, name: str, command: str) -> Path:
     return path
 
 
+def tokens_per_s(record: dict) -> float:
+    """Aggregate decode tokens a second of a record's attention: its sessions over its GPU time per token."""
+    return record["sessions"] * 1e3 / record["gpu_ms"]
+
+
 def _setting_label(r: dict) -> str:
     """The setting, with the store's tier (planes in HBM, host regime) and the row cache where a record has them."""
     label = Setting(r["context"], r["sessions"], r["regime"], r["k"], r["ragged"]).label
@@ -102,7 +107,7 @@ def markdown(payload: dict) -> str:
         lines += [f"### {_setting_label(r0)}, store in {'pinned host memory' if regime == 'host' else 'HBM'} "
                   f"({r0['physical_layers']} physical layers)", ""]
         table = [{**r, "scan_mb": r["scan_bytes"] / 1e6, "row_mb": r["row_bytes"] / 1e6,
-                  "tokens_per_s": r["sessions"] * 1e3 / r["gpu_ms"],  # records before it was recorded
+                  "tokens_per_s": tokens_per_s(r),  # also for records made before it was recorded
                   "row_link_mb": r.get("row_link_bytes", r["row_bytes"]) / 1e6} for r in rows]
         lines += [markdown_table(table, COLUMNS), ""]
         eager = [r for r in rows if r["mode"] == "eager" and r["stages_ms"]]
