@@ -201,12 +201,15 @@ def _generate(args) -> Path:
     cli.writable_file("--out", out)  # before the specs' check, which imports transformers
     specs, calibration = _check_decoding(args, model_name)
     cli.at_least("--batch-size", args.batch_size, 1)
-    done = []
+    previous = None
     if args.resume and out.exists():
-        previous = json.loads(out.read_text(encoding="utf-8"))
-        if previous.get("samples_file") != str(args.samples):
-            raise UsageError(f"--resume: {out} holds generations of {previous.get('samples_file')}, not {args.samples}")
-        done = previous["generations"]
+        try:
+            previous = json.loads(out.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise UsageError(f"--resume: {out} is not a readable generations JSON ({error})") from None
+        if not isinstance(previous, dict) or previous.get("samples_file") != str(args.samples):
+            held = previous.get("samples_file") if isinstance(previous, dict) else None
+            raise UsageError(f"--resume: {out} holds generations of {held}, not {args.samples}")
     import torch
     import transformers
 
@@ -222,7 +225,7 @@ def _generate(args) -> Path:
               "eos_text": tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False),
               "torch_version": torch.__version__, "transformers_version": transformers.__version__}
     result = generate.run(model, tokenizer, payload["samples"], specs, out, header, args.k, calibration,
-                          args.batch_size, done)
+                          args.batch_size, previous)
     print(f"{len(result['generations'])} generations -> {out}")
     return out
 

@@ -89,19 +89,21 @@ def generate_batch(model, tokenizer, encoded, prompt, batch: list[dict], spec: M
 
 def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Path, header: dict,
         k: int | None = None, calibration: Path | None = None, batch_size: int = 1,
-        done: list[dict] | None = None) -> dict:
+        resumed: dict | None = None) -> dict:
     """Every method on every sample, one dense prefill per batch; the JSON at ``out`` is rewritten after each
-    batch and method (a cut run keeps what it finished, and ``done`` generations from such a run are not
-    redone)."""
+    batch and method. A cut run keeps what it finished: ``resumed`` (its JSON) has its generations kept, not
+    redone, and its times added to this run's (``seconds_by_method``, ``wall_s``; ``calls`` counts the runs)."""
     from fathom.integrations.prefill import prefill
 
-    generations = list(done or [])
+    resumed = resumed or {}
+    generations = list(resumed.get("generations", []))
     finished = {(g["id"], g["method"]) for g in generations}
     todo = [(b, [spec for spec in specs if any((s["id"], spec.label) not in finished for s in b)])
             for b in batches(samples, batch_size)]
     todo = [(b, pending) for b, pending in todo if pending]
-    seconds: dict[str, float] = {}
-    payload = {**header, "generations": generations}
+    seconds: dict[str, float] = dict(resumed.get("seconds_by_method", {}))
+    wall_before = resumed.get("wall_s", 0.0)
+    payload = {**header, "generations": generations, "calls": resumed.get("calls", 1 if resumed else 0) + 1}
     started = time.perf_counter()
     with tqdm(total=sum(len(pending) for _, pending in todo), desc="ruler generate", unit="batch") as bar:
         for batch, pending in todo:
@@ -122,7 +124,7 @@ def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Pat
                                         "batch_seconds": round(elapsed, 2),
                                         "prefill_seconds": round(prefill_seconds, 2)})
                 payload["seconds_by_method"] = {m: round(t, 1) for m, t in seconds.items()}
-                payload["wall_s"] = round(time.perf_counter() - started, 1)
+                payload["wall_s"] = round(wall_before + time.perf_counter() - started, 1)
                 _write_atomically(out, payload)
                 bar.update()
             del prompt  # its K/V, before the next batch's prefill

@@ -162,6 +162,27 @@ def test_lm_eval_path_and_the_split_path_generate_the_same_text(tokenizer_dir, t
     assert json.loads((tmp_path / "g.json").read_text())["generations"] == result["generations"]
 
 
+def test_a_resumed_generate_keeps_what_was_done_and_adds_its_times(tokenizer_dir, tmp_path):
+    """A run cut after one method and resumed with two redoes nothing, and its seconds and wall time add to the
+    first run's (a resumed JSON reports the whole run's time, not the last call's)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = tiny_model(len(tokenizer))
+    built = samples.build(["niah_multikey_2"], [CONTEXT], 1, tokenizer_dir)
+    dense, oracle = MethodSpec.parse("dense", 16), MethodSpec.parse("oracle", 16)
+    first = generate.run(model, tokenizer, built, [dense], tmp_path / "g.json", {"model": "tiny"}, k=2 * CONTEXT)
+    assert first["calls"] == 1 and set(first["seconds_by_method"]) == {"prefill", "dense"}
+    first = json.loads(json.dumps(first))  # as --resume reads it back
+    first.update(seconds_by_method={"prefill": 100.0, "dense": 50.0}, wall_s=200.0)  # a long first call
+    second = generate.run(model, tokenizer, built, [dense, oracle], tmp_path / "g.json", {"model": "tiny"},
+                          k=2 * CONTEXT, resumed=first)
+    assert second["calls"] == 2
+    assert [g["method"] for g in second["generations"]] == ["dense", "oracle"]  # dense kept, not redone
+    assert second["generations"][0] == first["generations"][0]
+    assert second["seconds_by_method"]["dense"] == 50.0
+    assert second["seconds_by_method"]["prefill"] >= 100.0 and "oracle" in second["seconds_by_method"]
+    assert 200.0 <= second["wall_s"] < 260.0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["lm-eval", "--limit", "0"], "--limit"),
     (["lm-eval", "--contexts", "512"], "--contexts"),
