@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model runs (default cpu)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="samples per generate call, of one task and context (default 1)")
+    p.add_argument("--prefill-rows", type=int, default=None,
+                   help="rows of a batch the shared dense prefill runs at once (default the whole batch; fewer "
+                        "where a padded batch's attention mask does not fit, e.g. 1 at 32k)")
     p.add_argument("--out", type=Path, default=None, help="generations JSON (default beside the samples)")
     p.add_argument("--resume", action="store_true", help="keep the generations already in --out, do the rest")
 
@@ -201,6 +204,8 @@ def _generate(args) -> Path:
     cli.writable_file("--out", out)  # before the specs' check, which imports transformers
     specs, calibration = _check_decoding(args, model_name)
     cli.at_least("--batch-size", args.batch_size, 1)
+    if args.prefill_rows is not None:
+        cli.at_least("--prefill-rows", args.prefill_rows, 1)
     previous = None
     if args.resume and out.exists():
         try:
@@ -220,12 +225,12 @@ def _generate(args) -> Path:
     header = {"command": args.command_line, "samples_file": str(args.samples), "model": model_name,
               "methods": [s.label for s in specs], "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "batch_size": args.batch_size, "k_requested": args.k,
+              "batch_size": args.batch_size, "prefill_rows": args.prefill_rows, "k_requested": args.k,
               "calibration": None if calibration is None else str(calibration),
               "eos_text": tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False),
               "torch_version": torch.__version__, "transformers_version": transformers.__version__}
     result = generate.run(model, tokenizer, payload["samples"], specs, out, header, args.k, calibration,
-                          args.batch_size, previous)
+                          args.batch_size, previous, args.prefill_rows)
     print(f"{len(result['generations'])} generations -> {out}")
     return out
 

@@ -89,8 +89,9 @@ def generate_batch(model, tokenizer, encoded, prompt, batch: list[dict], spec: M
 
 def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Path, header: dict,
         k: int | None = None, calibration: Path | None = None, batch_size: int = 1,
-        resumed: dict | None = None) -> dict:
-    """Every method on every sample, one dense prefill per batch; the JSON at ``out`` is rewritten after each
+        resumed: dict | None = None, prefill_rows: int | None = None) -> dict:
+    """Every method on every sample, one dense prefill per batch (``prefill_rows`` rows of it at a time:
+    :func:`~fathom.integrations.prefill.prefill`'s ``rows_per_forward``); the JSON at ``out`` is rewritten after each
     batch and method. A cut run keeps what it finished: ``resumed`` (its JSON) has its generations kept, not
     redone, and its times added to this run's (``seconds_by_method``, ``wall_s``; ``calls`` counts the runs)."""
     from fathom.integrations.prefill import prefill
@@ -110,7 +111,7 @@ def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Pat
             bar.set_postfix_str(f"{batch[0]['task']} {batch[0]['context']} prefill")
             start = time.perf_counter()
             encoded = encode(tokenizer, batch, model.device)
-            prompt = prefill(model, encoded.input_ids, encoded.attention_mask)
+            prompt = prefill(model, encoded.input_ids, encoded.attention_mask, rows_per_forward=prefill_rows)
             prefill_seconds = time.perf_counter() - start
             seconds["prefill"] = seconds.get("prefill", 0.0) + prefill_seconds
             for spec in pending:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from fathom._checks import is_integer
 from fathom.integrations.attention import ATTENTION, attention_implementation
 from fathom.integrations.settings import ModelShape
 
@@ -54,7 +55,8 @@ class _PromptRecorder:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Prompt:
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+            rows_per_forward: int | None = None) -> Prompt:
     """Run the model's dense sdpa prefill over ``input_ids [B, n]`` (left-padded where ``attention_mask`` says)
     once, for FathomCaches of several methods to start from.
 
@@ -62,10 +64,73 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     from ``prompt.next_token`` (the greedy token the prefill's logits give), which it decodes as its first step:
     ``generate(cat([input_ids, next_token]), ..., max_new_tokens=N - 1)`` generates exactly what
     ``generate(input_ids, ..., max_new_tokens=N)`` with a fresh cache would (tested).
+
+    ``rows_per_forward`` (default: every row in one forward) runs the batch through the model that many rows at a
+    time. A padded batch's sdpa prefill materialises its attention mask, ``B·n²`` bytes and a floating copy (51 GiB
+    at 13 rows of 32k, 137 GB of booleans at 8 of 128k), where a group of rows without padding needs none: each
+    group runs without the left padding all its rows share, and its keys and values are placed back after it (zeros
+    there; ``valid`` marks every padded position, as the one forward's does). Each row's keys, values, queries and
+    next token are its own prefill's (tested equal to the one forward's, up to the order a different batch shape
+    may sum in).
+
+    Example::
+
+        prompt = prefill(model, batch.input_ids, batch.attention_mask, rows_per_forward=1)  # long ragged rows
+        cache = FathomCache(model, method="fathom", budget=48, prompt=prompt)
     """
     shape = ModelShape.of(model)
     if model.config._attn_implementation not in ("sdpa", ATTENTION):
         raise ValueError(f"model must use sdpa attention, got {model.config._attn_implementation!r}")
+    if rows_per_forward is not None and (not is_integer(rows_per_forward) or rows_per_forward < 1):
+        raise ValueError(f"rows_per_forward must be an integer >= 1 or None, got {rows_per_forward!r}")
+    rows = input_ids.shape[0]
+    if rows_per_forward is None or rows_per_forward >= rows:
+        return _prefill(model, shape, input_ids, attention_mask)
+    joined = None
+    for start in range(0, rows, rows_per_forward):
+        ids = input_ids[start:start + rows_per_forward]
+        mask = None if attention_mask is None else attention_mask[start:start + rows_per_forward]
+        shared_pad = 0
+        if mask is not None:  # the leading positions every row of the group pads (one host read per group)
+            real = torch.nonzero(mask.any(0)).flatten()
+            shared_pad = int(real[0]) if len(real) else 0
+            ids, mask = ids[:, shared_pad:], mask[:, shared_pad:]
+        group = _prefill(model, shape, ids, mask)
+        joined = joined or _JoinedPrompt(group, rows, input_ids.shape[1])
+        joined.place(group, start, shared_pad)
+        del group  # its keys and values now live in the joined prompt's: one group's at a time beside them
+    return joined.prompt()
+
+
+class _JoinedPrompt:
+    """The :class:`Prompt` of a batch prefilled in row groups: every layer's keys and values (and ``valid``)
+    allocated once for all rows, each group's copied in at its rows and placed after the padding it left out
+    (zeros there, ``valid`` False); row 0's calibration queries are the first group's."""
+
+    def __init__(self, first: Prompt, rows: int, n: int):
+        def empty(t):
+            return torch.zeros((rows, t.shape[1], n, t.shape[3]), dtype=t.dtype, device=t.device)
+
+        self.keys, self.values = [empty(k) for k in first.keys], [empty(v) for v in first.values]
+        self.valid = torch.zeros((rows, n), dtype=torch.bool, device=first.valid.device)
+        self.queries, self.scale, self.next_tokens = first.queries, first.scale, []
+
+    def place(self, group: Prompt, start: int, shared_pad: int) -> None:
+        if group.scale != self.scale:
+            raise ValueError(f"row groups decode with different softmax scales {group.scale} and {self.scale}")
+        stop = start + group.valid.shape[0]
+        for joined, part in zip(self.keys + self.values, group.keys + group.values):
+            joined[start:stop, :, shared_pad:] = part
+        self.valid[start:stop, shared_pad:] = group.valid
+        self.next_tokens.append(group.next_token)
+
+    def prompt(self) -> Prompt:
+        return Prompt(tuple(self.keys), tuple(self.values), self.queries, self.valid, self.scale,
+                      torch.cat(self.next_tokens))
+
+
+def _prefill(model, shape: ModelShape, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> Prompt:
+    """:func:`prefill` of one forward over every row of ``input_ids``."""
     recorder = _PromptRecorder(shape.layer_types)
     positions = None
     if attention_mask is not None:  # as generate places left-padded rows: the first real token at position 0

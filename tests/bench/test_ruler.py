@@ -204,14 +204,19 @@ def test_bad_arguments_are_refused_before_any_model_load(monkeypatch, capsys, ar
     assert message in refused(["ruler", *argv], capsys)
 
 
-def test_generate_refuses_a_bad_batch_size_and_a_resume_of_another_samples_file(monkeypatch, capsys, tmp_path):
+def test_generate_refuses_a_bad_batch_size_or_prefill_rows_and_a_resume_of_another_or_broken_file(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("model loaded"))
     hand_made(tmp_path)
     assert "--batch-size" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
                                               "--batch-size", "0"], capsys)
+    assert "--prefill-rows" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
+                                                "--prefill-rows", "0"], capsys)
     (tmp_path / "other.json").write_text(json.dumps({"samples_file": "elsewhere.json", "generations": []}))
     assert "--resume" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
                                           "--out", str(tmp_path / "other.json"), "--resume"], capsys)
+    (tmp_path / "broken.json").write_text("{not json")
+    assert "not a readable generations JSON" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
+                                                         "--out", str(tmp_path / "broken.json"), "--resume"], capsys)
 
 
 def test_batches_hold_one_task_and_context_and_come_in_rounds():

@@ -93,6 +93,42 @@ def test_one_shared_prefill_generates_what_each_cache_prefilling_itself_does(mak
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_a_prefill_in_row_groups_holds_what_the_one_forward_prefill_does(make):
+    """rows_per_forward runs a ragged batch a few rows at a time (no padded mask for a group that needs none): the
+    same valid positions, keys, values and calibration queries, the same next tokens, and a cache holding it
+    generates the one-forward prompt's tokens. Four rows, two of them padded, in groups of 1, 2 and 3."""
+    model = make()
+    ids = torch.randint(1, 97, (4, PROMPT), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    for row, pad in ((1, PAD), (2, 2 * PAD)):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    whole = prefill(model, ids, mask)
+    grown_ids, grown_mask = torch.cat([ids, whole.next_token[:, None]], 1), torch.cat([mask, mask[:, -1:]], 1)
+    expected = generate(model, grown_ids, grown_mask, FathomCache(model, "fathom", budget=12, k=8, prompt=whole),
+                        new=NEW - 1)
+    for rows in (1, 2, 3):
+        grouped = prefill(model, ids, mask, rows_per_forward=rows)
+        torch.testing.assert_close(grouped.valid, whole.valid, rtol=0, atol=0)
+        torch.testing.assert_close(grouped.next_token, whole.next_token, rtol=0, atol=0)
+        assert grouped.scale == whole.scale
+        for layer in range(len(whole.keys)):
+            for got, want in ((grouped.keys[layer], whole.keys[layer]), (grouped.values[layer], whole.values[layer])):
+                assert got.shape == want.shape
+                torch.testing.assert_close(got.transpose(1, 2)[whole.valid], want.transpose(1, 2)[whole.valid],
+                                           rtol=1e-4, atol=1e-5)
+                if rows == 1:  # each row ran without its padding: zeros there
+                    assert not got.transpose(1, 2)[~whole.valid].any()
+            if whole.queries[layer] is not None:
+                torch.testing.assert_close(grouped.queries[layer], whole.queries[layer], rtol=1e-4, atol=1e-5)
+        got = generate(model, grown_ids, grown_mask, FathomCache(model, "fathom", budget=12, k=8, prompt=grouped),
+                       new=NEW - 1)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"rows_per_forward={rows}")
+    for bad in (0, 1.0, True):
+        with pytest.raises(ValueError, match="rows_per_forward"):
+            prefill(model, ids, mask, rows_per_forward=bad)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
 @pytest.mark.parametrize("method, settings", [("dense", {}), ("fathom", {"budget": 12, "k": 2 * PROMPT})])
 def test_a_second_generate_continues_the_conversation_as_a_fresh_cache_over_all_of_it(make, method, settings):
     """Turn 2 (the turn-1 output and new tokens) continues the same cache: its tokens equal a fresh cache's over
