@@ -29,6 +29,14 @@ the host),
 ``attention_gpu_ms`` (every layer's Fathom step of one token, replayed on the cache the run left, CUDA events,
 GPU queued behind a sleep so the host is not timed), ``hbm_gb`` (peak torch allocation, weights included),
 ``pinned_gb`` (the Fathom store's pinned host memory), ``prefill_vs_hf`` (prefill / hf-sdpa's).
+``--layers N`` builds the 8B shapes with N decoder layers (a batch of long sessions that does not fit the host's
+memory with all of them: 8 × 128k would pin ~190 GB for Fathom's store and hold 154 GB for HF's offloaded cache;
+the table says so). ``--prefill-rows N`` starts every system's cache from one shared dense prefill per setting
+(:func:`fathom.integrations.prefill.prefill` N rows at a time: a left-padded batch's own prefill materialises a
+``B × n × n`` attention mask, 137 GB at 8 × 128k): FathomCaches take it by ``prompt=``, HF's caches by their own
+``update``, and generate continues from the prompt's greedy token, so ``prefill_s`` is the time to take the prompt
+in, ``shared_prefill_s`` the prefill's, and the first step decodes the prompt's token (tested to generate the
+tokens of each cache's own prefill).
 ``--compile-probe`` also times, in fresh processes, the first offloaded decode (:data:`PROBE`) with Numba's kernel
 cache empty (``process_cold_s``) and then filled by that run (``process_warm_s``), the warm-up command a deployment
 runs first (:data:`WARMUP`, ``warmup_s``, its own cache empty) and the first offloaded decode after it
@@ -92,6 +100,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated: {', '.join(SHAPES)} (shapes, random weights), {', '.join(REAL)}")
     parser.add_argument("--contexts", type=int_list, default=[32768, 131072], help="prompt tokens (the longest row)")
     parser.add_argument("--batches", type=int_list, default=[1], help="sessions per generate call (ragged when > 1)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers of the 8B shapes (default the model's: 36 / 32); fewer where a batch of "
+                             "long sessions does not fit the host's memory (every record says how many)")
+    parser.add_argument("--prefill-rows", type=int, default=None,
+                        help="start every system's cache from one shared dense prefill per setting, run this many "
+                             "rows at a time (no padded attention mask: 137 GB at 8 x 128k), instead of generate's "
+                             "own prefill; prefill_s is then the system's time to take the prompt in")
     parser.add_argument("--systems", type=name_list,
                         default=["hf-sdpa", "hf-offloaded", "dense", "fathom@48", "fathom@48+graph", "sparq@68",
                                  "double-sparsity@136"],
@@ -118,6 +133,15 @@ def validate(args) -> list[tuple[str, object]]:
             raise UsageError(f"--models: {model!r} is not one of {', '.join(list(SHAPES) + list(REAL))}")
     if any(c < 256 for c in args.contexts) or any(b < 1 or b > 64 for b in args.batches):
         raise UsageError(f"--contexts must be >= 256 and --batches in 1..64, got {args.contexts}, {args.batches}")
+    if args.layers is not None:
+        real = [m for m in args.models if m in REAL]
+        fewest = min((SHAPES[m][1]["num_hidden_layers"] for m in args.models if m in SHAPES), default=0)
+        if real:
+            raise UsageError(f"--layers applies to the shapes ({', '.join(SHAPES)}), not {', '.join(real)}")
+        if not 1 <= args.layers <= fewest:
+            raise UsageError(f"--layers must be in 1..{fewest} (the shapes' layers), got {args.layers}")
+    if args.prefill_rows is not None and args.prefill_rows < 1:
+        raise UsageError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
     if not 0 <= args.turn_tokens <= 8192:
         raise UsageError(f"--turn-tokens must be in 0..8192, got {args.turn_tokens}")
     if not 0 <= args.warmup or args.new_tokens < args.warmup + 3 or args.profile < 0 \
@@ -157,13 +181,14 @@ def run(args: argparse.Namespace) -> Path:
         probe = compile_probe()
         print(probe_sentence(probe))
     for model_name in args.models:
-        model = build_model(model_name)
+        model = build_model(model_name, args.layers)
         for context in args.contexts:
             for batch in args.batches:
                 ids, mask = prompts(model, context, batch)
+                shared = shared_prefill(model, ids, mask, args.prefill_rows) if args.prefill_rows else None
                 hf_prefill = None
                 for label, spec in systems:
-                    record = measure(model, model_name, label, spec, ids, mask, args)
+                    record = measure(model, model_name, label, spec, ids, mask, args, shared)
                     if label == "hf-sdpa" and record.get("prefill_s") is not None:
                         hf_prefill = record["prefill_s"]
                     record["prefill_vs_hf"] = None if hf_prefill is None or record.get("prefill_s") is None \
@@ -172,6 +197,7 @@ def run(args: argparse.Namespace) -> Path:
                     print(_line(record), flush=True)
                     gc.collect()
                     torch.cuda.empty_cache()
+                del shared
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -218,14 +244,24 @@ def replot(args) -> Path:
 
 
 def _latest(records) -> list[dict]:
-    """One record per (model, context, batch, system): a later run's replaces an earlier one's, in first order."""
+    """One record per (model, context, batch, system, layers when fewer than the shape's): a later run's replaces
+    an earlier one's, in first order."""
     kept: dict[tuple, dict] = {}
     for record in records:
-        kept[(record["model"], record["context"], record["batch"], record["system"])] = record
+        kept[(record["model"], record["context"], record["batch"], record["system"], _fewer_layers(record))] = record
     return list(kept.values())
 
 
-def build_model(name: str):
+def _fewer_layers(record: dict) -> int | None:
+    """The record's decoder layers where a shape ran with fewer than its own (``--layers``), else None."""
+    full = SHAPES[record["model"]][1]["num_hidden_layers"] if record["model"] in SHAPES else None
+    layers = record.get("layers")
+    return layers if full is not None and layers is not None and layers != full else None
+
+
+def build_model(name: str, layers: int | None = None):
+    """The real model on the GPU in bf16, or a shape's (``layers`` decoder layers, default its own) with random bf16
+    weights."""
     import torch
     import transformers
 
@@ -235,6 +271,8 @@ def build_model(name: str):
         model, _ = load(name)
         return model.to("cuda", torch.bfloat16).eval()
     config_class, config = SHAPES[name]
+    if layers is not None:
+        config = {**config, "num_hidden_layers": layers}
     with torch.device("cuda"):
         torch.manual_seed(0)
         config = getattr(transformers, config_class)(**config, attn_implementation="sdpa")
@@ -254,6 +292,46 @@ def prompts(model, context: int, batch: int):
         pad = context - context * (i + 1) // batch
         ids[i, :pad], mask[i, :pad] = 0, 0
     return ids, mask
+
+
+class SharedPrefill:
+    """One dense prefill of a setting's prompts that every system's cache starts from (``--prefill-rows``): the
+    :class:`~fathom.integrations.prefill.Prompt` and the seconds it took."""
+
+    def __init__(self, prompt, seconds: float, rows_per_forward: int):
+        self.prompt, self.seconds, self.rows_per_forward = prompt, seconds, rows_per_forward
+
+    def cache(self, model, label: str, spec):
+        """A new cache of the system holding the prompt: a FathomCache made with ``prompt=``, transformers'
+        DynamicCache (offloaded for ``hf-offloaded``) given every layer's keys and values by its own ``update``."""
+        import transformers
+
+        if spec is not None:
+            return spec.cache(model, prompt=self.prompt)
+        cache = transformers.DynamicCache(config=model.config, offloading=label == "hf-offloaded")
+        for layer, (keys, values) in enumerate(zip(self.prompt.keys, self.prompt.values, strict=True)):
+            cache.update(keys, values, layer)
+        return cache
+
+    def continued(self, ids, mask):
+        """The prompts and their mask grown by the prefill's greedy token, which generate then decodes first."""
+        import torch
+
+        token = self.prompt.next_token[:, None]
+        return torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token).to(mask.dtype)], 1)
+
+
+def shared_prefill(model, ids, mask, rows_per_forward: int) -> SharedPrefill:
+    """The setting's dense prefill, ``rows_per_forward`` rows at a time, timed (CUDA synced)."""
+    import torch
+
+    from fathom.integrations.prefill import prefill
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    prompt = prefill(model, ids, mask, rows_per_forward=rows_per_forward)
+    torch.cuda.synchronize()
+    return SharedPrefill(prompt, time.perf_counter() - start, rows_per_forward)
 
 
 class _Clock:
@@ -292,10 +370,12 @@ def _cache_for(model, label: str, spec):
     return spec.cache(model)
 
 
-def _one_call(model, label, spec, ids, mask, args, profile: int = 0, cache=None, new_tokens: int | None = None
-              ) -> dict:
+def _one_call(model, label, spec, ids, mask, args, profile: int = 0, cache=None, new_tokens: int | None = None,
+              shared: SharedPrefill | None = None) -> dict:
     """One generate call (on a new cache, or continuing ``cache``); its timings, output ids and cache (and
-    gpu_busy_ms when ``profile`` steps are profiled)."""
+    gpu_busy_ms when ``profile`` steps are profiled). With ``shared`` a new cache starts holding its prompt and
+    generate continues from the prompt's greedy token: ``prefill_s`` is then the time to take the prompt in, and
+    every forward generate runs is a decode step."""
     import torch
     from transformers import LogitsProcessorList
 
@@ -311,21 +391,30 @@ def _one_call(model, label, spec, ids, mask, args, profile: int = 0, cache=None,
     clock = _Clock(profiler)
     torch.cuda.synchronize()
     made = time.perf_counter()
-    if cache is None:
+    new_tokens = new_tokens or args.new_tokens
+    from_prompt = cache is None and shared is not None
+    if from_prompt:
+        cache = shared.cache(model, label, spec)
+        ids, mask = shared.continued(ids, mask)
+        new_tokens -= 1  # the prompt's greedy token is the first one
+    elif cache is None:
         cache = _cache_for(model, label, spec)
     extra = {"custom_generate": decode} if label.endswith(GRAPH) else {}
     torch.cuda.synchronize()
     start = time.perf_counter()
     clock.start.record()
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, pad_token_id=0,
-                         max_new_tokens=new_tokens or args.new_tokens, logits_processor=LogitsProcessorList([clock]),
+                         max_new_tokens=new_tokens, logits_processor=LogitsProcessorList([clock]),
                          **extra)
     torch.cuda.synchronize()
     if profiler is not None:
         profiler.stop()
     times = clock.seconds()
     steps = [b - a for a, b in zip(times, times[1:])]
-    result = {"cache_s": start - made, "prefill_s": times[0], "first_step_ms": 1e3 * steps[0], "ids": out,
+    prefill_s = times[0]
+    if from_prompt:  # the prompt was taken in before generate's first forward, itself a decode step
+        prefill_s, steps = start - made, [times[0], *steps]
+    result = {"cache_s": start - made, "prefill_s": prefill_s, "first_step_ms": 1e3 * steps[0], "ids": out,
               "cache": cache}
     if len(steps) > args.warmup:
         result["steady_ms"] = 1e3 * statistics.median(steps[args.warmup:])
@@ -352,21 +441,25 @@ def _next_turn(model, label, spec, first: dict, mask, args) -> dict:
     return _one_call(model, label, spec, conversation, mask, args, cache=first["cache"], new_tokens=4)
 
 
-def measure(model, model_name: str, label: str, spec, ids, mask, args) -> dict:
+def measure(model, model_name: str, label: str, spec, ids, mask, args, shared: SharedPrefill | None = None) -> dict:
     import torch
 
     batch, context = ids.shape
     record = {"system": label, "model": model_name, "context": context, "batch": batch,
-              "weights": "real" if model_name in REAL else "random"}
+              "layers": model.config.get_text_config(decoder=True).num_hidden_layers,
+              "weights": "real" if model_name in REAL else "random",
+              "prefill": "generate's own" if shared is None else "shared"}
+    if shared is not None:
+        record.update(shared_prefill_s=shared.seconds, prefill_rows=shared.rows_per_forward)
     torch.cuda.reset_peak_memory_stats()
     try:
-        first = _one_call(model, label, spec, ids, mask, args)
+        first = _one_call(model, label, spec, ids, mask, args, shared=shared)
         record["hbm_gb"] = torch.cuda.max_memory_allocated() / 1e9
         record["pinned_gb"] = _pinned_gb(first["cache"])
         record["attention_gpu_ms"] = attention_gpu_ms(first["cache"]) if spec is not None else None
         _close(first.pop("cache"))
         graph = label.endswith(GRAPH)
-        pooled = _one_call(model, label, spec, ids, mask, args, profile=0 if graph else args.profile)
+        pooled = _one_call(model, label, spec, ids, mask, args, profile=0 if graph else args.profile, shared=shared)
         turn = _next_turn(model, label, spec, pooled, mask, args) if args.turn_tokens else None
         if graph:  # after the turn: the replays append tokens to the conversation
             pooled["gpu_busy_ms"] = token_graph_gpu_ms(pooled["cache"])
@@ -525,6 +618,9 @@ def markdown(payload: dict) -> str:
     text = (f"`{payload['command']}` on {payload['device']}; weights: {payload['weights']}; "
             f"{payload['new_tokens']}+ new tokens, steady = median after {payload['warmup']} steps.\n\n"
             + markdown_table(rows, COLUMNS))
+    notes = _setting_notes(rows)
+    if notes:
+        text += "\n\n" + notes
     if failed:
         text += "\n\nNot measured: " + "; ".join(f"{r['model']} {r['context']} x{r['batch']} {r['system']} "
                                                  f"({r['error']})" for r in failed)
@@ -532,6 +628,25 @@ def markdown(payload: dict) -> str:
     if probe:
         text += "\n\n" + probe_sentence(probe)
     return text
+
+
+def _setting_notes(rows: list[dict]) -> str:
+    """What the table's columns mean differently for some settings: fewer layers than the shape's, and caches that
+    started from a shared prefill (their prefill s is the time to take it in)."""
+    notes = []
+    for setting in sorted({(r["model"], r["context"], r["batch"]) for r in rows}):
+        group = [r for r in rows if (r["model"], r["context"], r["batch"]) == setting]
+        name = f"{setting[0]} {context_label(setting[1])} x{setting[2]}"
+        layers = _fewer_layers(group[0])
+        if layers is not None:
+            notes.append(f"{name}: {layers} of the shape's {SHAPES[setting[0]][1]['num_hidden_layers']} layers "
+                         "(host memory).")
+        if group[0].get("prefill") == "shared":
+            seconds, rows_at_once = group[0]["shared_prefill_s"], group[0]["prefill_rows"]
+            notes.append(f"{name}: every cache started from one shared dense prefill ({seconds:.1f} s, {rows_at_once} "
+                         "row(s) at a time); prefill s is the time to take it in, and the first step decodes the "
+                         "prefill's token.")
+    return " ".join(notes)
 
 
 def update_readme(readme: Path, payload: dict, source: Path) -> None:

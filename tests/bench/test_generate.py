@@ -20,6 +20,10 @@ PROBE = {"process_cold_s": 9.0, "process_warm_s": 2.0, "cold_kernels_compiled": 
     (["--systems", "sparq"], "--systems: method 'sparq': sparq takes a budget"),
     (["--systems", "fathom@48,fathom@48"], "names a system twice"),
     (["--name", "../x"], "--name"),
+    (["--layers", "0"], "--layers must be in 1..36"),
+    (["--models", "qwen3-8b,llama3.1-8b", "--layers", "33"], "--layers must be in 1..32"),
+    (["--models", "smollm2-135m", "--layers", "4"], "--layers applies to the shapes"),
+    (["--prefill-rows", "0"], "--prefill-rows must be >= 1"),
 ])
 def test_bad_arguments_are_refused_before_any_work(capsys, tmp_path, argv, message):
     assert message in refused(["generate", "--out", str(tmp_path), *argv], capsys)
@@ -86,3 +90,36 @@ def test_the_probe_runs_a_warm_up_command_the_warm_up_accepts():
     args = warmup.argument_parser().parse_args(generate.WARMUP)
     assert warmup.shapes_of(args) == [(128, 4)] and args.methods is None  # every method, PROBE's shape
     assert "python -m fathom.integrations.warmup " + " ".join(generate.WARMUP) == PROBE["warmup_command"]
+
+
+def test_settings_with_fewer_layers_or_a_shared_prefill_say_so_under_the_table():
+    record = {"system": "fathom@48+graph", "model": "qwen3-8b", "context": 131072, "batch": 8, "layers": 12,
+              "prefill": "shared", "shared_prefill_s": 41.2, "prefill_rows": 1, "prefill_s": 9.0, "steady_ms": 80.0,
+              "tokens_per_s": 100.0, "first_step_ms": 500.0, "pooled_first_step_ms": 90.0}
+    full = {**record, "context": 32768, "batch": 1, "layers": 36, "prefill": "generate's own"}
+    text = generate.markdown({"command": "c", "device": "H200", "weights": "random", "new_tokens": 10, "warmup": 3,
+                              "records": [record, full]})
+    assert ("qwen3-8b 128k x8: 12 of the shape's 36 layers (host memory). qwen3-8b 128k x8: every cache started from "
+            "one shared dense prefill (41.2 s, 1 row(s) at a time)") in text
+    assert "32k x1" not in text.split("\n\n", 2)[-1]  # a full, self-prefilled setting needs no note
+
+
+def test_a_shared_prefill_seeds_hf_and_fathom_caches_that_generate_what_their_own_prefill_does():
+    """The prompt of a prefill run a row at a time, given to transformers' DynamicCache by its own update and to a
+    FathomCache by prompt=, then generate from the prompt's token: the tokens of generate's own prefill (tiny
+    Llama, a left-padded row)."""
+    import torch
+
+    from bench.decoding import MethodSpec
+    from fathom.integrations.prefill import prefill
+    from tests.integrations.test_transformers import batch, generate as hf_generate
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama()
+    ids, mask = batch()
+    shared = generate.SharedPrefill(prefill(model, ids, mask, rows_per_forward=1), seconds=0.0, rows_per_forward=1)
+    grown_ids, grown_mask = shared.continued(ids, mask)
+    for label, spec in (("hf-sdpa", None), ("dense", MethodSpec.parse("dense", 16))):
+        expected = hf_generate(model, ids, mask, generate._cache_for(model, label, spec), new=6)
+        got = hf_generate(model, grown_ids, grown_mask, shared.cache(model, label, spec), new=5)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=label)

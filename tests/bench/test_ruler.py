@@ -204,7 +204,7 @@ def test_bad_arguments_are_refused_before_any_model_load(monkeypatch, capsys, ar
     assert message in refused(["ruler", *argv], capsys)
 
 
-def test_generate_refuses_a_bad_batch_size_or_prefill_rows_and_a_resume_of_another_or_broken_file(monkeypatch, capsys, tmp_path):
+def test_generate_refuses_bad_sizes_and_a_resume_of_another_or_a_broken_file(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("model loaded"))
     hand_made(tmp_path)
     assert "--batch-size" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),

@@ -52,6 +52,23 @@ def test_the_token_graph_generates_what_generates_own_loop_does_and_continues_a_
     eager.close()
 
 
+@pytest.mark.gpu  # 35 s under the simulator (its threads, not the work): CI runs the pieces in the tests above
+def test_the_token_graph_continues_a_cache_made_from_a_shared_prefill_in_row_groups():
+    """A cache holding a shared prompt prefilled a row at a time (``bench generate --prefill-rows``) decodes on the
+    token graph what generate's own loop does from the same prompt."""
+    from fathom.integrations.prefill import prefill
+
+    model = tiny_offload_llama()
+    ids, mask = (x.to(DEVICE) for x in batch(n=24, pad=5))
+    prompt = prefill(model, ids, mask, rows_per_forward=1)
+    grown = torch.cat([ids, prompt.next_token[:, None]], 1), torch.cat([mask, mask[:, -1:]], 1)
+    caches = [FathomCache(model, "fathom", backend="offloaded", prompt=prompt, **OFFLOAD_SETTINGS) for _ in "ab"]
+    torch.testing.assert_close(_generate(model, *grown, caches[0], new=2, custom_generate=decode),
+                               _generate(model, *grown, caches[1], new=2), rtol=0, atol=0)
+    for cache in caches:
+        cache.close()
+
+
 def test_an_eos_stop_leaves_its_token_in_the_cache_and_the_conversation_continues_as_generates_own():
     """The replay of the next token is launched before the host reads the stop, so an EOS stop appends the last
     returned token too: the next turn starts after it and generates what generate's own loop does."""
