@@ -59,10 +59,14 @@ def encode(tokenizer, batch: list[dict], device):
 
 
 def generate_batch(model, tokenizer, encoded, prompt, batch: list[dict], spec: MethodSpec, k: int | None,
-                   calibration: Path | None) -> tuple[list[dict], int]:
+                   calibration: Path | None, token_graph: bool = False) -> tuple[list[dict], int]:
     """Greedy generations of one batch with one method, from the batch's shared prefill ``prompt`` -> (per
-    sample: text and new tokens, the top-k used)."""
+    sample: text and new tokens, the top-k used). ``token_graph``: decode with the whole token as one CUDA graph
+    (``custom_generate=``:func:`fathom.integrations.token_graph.decode`, the offloaded backend, full-attention
+    models), which generates what generate's own loop does (tested) at the graph's GPU time a token."""
     import torch
+
+    from fathom.integrations.token_graph import decode
 
     n, new_tokens = encoded.input_ids.shape[1], batch[0]["gen_kwargs"]["max_gen_toks"]
     # max_tokens: what the offloaded backend reserves per session (pinned host memory), not the model's context
@@ -74,7 +78,8 @@ def generate_batch(model, tokenizer, encoded, prompt, batch: list[dict], spec: M
         mask = torch.cat([encoded.attention_mask, torch.ones_like(first)], 1)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens - 1,
-                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                 **({"custom_generate": decode} if token_graph else {}))
         new = out[:, n:]
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
@@ -89,10 +94,10 @@ def generate_batch(model, tokenizer, encoded, prompt, batch: list[dict], spec: M
 
 def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Path, header: dict,
         k: int | None = None, calibration: Path | None = None, batch_size: int = 1,
-        resumed: dict | None = None, prefill_rows: int | None = None) -> dict:
+        resumed: dict | None = None, prefill_rows: int | None = None, token_graph: bool = False) -> dict:
     """Every method on every sample, one dense prefill per batch (``prefill_rows`` rows of it at a time:
-    :func:`~fathom.integrations.prefill.prefill`'s ``rows_per_forward``); the JSON at ``out`` is rewritten after each
-    batch and method. A cut run keeps what it finished: ``resumed`` (its JSON) has its generations kept, not
+    :func:`~fathom.integrations.prefill.prefill`'s ``rows_per_forward``; ``token_graph``: :func:`generate_batch`'s);
+    the JSON at ``out`` is rewritten after each batch and method. A cut run keeps what it finished: ``resumed`` (its JSON) has its generations kept, not
     redone, and its times added to this run's (``seconds_by_method``, ``wall_s``; ``calls`` counts the runs)."""
     from fathom.integrations.prefill import prefill
 
@@ -117,7 +122,8 @@ def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Pat
             for spec in pending:
                 bar.set_postfix_str(f"{batch[0]['task']} {batch[0]['context']} {spec.label}")
                 start = time.perf_counter()
-                results, top_k = generate_batch(model, tokenizer, encoded, prompt, batch, spec, k, calibration)
+                results, top_k = generate_batch(model, tokenizer, encoded, prompt, batch, spec, k, calibration,
+                                                token_graph)
                 elapsed = time.perf_counter() - start
                 seconds[spec.label] = seconds.get(spec.label, 0.0) + elapsed
                 for sample, result in zip(batch, results, strict=True):

@@ -183,6 +183,25 @@ def test_a_resumed_generate_keeps_what_was_done_and_adds_its_times(tokenizer_dir
     assert 200.0 <= second["wall_s"] < 260.0
 
 
+def test_token_graph_decodes_through_the_token_graph(tokenizer_dir):
+    """ruler generate --token-graph hands generate fathom's token-graph loop (custom_generate=decode, tested equal
+    to generate's own loop in tests/integrations/test_token_graph.py): on the CPU's reference backend, which has no
+    graph, that loop refuses, where generate's own decodes."""
+    from fathom.integrations.prefill import prefill
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = tiny_model(len(tokenizer))
+    batch = samples.build(["niah_single_1"], [CONTEXT], 1, tokenizer_dir)
+    batch[0]["gen_kwargs"] = {**batch[0]["gen_kwargs"], "max_gen_toks": 3}
+    encoded = generate.encode(tokenizer, batch, "cpu")
+    prompt = prefill(model, encoded.input_ids, encoded.attention_mask)
+    spec = MethodSpec.parse("dense", 16)
+    results, _ = generate.generate_batch(model, tokenizer, encoded, prompt, batch, spec, None, None)
+    assert results[0]["new_tokens"] >= 1
+    with pytest.raises(ValueError, match="custom_generate=decode needs the offloaded backend"):
+        generate.generate_batch(model, tokenizer, encoded, prompt, batch, spec, None, None, token_graph=True)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["lm-eval", "--limit", "0"], "--limit"),
     (["lm-eval", "--contexts", "512"], "--contexts"),
@@ -211,6 +230,8 @@ def test_generate_refuses_bad_sizes_and_a_resume_of_another_or_a_broken_file(mon
                                               "--batch-size", "0"], capsys)
     assert "--prefill-rows" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
                                                 "--prefill-rows", "0"], capsys)
+    assert "--token-graph needs --device cuda" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
+                                                          "--token-graph"], capsys)
     (tmp_path / "other.json").write_text(json.dumps({"samples_file": "elsewhere.json", "generations": []}))
     assert "--resume" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
                                           "--out", str(tmp_path / "other.json"), "--resume"], capsys)
