@@ -97,8 +97,9 @@ def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Pat
         resumed: dict | None = None, prefill_rows: int | None = None, token_graph: bool = False) -> dict:
     """Every method on every sample, one dense prefill per batch (``prefill_rows`` rows of it at a time:
     :func:`~fathom.integrations.prefill.prefill`'s ``rows_per_forward``; ``token_graph``: :func:`generate_batch`'s);
-    the JSON at ``out`` is rewritten after each batch and method. A cut run keeps what it finished: ``resumed`` (its JSON) has its generations kept, not
-    redone, and its times added to this run's (``seconds_by_method``, ``wall_s``; ``calls`` counts the runs)."""
+    the JSON at ``out`` is rewritten after each batch and method. A cut run keeps what it finished: ``resumed`` (its
+    JSON) has its generations kept, not redone, and its times added to this run's (``seconds_by_method``,
+    ``wall_s``; ``calls`` counts the runs)."""
     from fathom.integrations.prefill import prefill
 
     resumed = resumed or {}
