@@ -140,13 +140,13 @@ def dense_continuation(model, ids: np.ndarray, steps: int):
     import torch
     from transformers import DynamicCache
 
-    prompt = torch.as_tensor(ids)[None]
+    prompt = torch.as_tensor(ids, device=model.device)[None]
     prefix = DynamicCache()
     with torch.inference_mode():
         model(prompt[:, :-1], past_key_values=prefix, use_cache=True, logits_to_keep=1)
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=copy.deepcopy(prefix),
                              max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-    return prefix, out[0, len(ids):].numpy()
+    return prefix, out[0, len(ids):].cpu().numpy()
 
 
 def batched_logits(model, prefix, last: int, teacher: np.ndarray, attention: TeacherAttention) -> np.ndarray:
@@ -169,14 +169,15 @@ def step_logits(model, ids: np.ndarray, teacher: np.ndarray, spec: MethodSpec, k
     import torch
 
     cache = spec.cache(model, k=k, calibration=calibration)
-    inputs = np.concatenate([ids[-1:], teacher[:-1]])
+    inputs = torch.as_tensor(np.concatenate([ids[-1:], teacher[:-1]]), device=model.device)
     logits = []
     with torch.inference_mode():
-        model(torch.as_tensor(ids[:-1])[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(torch.as_tensor(ids[:-1], device=model.device)[None], past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
         for token in inputs:
-            logits.append(model(torch.as_tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1])
+            logits.append(model(token.view(1, 1), past_key_values=cache, use_cache=True).logits[0, -1])
     cache.close()
-    return torch.stack(logits).float().numpy()
+    return torch.stack(logits).float().cpu().numpy()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -199,6 +200,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", choices=("batched", "step"), default="batched",
                         help="batched: one shared prefill, one forward per method (default); step: FathomCache "
                              "token by token")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model runs (default cpu); cuda with --path step: FathomCache's offloaded "
+                             "backend, the GPU kernels (the batched path is the NumPy reference, on the host)")
     parser.add_argument("--cache", type=Path, default=None,
                         help=f"model / corpus cache folder (default ${fetch.CACHE_ENV} or ~/.cache/fathom)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
@@ -217,6 +221,8 @@ def check_args(args) -> tuple[list[MethodSpec], Path | None, str]:
         raise UsageError(f"--steps must lie in 1..{info.context - args.context} (context + steps <= "
                          f"{info.context}), got {args.steps}")
     cli.at_least("--windows", args.windows, 1)
+    if args.device == "cuda" and args.path != "step":
+        raise UsageError("--device cuda needs --path step (the batched path runs the NumPy reference on the host)")
     if args.k is not None:
         cli.at_least("-k", args.k, 1)
     calibration = args.calibration or decoding.default_calibration(args.model)
@@ -295,7 +301,10 @@ def run(args: argparse.Namespace) -> Path:
 
     start = time.perf_counter()
     k = args.k if args.k is not None else Selection.for_context(args.context + args.steps).k
+    if args.device == "cuda":
+        cli.require_cuda("agreement --device cuda")
     model, tokenizer = models.load(args.model, args.cache)
+    model.to(args.device)
     ids_windows = windows(corpora.load(CORPUS, args.cache), tokenizer, args.windows, args.context)
     with tqdm(total=args.windows * len(specs), desc=f"agreement {args.model} ({args.path})", unit="run") as bar:
         results = measure(model, ids_windows, args.steps, specs, k, calibration, args.path, bar)
@@ -321,7 +330,7 @@ def run(args: argparse.Namespace) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)
     path = write_json(args.out / f"{name}.json", args.command_line, {
         "model": args.model, "head_dim": d, "corpus": CORPUS, "context": args.context, "steps": args.steps,
-        "windows": args.windows, "k": k, "path": args.path, "basis": basis,
+        "windows": args.windows, "k": k, "path": args.path, "device": args.device, "basis": basis,
         "calibration": None if calibration is None else str(calibration), "interval": "95% Wilson score interval",
         "summary": summary, "wall_s": round(time.perf_counter() - start, 1), "rows": rows})
     _write_table(args.out / f"{name}.md", rows, summary, title, args.command_line)

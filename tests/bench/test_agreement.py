@@ -95,6 +95,7 @@ def test_method_grid_keeps_the_channel_fractions_at_d_64_and_d_128():
     (["--methods", "oracle@12"], "reads no budget"),
     (["--methods", "dense", "dense"], "more than once"),
     (["--calibration", "/nonexistent.npz"], "--calibration"),
+    (["--device", "cuda"], "--device cuda needs --path step"),
 ])
 def test_bad_arguments_are_refused_before_any_model_load(monkeypatch, capsys, argv, message):
     def no_load(*args, **kwargs):
