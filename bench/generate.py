@@ -644,8 +644,9 @@ def _setting_notes(rows: list[dict]) -> str:
         if group[0].get("prefill") == "shared":
             seconds, rows_at_once = group[0]["shared_prefill_s"], group[0]["prefill_rows"]
             notes.append(f"{name}: every cache started from one shared dense prefill ({seconds:.1f} s, {rows_at_once} "
-                         "row(s) at a time); prefill s is the time to take it in, and the first step decodes the "
-                         "prefill's token.")
+                         "row(s) at a time); prefill s is the time to take it in, the first step decodes the "
+                         "prefill's token, and HBM GB includes the prompt's keys and values, held on the GPU "
+                         "throughout.")
     return " ".join(notes)
 
 
