@@ -26,6 +26,8 @@ module                what it holds or does
                       synthetic keys (``bench/data/``)
 ``pinned_probe``      ``python -m bench.pinned_probe``: pinned host memory measured, ``cuMemHostAlloc`` against
                       a registered anonymous map (what ``fathom.host.pinned`` chose rests on it)
+``plane_probe``       ``python -m bench.plane_probe``: reconstruction and depth-allocation variants of the raw
+                      store measured on a capture (centroids, histogram gains; research for issue 15)
 ``decoding``          method specs ``name@bits`` for the decoding benches, their FathomCache, the model's
                       committed calibration
 ``capture``           post-RoPE keys, values and decode queries of every global layer, recorded inside

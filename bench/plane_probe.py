@@ -1,0 +1,202 @@
+"""Variants of fathom's reconstruction and depth allocation on the raw store, measured on a real capture (a research
+probe for issue 15; none of them is a method of the catalog).
+
+Every variant reads the same planes (the same bytes per token) and differs in one of two places:
+
+* **reconstruction** of a channel read to depth t: ``midpoint`` (design §2: the prefix cell's centre) or
+  ``centroid`` (the mean of the 4-bit cells sharing the prefix, weighted by the channel's histogram of codes over
+  the sealed blocks: a statistic a store can keep as it keeps s²);
+* **plane gains** of the water-filling: design §5's model, the calibration's measured table
+  (``fathom[gains]``), or the drops of the code error variance the same histogram gives (no calibration text);
+  and, apart, one water line shared by every KV head of a layer (its H·B bits) instead of one per head.
+
+Errors are the fidelity bench's (mean relative attention error over layers, KV heads and positions; raw store,
+store σ², the selection protocol at the capture's k); the ``design`` row equals the fidelity bench's ``fathom``
+curve (tested). ``python -m bench.plane_probe --model qwen2.5-coder-0.5b --corpus cpython --context 4096`` prints
+the table and writes ``bench/results/plane-probe-<model>-<corpus>-<context>.json`` (CPU: about a minute at 4k
+once the capture is cached; the capture's prefill is the fidelity bench's, cached and shared with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fathom.quantize import BLOCK, MAX_DEPTH, plane_bits
+
+CELLS = 1 << MAX_DEPTH  # 4-bit codes
+VARIANTS = ("design", "centroid", "histogram-gains", "centroid+histogram-gains", "calibrated-gains",
+            "shared-water-line")
+
+
+def code_histogram(planes: np.ndarray, tokens: int) -> np.ndarray:
+    """Counts ``[d, 16]`` of each channel's 4-bit codes over the first ``tokens`` of ``planes uint64 [d, 4, nb]``."""
+    bits = plane_bits(planes)[:, :, :tokens].astype(np.int64)
+    codes = (bits[:, 0] << 3) | (bits[:, 1] << 2) | (bits[:, 2] << 1) | bits[:, 3]  # plane 0 holds the MSB
+    return np.stack([(codes == u).sum(axis=1) for u in range(CELLS)], axis=1).astype(np.float64)
+
+
+def prefix_levels(counts: np.ndarray, t: int, centroid: bool) -> np.ndarray:
+    """Reconstruction of each depth-``t`` prefix in units of Δ, ``[d, 2^t]``: the cell's midpoint (design §2), or
+    the centroid of the 4-bit cells it covers under ``counts [d, 16]`` (the midpoint where it holds none)."""
+    width = CELLS >> t
+    cells = (np.arange(CELLS) + 0.5 - CELLS / 2).reshape(1 << t, width)  # 4-bit cell centres per prefix
+    midpoint = np.broadcast_to(cells.mean(axis=1), (counts.shape[0], 1 << t))
+    if not centroid:
+        return np.array(midpoint)
+    weight = counts.reshape(-1, 1 << t, width)
+    total = weight.sum(axis=2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, (weight * cells).sum(axis=2) / total, midpoint)
+
+
+def khat(planes: np.ndarray, scales: np.ndarray, t: int, levels: np.ndarray) -> np.ndarray:
+    """Keys read to depth ``t`` with ``levels [d, 2^t]`` (units of Δ = s / 8): float32 ``[nb · 64, d]``."""
+    bits = plane_bits(planes).astype(np.int64)
+    prefix = np.zeros(bits.shape[::2], np.int64)  # [d, n]
+    for p in range(t):
+        prefix = (prefix << 1) | bits[:, p]
+    delta = np.repeat(scales.astype(np.float32) / np.float32(8), BLOCK, axis=1)
+    return np.ascontiguousarray((np.take_along_axis(levels, prefix, axis=1) * delta).T.astype(np.float32))
+
+
+def histogram_gains(counts: np.ndarray, centroid: bool) -> np.ndarray:
+    """Relative plane gains ``[d, 4]`` (gain = w · γ, w = s² Σ_h q², s² = 64 Δ²): each plane's drop of the code
+    error variance under ``counts`` with that reconstruction, made non-increasing as the calibrated table is."""
+    from fathom.waterfill import calibrated_gains
+
+    p = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    centres = np.arange(CELLS) + 0.5 - CELLS / 2
+    within = 1 / 12  # a 4-bit cell's own uniform error, in Δ²
+    errors = [(p * centres ** 2).sum(axis=1) + within]  # depth 0 reads 0
+    for t in range(1, MAX_DEPTH + 1):
+        level = np.repeat(prefix_levels(counts, t, centroid), CELLS >> t, axis=1)  # [d, 16]
+        errors.append((p * (centres - level) ** 2).sum(axis=1) + within)
+    drops = np.stack([errors[t - 1] - errors[t] for t in range(1, MAX_DEPTH + 1)], axis=1)
+    return calibrated_gains(drops / 64)
+
+
+def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[float, float]]:
+    """Mean relative error of every variant at every budget on ``capture`` (raw store, store σ²); the calibrated
+    gains only where ``calibration`` holds plane drops."""
+    from fathom import methods as M
+    from fathom.attention import attend, logits, relative_error
+    from fathom.decode import HeadIndex, method_scores
+    from fathom.scoring import stacked_matmul
+    from fathom.selection import select_many
+    from fathom.waterfill import importance, waterfill_batched
+
+    L, H, n, d = capture.keys.shape
+    blocks = (capture.positions + 1) // BLOCK
+    context = capture.positions + 1
+    causal = np.arange(n)[None, :] < context[:, None]
+    sealed = int(blocks.min()) * BLOCK  # the histogram of what every position's store holds
+    calibrated = calibration is not None and calibration.head_stats(0, 0, "raw").plane_drops is not None
+    errors: dict[tuple[str, float], list[float]] = {}
+
+    def scores(khats, q, depths):
+        out = np.zeros(q.shape[:-1] + (n,), np.float32)
+        for t in range(1, MAX_DEPTH + 1):
+            at_t = depths == t
+            if at_t.any():
+                out += stacked_matmul(q * at_t[..., None, :], khats[t - 1].T)
+        return out
+
+    for layer in range(L):
+        heads = []
+        for head in range(H):
+            keys, values, q = capture.keys[layer, head], capture.values[layer, head], capture.queries[layer, head]
+            stats = None if calibration is None else {"raw": calibration.head_stats(layer, head, "raw")}
+            index = HeadIndex.build(keys, stats)
+            store = index.stores["raw"]
+            planes, scales = store.planes(), store.scales()
+            counts = code_histogram(planes, sealed)
+            exact = logits(q, keys, capture.scale)
+            heads.append({
+                "q": q, "index": index, "exact": exact, "values": values,
+                "dense": attend(exact, values, np.broadcast_to(causal[:, None], q.shape[:2] + (n,))),
+                "w": importance(q, index.store_variance("raw", blocks)),
+                "midpoint": [index.scorers["raw"].khat(t) for t in range(1, MAX_DEPTH + 1)],
+                "centroid": [khat(planes, scales, t, prefix_levels(counts, t, True))
+                             for t in range(1, MAX_DEPTH + 1)],
+                "gains": {c: histogram_gains(counts, c) for c in (False, True)}})
+        for budget in budgets:
+            shared = np.split(waterfill_batched(np.concatenate([h["w"] for h in heads], axis=-1), H * budget), H,
+                              axis=-1)
+            for h, shared_depths in zip(heads, shared):
+                w, design = h["w"], waterfill_batched(h["w"], budget)
+                runs = {"design": ("midpoint", design), "centroid": ("centroid", design),
+                        "histogram-gains": ("midpoint", waterfill_batched(
+                            w, budget, np.broadcast_to(h["gains"][False], w.shape + (MAX_DEPTH,)))),
+                        "centroid+histogram-gains": ("centroid", waterfill_batched(
+                            w, budget, np.broadcast_to(h["gains"][True], w.shape + (MAX_DEPTH,)))),
+                        "shared-water-line": ("midpoint", shared_depths)}
+                if calibrated:
+                    runs["calibrated-gains"] = ("midpoint", method_scores(
+                        M.fathom(budget, gains="calibrated"), h["q"], h["index"], blocks)[1])
+                for name, (reconstruction, depths) in runs.items():
+                    mask = select_many(scores(h[reconstruction], h["q"], depths), context, blocks * BLOCK, sel, n)
+                    out = attend(h["exact"], h["values"], mask)
+                    errors.setdefault((name, budget), []).append(float(relative_error(out, h["dense"]).mean()))
+    return {name: {b: float(np.mean(errors[(name, b)])) for b in budgets}
+            for name in VARIANTS if (name, budgets[0]) in errors}
+
+
+def main(argv=None) -> None:
+    from bench import cli, decoding, models
+    from bench.capture import load_capture
+    from bench.cli import plain
+    from bench.report import RESULTS, write_json
+    from fathom.calibration import Calibration
+    from fathom.selection import Selection
+
+    parser = argparse.ArgumentParser(prog="python -m bench.plane_probe", description=plain(__doc__.split("\n\n")[0]))
+    parser.add_argument("--model", default="smollm2-135m", help="one of " + ", ".join(models.MODELS))
+    parser.add_argument("--corpus", default="paul-graham", help="evaluation corpus (default paul-graham)")
+    parser.add_argument("--context", type=int, default=4096, help="tokens (default 4096)")
+    parser.add_argument("--positions", type=int, default=128, help="decode positions (default 128)")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[32.0, 48.0, 64.0], help="bits per token")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="a .calibration.npz with plane drops, for the calibrated gains (default: the model's "
+                             "committed one; the variant is left out when it holds none)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+    args = parser.parse_args(argv)
+    try:
+        info = models.model_argument(args.model)
+        if not BLOCK * 2 <= args.context <= info.context:
+            raise cli.UsageError(f"--context must lie in {BLOCK * 2}..{info.context}, got {args.context}")
+        if not 1 <= args.positions < args.context // 2:
+            raise cli.UsageError(f"--positions must lie in 1..{args.context // 2 - 1}, got {args.positions}")
+        if any(not 0 < b <= 4.25 * info.head_dim for b in args.budgets):
+            raise cli.UsageError(f"--budgets must lie in (0, {4.25 * info.head_dim}], got {args.budgets}")
+        calibration = args.calibration or decoding.default_calibration(args.model)
+        if calibration is not None:
+            decoding.check_calibration(calibration, args.model)
+        cli.writable_folder("--out", args.out)
+    except cli.UsageError as error:
+        parser.exit(2, f"error: {error}\n")
+    capture, _ = load_capture(args.model, args.corpus, args.context, positions=args.positions)
+    loaded = None if calibration is None else Calibration.load(calibration)
+    sel = Selection.for_context(args.context)
+    result = evaluate(capture, loaded, args.budgets, sel)
+    lines = [f"| variant | {' | '.join(f'{b:g} bits' for b in args.budgets)} |",
+             "|---|" + "---|" * len(args.budgets)]
+    for name, by_budget in result.items():
+        lines.append(f"| {name} | " + " | ".join(
+            f"{e:.4f} ({(e / result['design'][b] - 1) * 100:+.1f}%)" for b, e in by_budget.items()) + " |")
+    print("\n".join(lines))
+    path = args.out / f"plane-probe-{args.model}-{args.corpus}-{args.context}.json"
+    command = "python -m bench.plane_probe " + " ".join(sys.argv[1:] if argv is None else argv)
+    write_json(path, command, {"model": args.model, "corpus": args.corpus, "context": args.context,
+                               "positions": args.positions, "k": sel.k,
+                               "calibration": None if calibration is None else str(calibration),
+                               "errors": {name: {f"{b:g}": e for b, e in v.items()} for name, v in result.items()},
+                               "table": lines})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

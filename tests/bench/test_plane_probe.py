@@ -1,0 +1,67 @@
+"""bench.plane_probe: its midpoint reconstruction is the store's own (design §2) at every depth, centroids differ
+only where a prefix covers several cells, its gains are a valid table, its ``design`` row is the fidelity bench's
+fathom error, and bad arguments exit 2 with one line."""
+
+import numpy as np
+import pytest
+
+from bench import plane_probe
+from fathom import fidelity, methods as M
+from fathom.quantize import MAX_DEPTH, dequantize
+from fathom.selection import Selection
+from fathom.store import PlaneStore
+from fathom.synthetic import SyntheticConfig, generate
+
+
+def _store(seed=0, n=256, d=6):
+    scale = np.array([1, 2, 0.5, 3, 1, 0.1], np.float32)
+    keys = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32) * scale
+    store = PlaneStore.from_keys(keys)
+    return store.planes(), store.scales()
+
+
+def test_midpoint_levels_read_what_the_store_dequantizes_and_centroids_differ_only_above_one_cell():
+    planes, scales = _store()
+    counts = plane_probe.code_histogram(planes, planes.shape[2] * 64)
+    assert counts.sum(axis=1).tolist() == [256.0] * 6
+    for t in range(1, MAX_DEPTH + 1):
+        midpoint = plane_probe.khat(planes, scales, t, plane_probe.prefix_levels(counts, t, centroid=False))
+        np.testing.assert_array_equal(midpoint, dequantize(planes, scales, np.full(6, t)))
+    np.testing.assert_array_equal(plane_probe.prefix_levels(counts, 4, True),
+                                  plane_probe.prefix_levels(counts, 4, False))
+    assert not np.allclose(plane_probe.prefix_levels(counts, 1, True), plane_probe.prefix_levels(counts, 1, False))
+    one_cell = np.zeros((1, 16))
+    one_cell[0, 9] = 5  # every code in cell 9: each prefix that holds it reconstructs at its centre, 1.5 Δ
+    for t in range(1, MAX_DEPTH + 1):
+        assert plane_probe.prefix_levels(one_cell, t, True)[0, 9 >> (4 - t)] == 1.5
+
+
+def test_histogram_gains_are_a_table_the_water_filling_accepts():
+    planes, _ = _store(1)
+    counts = plane_probe.code_histogram(planes, planes.shape[2] * 64)
+    for centroid in (False, True):
+        gains = plane_probe.histogram_gains(counts, centroid)
+        assert gains.shape == (6, 4) and (gains >= 0).all() and (np.diff(gains, axis=1) <= 1e-12).all()
+
+
+def test_the_design_row_is_the_fidelity_benchs_fathom_error():
+    capture = generate(SyntheticConfig(layers=1, kv_heads=2, group_size=2, head_dim=16, tokens=512, positions=4))
+    sel = Selection(k=32)
+    result = plane_probe.evaluate(capture, None, [24.0], sel)
+    assert set(result) == set(plane_probe.VARIANTS) - {"calibrated-gains"}  # no calibration: no measured table
+    reference = fidelity.evaluate(capture, None, [M.fathom(24.0)], sel)[0].rel_error
+    assert result["design"][24.0] == pytest.approx(reference, rel=1e-9)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "nope"], "--model"),
+    (["--context", "64"], "--context must lie in 128"),
+    (["--positions", "0"], "--positions must lie in 1.."),
+    (["--budgets", "0"], "--budgets must lie in (0,"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        plane_probe.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
