@@ -25,18 +25,16 @@ from pathlib import Path
 
 import numpy as np
 
-from fathom.quantize import BLOCK, MAX_DEPTH, plane_bits
+from fathom.quantize import BLOCK, MAX_DEPTH, unpack_planes
 
 CELLS = 1 << MAX_DEPTH  # 4-bit codes
 VARIANTS = ("design", "centroid", "histogram-gains", "centroid+histogram-gains", "calibrated-gains",
             "shared-water-line")
 
 
-def code_histogram(planes: np.ndarray, tokens: int) -> np.ndarray:
-    """Counts ``[d, 16]`` of each channel's 4-bit codes over the first ``tokens`` of ``planes uint64 [d, 4, nb]``."""
-    bits = plane_bits(planes)[:, :, :tokens].astype(np.int64)
-    codes = (bits[:, 0] << 3) | (bits[:, 1] << 2) | (bits[:, 2] << 1) | bits[:, 3]  # plane 0 holds the MSB
-    return np.stack([(codes == u).sum(axis=1) for u in range(CELLS)], axis=1).astype(np.float64)
+def code_histogram(codes: np.ndarray) -> np.ndarray:
+    """Counts ``[d, 16]`` of each channel's 4-bit codes ``uint8 [n, d]`` (:func:`fathom.quantize.unpack_planes`)."""
+    return np.stack([(codes == u).sum(axis=0) for u in range(CELLS)], axis=1).astype(np.float64)
 
 
 def prefix_levels(counts: np.ndarray, t: int, centroid: bool) -> np.ndarray:
@@ -53,12 +51,10 @@ def prefix_levels(counts: np.ndarray, t: int, centroid: bool) -> np.ndarray:
         return np.where(total > 0, (weight * cells).sum(axis=2) / total, midpoint)
 
 
-def khat(planes: np.ndarray, scales: np.ndarray, t: int, levels: np.ndarray) -> np.ndarray:
-    """Keys read to depth ``t`` with ``levels [d, 2^t]`` (units of Δ = s / 8): float32 ``[nb · 64, d]``."""
-    bits = plane_bits(planes).astype(np.int64)
-    prefix = np.zeros(bits.shape[::2], np.int64)  # [d, n]
-    for p in range(t):
-        prefix = (prefix << 1) | bits[:, p]
+def khat(codes: np.ndarray, scales: np.ndarray, t: int, levels: np.ndarray) -> np.ndarray:
+    """Keys of ``codes uint8 [nb · 64, d]`` and ``scales float16 [d, nb]`` read to depth ``t`` with ``levels
+    [d, 2^t]`` (units of Δ = s / 8): float32 ``[nb · 64, d]``."""
+    prefix = codes.T.astype(np.int64) >> (MAX_DEPTH - t)  # [d, n]: the first t planes
     delta = np.repeat(scales.astype(np.float32) / np.float32(8), BLOCK, axis=1)
     return np.ascontiguousarray((np.take_along_axis(levels, prefix, axis=1) * delta).T.astype(np.float32))
 
@@ -85,7 +81,7 @@ def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[
     from fathom import methods as M
     from fathom.attention import attend, logits, relative_error
     from fathom.decode import HeadIndex, method_scores
-    from fathom.scoring import stacked_matmul
+    from fathom.scoring import depth_scores
     from fathom.selection import select_many
     from fathom.waterfill import importance, waterfill_batched
 
@@ -97,14 +93,6 @@ def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[
     calibrated = calibration is not None and calibration.head_stats(0, 0, "raw").plane_drops is not None
     errors: dict[tuple[str, float], list[float]] = {}
 
-    def scores(khats, q, depths):
-        out = np.zeros(q.shape[:-1] + (n,), np.float32)
-        for t in range(1, MAX_DEPTH + 1):
-            at_t = depths == t
-            if at_t.any():
-                out += stacked_matmul(q * at_t[..., None, :], khats[t - 1].T)
-        return out
-
     for layer in range(L):
         heads = []
         for head in range(H):
@@ -112,15 +100,15 @@ def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[
             stats = None if calibration is None else {"raw": calibration.head_stats(layer, head, "raw")}
             index = HeadIndex.build(keys, stats)
             store = index.stores["raw"]
-            planes, scales = store.planes(), store.scales()
-            counts = code_histogram(planes, sealed)
+            codes, scales = unpack_planes(store.planes()), store.scales()
+            counts = code_histogram(codes[:sealed])
             exact = logits(q, keys, capture.scale)
             heads.append({
                 "q": q, "index": index, "exact": exact, "values": values,
                 "dense": attend(exact, values, np.broadcast_to(causal[:, None], q.shape[:2] + (n,))),
                 "w": importance(q, index.store_variance("raw", blocks)),
                 "midpoint": [index.scorers["raw"].khat(t) for t in range(1, MAX_DEPTH + 1)],
-                "centroid": [khat(planes, scales, t, prefix_levels(counts, t, True))
+                "centroid": [khat(codes, scales, t, prefix_levels(counts, t, True))
                              for t in range(1, MAX_DEPTH + 1)],
                 "gains": {c: histogram_gains(counts, c) for c in (False, True)}})
         for budget in budgets:
@@ -138,7 +126,8 @@ def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[
                     runs["calibrated-gains"] = ("midpoint", method_scores(
                         M.fathom(budget, gains="calibrated"), h["q"], h["index"], blocks)[1])
                 for name, (reconstruction, depths) in runs.items():
-                    mask = select_many(scores(h[reconstruction], h["q"], depths), context, blocks * BLOCK, sel, n)
+                    scores = depth_scores(h[reconstruction], h["q"], depths)
+                    mask = select_many(scores, context, blocks * BLOCK, sel, n)
                     out = attend(h["exact"], h["values"], mask)
                     errors.setdefault((name, budget), []).append(float(relative_error(out, h["dense"]).mean()))
     return {name: {b: float(np.mean(errors[(name, b)])) for b in budgets}

@@ -50,14 +50,20 @@ class DepthScorer:
 
     def __call__(self, q: np.ndarray, depths: np.ndarray) -> np.ndarray:
         """``q [..., G, d]`` with ``depths [..., d]`` -> ``[..., G, n]``."""
-        depths = _checks.depths("depths", depths, self.d)
-        q = q.astype(np.float32)
-        scores = np.zeros(q.shape[:-1] + (len(self._khat[0]),), np.float32)
-        for t in range(1, MAX_DEPTH + 1):
-            at_t = depths == t
-            if at_t.any():
-                scores += stacked_matmul(q * at_t[..., None, :], self.khat(t).T)
-        return scores
+        return depth_scores([self.khat(t) for t in range(1, MAX_DEPTH + 1)], q,
+                            _checks.depths("depths", depths, self.d))
+
+
+def depth_scores(khats: list[np.ndarray], q: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """``Σ_t (q ⊙ [b == t]) @ k̂_tᵀ``: scores of ``q [..., G, d]`` read at ``depths [..., d]`` (0..4, checked
+    by the caller) from the keys at every depth, ``khats[t - 1] float32 [n, d]`` -> ``[..., G, n]``."""
+    q = q.astype(np.float32)
+    scores = np.zeros(q.shape[:-1] + (khats[0].shape[0],), np.float32)
+    for t in range(1, MAX_DEPTH + 1):
+        at_t = depths == t
+        if at_t.any():
+            scores += stacked_matmul(q * at_t[..., None, :], khats[t - 1].T)
+    return scores
 
 
 def landmarks(k: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ import pytest
 
 from bench import plane_probe
 from fathom import fidelity, methods as M
-from fathom.quantize import MAX_DEPTH, dequantize
+from fathom.quantize import MAX_DEPTH, dequantize, unpack_planes
 from fathom.selection import Selection
 from fathom.store import PlaneStore
 from fathom.synthetic import SyntheticConfig, generate
@@ -22,10 +22,11 @@ def _store(seed=0, n=256, d=6):
 
 def test_midpoint_levels_read_what_the_store_dequantizes_and_centroids_differ_only_above_one_cell():
     planes, scales = _store()
-    counts = plane_probe.code_histogram(planes, planes.shape[2] * 64)
+    codes = unpack_planes(planes)
+    counts = plane_probe.code_histogram(codes)
     assert counts.sum(axis=1).tolist() == [256.0] * 6
     for t in range(1, MAX_DEPTH + 1):
-        midpoint = plane_probe.khat(planes, scales, t, plane_probe.prefix_levels(counts, t, centroid=False))
+        midpoint = plane_probe.khat(codes, scales, t, plane_probe.prefix_levels(counts, t, centroid=False))
         np.testing.assert_array_equal(midpoint, dequantize(planes, scales, np.full(6, t)))
     np.testing.assert_array_equal(plane_probe.prefix_levels(counts, 4, True),
                                   plane_probe.prefix_levels(counts, 4, False))
@@ -37,8 +38,7 @@ def test_midpoint_levels_read_what_the_store_dequantizes_and_centroids_differ_on
 
 
 def test_histogram_gains_are_a_table_the_water_filling_accepts():
-    planes, _ = _store(1)
-    counts = plane_probe.code_histogram(planes, planes.shape[2] * 64)
+    counts = plane_probe.code_histogram(unpack_planes(_store(1)[0]))
     for centroid in (False, True):
         gains = plane_probe.histogram_gains(counts, centroid)
         assert gains.shape == (6, 4) and (gains >= 0).all() and (np.diff(gains, axis=1) <= 1e-12).all()
