@@ -313,13 +313,6 @@ class SharedPrefill:
             cache.update(keys, values, layer)
         return cache
 
-    def continued(self, ids, mask):
-        """The prompts and their mask grown by the prefill's greedy token, which generate then decodes first."""
-        import torch
-
-        token = self.prompt.next_token[:, None]
-        return torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token).to(mask.dtype)], 1)
-
 
 def shared_prefill(model, ids, mask, rows_per_forward: int) -> SharedPrefill:
     """The setting's dense prefill, ``rows_per_forward`` rows at a time, timed (CUDA synced)."""
@@ -395,7 +388,7 @@ def _one_call(model, label, spec, ids, mask, args, profile: int = 0, cache=None,
     from_prompt = cache is None and shared is not None
     if from_prompt:
         cache = shared.cache(model, label, spec)
-        ids, mask = shared.continued(ids, mask)
+        ids, mask = shared.prompt.continued(ids, mask)
         new_tokens -= 1  # the prompt's greedy token is the first one
     elif cache is None:
         cache = _cache_for(model, label, spec)

@@ -105,9 +105,9 @@ def generate_rows(model, prompt, ids: np.ndarray, spec: MethodSpec, new_tokens: 
     cache = spec.cache(model, k=k, calibration=calibration, backend="reference", prompt=prompt)
     recorder = RowRecorder(cache.selection, bar)
     cache.decoding.sessions.on_step = recorder
-    inputs = torch.cat([torch.as_tensor(ids)[None], prompt.next_token[:, None]], dim=1)
+    inputs, mask = prompt.continued(torch.as_tensor(ids)[None])
     with torch.inference_mode():
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), past_key_values=cache,
+        out = model.generate(inputs, attention_mask=mask, past_key_values=cache,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              no_repeat_ngram_size=no_repeat_ngram)
     selection_k = cache.selection.k

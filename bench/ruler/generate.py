@@ -71,11 +71,9 @@ def generate_batch(model, tokenizer, encoded, prompt, batch: list[dict], spec: M
     n, new_tokens = encoded.input_ids.shape[1], batch[0]["gen_kwargs"]["max_gen_toks"]
     # max_tokens: what the offloaded backend reserves per session (pinned host memory), not the model's context
     cache = spec.cache(model, k=k, calibration=calibration, prompt=prompt, max_tokens=n + new_tokens)
-    first = prompt.next_token[:, None]
-    new = first
+    new = prompt.next_token[:, None]
     if new_tokens > 1:
-        ids = torch.cat([encoded.input_ids, first], 1)
-        mask = torch.cat([encoded.attention_mask, torch.ones_like(first)], 1)
+        ids, mask = prompt.continued(encoded.input_ids, encoded.attention_mask)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens - 1,
                                  do_sample=False, pad_token_id=tokenizer.pad_token_id,

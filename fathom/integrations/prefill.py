@@ -33,6 +33,14 @@ class Prompt:
     scale: float
     next_token: torch.Tensor
 
+    def continued(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts ``[B, n]`` grown by :attr:`next_token` and their mask (ones where none is given), one longer:
+        what ``generate`` takes to continue a cache made with ``prompt=`` (it decodes that token first)."""
+        token = self.next_token[:, None].to(input_ids.device)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return torch.cat([input_ids, token], 1), torch.cat([mask, torch.ones_like(token, dtype=mask.dtype)], 1)
+
 
 class _PromptRecorder:
     """The attention function of :func:`prefill`: the model's sdpa attention, recording what a FathomCache's

@@ -118,7 +118,7 @@ def test_a_shared_prefill_seeds_hf_and_fathom_caches_that_generate_what_their_ow
     model = tiny_llama()
     ids, mask = batch()
     shared = generate.SharedPrefill(prefill(model, ids, mask, rows_per_forward=1), seconds=0.0, rows_per_forward=1)
-    grown_ids, grown_mask = shared.continued(ids, mask)
+    grown_ids, grown_mask = shared.prompt.continued(ids, mask)
     for label, spec in (("hf-sdpa", None), ("dense", MethodSpec.parse("dense", 16))):
         expected = hf_generate(model, ids, mask, generate._cache_for(model, label, spec), new=6)
         got = hf_generate(model, grown_ids, grown_mask, shared.cache(model, label, spec), new=5)

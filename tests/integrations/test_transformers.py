@@ -73,7 +73,9 @@ def test_one_shared_prefill_generates_what_each_cache_prefilling_itself_does(mak
     ids, mask = batch()
     prompt = prefill(model, ids, mask)
     torch.testing.assert_close(prompt.next_token, generate(model, ids, mask, new=1)[:, -1], rtol=0, atol=0)
-    grown_ids, grown_mask = torch.cat([ids, prompt.next_token[:, None]], 1), torch.cat([mask, mask[:, -1:]], 1)
+    grown_ids, grown_mask = prompt.continued(ids, mask)
+    torch.testing.assert_close(grown_ids, torch.cat([ids, prompt.next_token[:, None]], 1), rtol=0, atol=0)
+    torch.testing.assert_close(grown_mask, torch.cat([mask, torch.ones_like(mask[:, :1])], 1), rtol=0, atol=0)
     for method, settings in [("dense", {}), ("oracle", {"k": 8}), ("fathom", {"budget": 12, "k": 8}),
                              ("fathom-rotated", {"budget": 12, "k": 8}), ("fathom-plan", {"budget": 24, "k": 8}),
                              ("sparq", {"r": 2, "k": 8}), ("landmark", {"k": 8})]:
