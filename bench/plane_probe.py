@@ -137,6 +137,7 @@ def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[
 def main(argv=None) -> None:
     from bench import cli, decoding, models
     from bench.capture import load_capture
+    from bench.corpora import AUSTEN_NOVELS, CORPORA, is_corpus
     from bench.cli import plain
     from bench.report import RESULTS, write_json
     from fathom.calibration import Calibration
@@ -161,6 +162,9 @@ def main(argv=None) -> None:
             raise cli.UsageError(f"--positions must lie in 1..{args.context // 2 - 1}, got {args.positions}")
         if any(not 0 < b <= 4.25 * info.head_dim for b in args.budgets):
             raise cli.UsageError(f"--budgets must lie in (0, {4.25 * info.head_dim}], got {args.budgets}")
+        if not is_corpus(args.corpus):
+            raise cli.UsageError(f"--corpus must be one of {', '.join(CORPORA)} or austen:NOVEL "
+                                 f"({', '.join(AUSTEN_NOVELS)}), got {args.corpus!r}")
         calibration = args.calibration or decoding.default_calibration(args.model)
         if calibration is not None:
             decoding.check_calibration(calibration, args.model)

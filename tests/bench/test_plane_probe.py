@@ -58,6 +58,7 @@ def test_the_design_row_is_the_fidelity_benchs_fathom_error():
     (["--context", "64"], "--context must lie in 128"),
     (["--positions", "0"], "--positions must lie in 1.."),
     (["--budgets", "0"], "--budgets must lie in (0,"),
+    (["--corpus", "nope"], "--corpus must be one of"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
