@@ -129,8 +129,10 @@ def stack(layers: list[LayerCalibration], meta: dict) -> Calibration:
 
     Every layer must have the same fields computed. A field no layer computed is filled with a neutral value so
     the Calibration keeps its shape: ``basis`` the identity, ``sigma2_rotated`` = ``sigma2_raw`` (the variances
-    in the identity basis), ``ds_rank`` = ``arange(d)``. Those fills are not statistics: ``meta["computed"]``
-    (a copy of ``meta`` with that key set) lists the fields that are, in Calibration order.
+    in the identity basis), ``ds_rank`` = ``arange(d)``; the identity and ``arange`` fills are read-only
+    broadcast views (a 36-layer identity would be a 19 MB copy at d = 128, on a pooled cache's first step). Those
+    fills are not statistics: ``meta["computed"]`` (a copy of ``meta`` with that key set) lists the fields that
+    are, in Calibration order.
     """
     if not layers:
         raise ValueError("layers must hold at least one LayerCalibration, got none")
@@ -143,14 +145,14 @@ def stack(layers: list[LayerCalibration], meta: dict) -> Calibration:
         if tuple(layer.sigma2_raw.shape) != (H, d):
             raise ValueError(f"layers must all have [H, d] = [{H}, {d}], layer {i} has {list(layer.sigma2_raw.shape)}")
 
-    def gathered(name: str, dtype: torch.dtype) -> np.ndarray:
-        return np.stack([getattr(layer, name).to(dtype).cpu().numpy() for layer in layers])
+    def gathered(name: str, dtype: torch.dtype) -> np.ndarray:  # one copy to the host per field, not per layer
+        return torch.stack([getattr(layer, name) for layer in layers]).to(dtype).cpu().numpy()
 
     L = len(layers)
     sigma2_raw = gathered("sigma2_raw", torch.float32)
     basis = gathered("basis", torch.float32) if "basis" in computed else np.broadcast_to(
-        np.eye(d, dtype=np.float32), (L, H, d, d)).copy()
+        np.eye(d, dtype=np.float32), (L, H, d, d))
     sigma2_rotated = gathered("sigma2_rotated", torch.float32) if "sigma2_rotated" in computed else sigma2_raw.copy()
     ds_rank = gathered("ds_rank", torch.int32) if "ds_rank" in computed else np.broadcast_to(
-        np.arange(d, dtype=np.int32), (L, H, d)).copy()
+        np.arange(d, dtype=np.int32), (L, H, d))
     return Calibration(sigma2_raw, basis, sigma2_rotated, ds_rank, meta={**meta, "computed": list(computed)})
