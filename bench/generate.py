@@ -28,7 +28,8 @@ token is launched before the host reads the last) and
 the host),
 ``attention_gpu_ms`` (every layer's Fathom step of one token, replayed on the cache the run left, CUDA events,
 GPU queued behind a sleep so the host is not timed), ``hbm_gb`` (peak torch allocation, weights included),
-``pinned_gb`` (the Fathom store's pinned host memory), ``prefill_vs_hf`` (prefill / hf-sdpa's).
+``pinned_gb`` (the Fathom store's pinned host memory), ``prefill_vs_hf`` (prefill / hf-sdpa's; none after a
+shared prefill).
 ``--layers N`` builds the 8B shapes with N decoder layers (a batch of long sessions that does not fit the host's
 memory with all of them: 8 × 128k would pin ~190 GB for Fathom's store and hold 154 GB for HF's offloaded cache;
 the table says so). ``--prefill-rows N`` starts every system's cache from one shared dense prefill per setting
@@ -191,8 +192,10 @@ def run(args: argparse.Namespace) -> Path:
                     record = measure(model, model_name, label, spec, ids, mask, args, shared)
                     if label == "hf-sdpa" and record.get("prefill_s") is not None:
                         hf_prefill = record["prefill_s"]
-                    record["prefill_vs_hf"] = None if hf_prefill is None or record.get("prefill_s") is None \
-                        else record["prefill_s"] / hf_prefill
+                    # after a shared prefill each system's prefill s is taking the prompt in (for HF a reference to
+                    # it): no prefill is compared
+                    record["prefill_vs_hf"] = None if shared is not None or hf_prefill is None \
+                        or record.get("prefill_s") is None else record["prefill_s"] / hf_prefill
                     records.append(record)
                     print(_line(record), flush=True)
                     gc.collect()
@@ -637,9 +640,9 @@ def _setting_notes(rows: list[dict]) -> str:
         if group[0].get("prefill") == "shared":
             seconds, rows_at_once = group[0]["shared_prefill_s"], group[0]["prefill_rows"]
             notes.append(f"{name}: every cache started from one shared dense prefill ({seconds:.1f} s, {rows_at_once} "
-                         "row(s) at a time); prefill s is the time to take it in, the first step decodes the "
-                         "prefill's token, and HBM GB includes the prompt's keys and values, held on the GPU "
-                         "throughout.")
+                         "row(s) at a time); prefill s is the time to take it in (so no prefill / HF), the first "
+                         "step decodes the prefill's token, and HBM GB includes the prompt's keys and values, held "
+                         "on the GPU throughout.")
     return " ".join(notes)
 
 
