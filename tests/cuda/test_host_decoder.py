@@ -202,6 +202,33 @@ def test_graph_replay_equals_eager():
             np.testing.assert_array_equal(sealed_planes(graph_cache, LAYER, g)[0], sealed_planes(eager_cache, LAYER, g)[0])
 
 
+@pytest.mark.parametrize("method", [methods.double_sparsity(2), methods.fathom(12.0, variance="calibration")],
+                         ids=lambda m: m.name)
+def test_a_new_calibration_reaches_a_captured_step(filled, method):
+    """``set_calibration`` rewrites what a captured step reads (staged in a pinned mirror, copied without a sync),
+    twice in a row on one layer (the second write waits for the first copy): the replayed step then equals the
+    reference with the last calibration."""
+    cache, data = filled(1, False)
+    k, v, q, basis, sigma2, ds_rank = data
+    rng = np.random.default_rng(5)
+    first, last = (_another_calibration(data, rng) for _ in range(2))
+    graph = StepGraph(_decoder(cache, method, data), layers=[LAYER])
+    q_gpu = torch.from_numpy(q).to(DEVICE)
+    graph(q_gpu)  # captured with the calibration it was made with
+    for calibration in (first, last):
+        graph.decoder.set_calibration(LAYER, calibration[4][LAYER], calibration[5][LAYER])
+    out = graph(q_gpu).cpu().numpy()
+    _assert_matches_reference(graph.decoder, out, *last, cache.lengths(LAYER))
+
+
+def _another_calibration(data, rng):
+    """``data`` with another σ² and other channel ranks."""
+    k, v, q, basis, sigma2, ds_rank = data
+    new_sigma2 = np.exp(rng.uniform(-2, 2, sigma2.shape))
+    new_rank = np.stack([[rng.permutation(D) for _ in range(ds_rank.shape[1])] for _ in range(ds_rank.shape[0])])
+    return k, v, q, basis, new_sigma2, new_rank
+
+
 def test_cache_store_and_landmarks_match_reference():
     """Planes, scales, σ² statistic and landmarks of a raw and a rotated cache equal the reference's."""
     shape = SHAPES[3]
