@@ -29,7 +29,9 @@ token is launched before the host reads the last) and
 ``attention_gpu_ms`` (every layer's Fathom step of one token, replayed on the cache the run left, CUDA events,
 GPU queued behind a sleep so the host is not timed), ``hbm_gb`` (peak torch allocation, weights included),
 ``pinned_gb`` (the Fathom store's pinned host memory), ``prefill_vs_hf`` (prefill / hf-sdpa's; none after a
-shared prefill).
+shared prefill); with ``--hbm-gb`` / ``--row-cache-rows`` (FathomCache's tiers: the store's top planes and recently
+selected rows in HBM) also ``hbm_planes``, ``store_hbm_gb``, ``row_cache_rows`` and ``row_cache_hit``
+(:func:`store_figures`), shown in the table when set.
 ``--layers N`` builds the 8B shapes with N decoder layers (a batch of long sessions that does not fit the host's
 memory with all of them: 8 × 128k would pin ~190 GB for Fathom's store and hold 154 GB for HF's offloaded cache;
 the table says so). ``--prefill-rows N`` starts every system's cache from one shared dense prefill per setting
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import statistics
 import subprocess
@@ -113,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "double-sparsity@136"],
                         help="hf-sdpa, hf-offloaded, and FathomCache method specs (bench.decoding), each optionally "
                              "with +graph (custom_generate=decode)")
+    parser.add_argument("--hbm-gb", type=float, default=0.0,
+                        help="FathomCache's hbm_gb: HBM for the offloaded store's scales and top bit planes, GB "
+                             "(0: every plane in pinned host memory); FathomCache systems only")
+    parser.add_argument("--row-cache-rows", type=int, default=0,
+                        help="FathomCache's row_cache_rows: HBM slots per session, layer and KV head for recently "
+                             "selected K/V rows (0: none); FathomCache systems only")
     parser.add_argument("--new-tokens", type=int, default=24, help="tokens generated per call (> --warmup + 2)")
     parser.add_argument("--warmup", type=int, default=3, help="decode steps left out of steady_ms")
     parser.add_argument("--profile", type=int, default=4, help="steady steps profiled for gpu_busy_ms (0: none)")
@@ -141,6 +150,10 @@ def validate(args) -> list[tuple[str, object]]:
             raise UsageError(f"--layers applies to the shapes ({', '.join(SHAPES)}), not {', '.join(real)}")
         if not 1 <= args.layers <= fewest:
             raise UsageError(f"--layers must be in 1..{fewest} (the shapes' layers), got {args.layers}")
+    if not (math.isfinite(args.hbm_gb) and args.hbm_gb >= 0):
+        raise UsageError(f"--hbm-gb must be a finite number of GB >= 0, got {args.hbm_gb}")
+    if not 0 <= args.row_cache_rows < 1 << 30:
+        raise UsageError(f"--row-cache-rows must be in 0..{(1 << 30) - 1}, got {args.row_cache_rows}")
     if args.prefill_rows is not None and args.prefill_rows < 1:
         raise UsageError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
     if not 0 <= args.turn_tokens <= 8192:
@@ -163,6 +176,8 @@ def validate(args) -> list[tuple[str, object]]:
             raise UsageError(f"--systems: {error}") from None
     if len({label for label, _ in systems}) != len(systems):
         raise UsageError(f"--systems names a system twice: {args.systems}")
+    if (args.hbm_gb or args.row_cache_rows) and all(spec is None for _, spec in systems):
+        raise UsageError(f"--hbm-gb and --row-cache-rows set FathomCaches; --systems has none: {args.systems}")
     writable_folder("--out", args.out)
     file_stem("--name", args.name)
     if args.readme is not None and not args.readme.is_file():
@@ -252,11 +267,12 @@ def replot(args) -> Path:
 
 
 def _latest(records) -> list[dict]:
-    """One record per (model, context, batch, system, layers when fewer than the shape's): a later run's replaces
-    an earlier one's, in first order."""
+    """One record per (model, context, batch, system, layers when fewer than the shape's, planes in HBM, row cache
+    slots): a later run's replaces an earlier one's, in first order."""
     kept: dict[tuple, dict] = {}
     for record in records:
-        kept[(record["model"], record["context"], record["batch"], record["system"], _fewer_layers(record))] = record
+        kept[(record["model"], record["context"], record["batch"], record["system"], _fewer_layers(record),
+              record.get("hbm_planes") or 0, record.get("row_cache_rows") or 0)] = record
     return list(kept.values())
 
 
@@ -309,13 +325,14 @@ class SharedPrefill:
     def __init__(self, prompt, seconds: float, rows_per_forward: int):
         self.prompt, self.seconds, self.rows_per_forward = prompt, seconds, rows_per_forward
 
-    def cache(self, model, label: str, spec):
-        """A new cache of the system holding the prompt: a FathomCache made with ``prompt=``, transformers'
-        DynamicCache (offloaded for ``hf-offloaded``) given every layer's keys and values by its own ``update``."""
+    def cache(self, model, label: str, spec, **store):
+        """A new cache of the system holding the prompt: a FathomCache made with ``prompt=`` (and ``store``:
+        :func:`store_settings`), transformers' DynamicCache (offloaded for ``hf-offloaded``) given every layer's
+        keys and values by its own ``update``."""
         import transformers
 
         if spec is not None:
-            return spec.cache(model, prompt=self.prompt)
+            return spec.cache(model, prompt=self.prompt, **store)
         cache = transformers.DynamicCache(config=model.config, offloading=label == "hf-offloaded")
         for layer, (keys, values) in enumerate(zip(self.prompt.keys, self.prompt.values, strict=True)):
             cache.update(keys, values, layer)
@@ -361,14 +378,20 @@ class _Clock:
         return [self.start.elapsed_time(event) / 1e3 for event in self.events]
 
 
-def _cache_for(model, label: str, spec):
+def store_settings(args) -> dict:
+    """FathomCache's settings of where the offloaded store and recent rows live, from ``--hbm-gb`` and
+    ``--row-cache-rows``."""
+    return {"hbm_gb": args.hbm_gb, "row_cache_rows": args.row_cache_rows}
+
+
+def _cache_for(model, label: str, spec, **store):
     import transformers
 
     if label == "hf-sdpa":
         return transformers.DynamicCache(config=model.config)
     if label == "hf-offloaded":
         return transformers.DynamicCache(config=model.config, offloading=True)
-    return spec.cache(model)
+    return spec.cache(model, **store)
 
 
 def _one_call(model, label, spec, ids, mask, args, profile: int = 0, cache=None, new_tokens: int | None = None,
@@ -395,11 +418,11 @@ def _one_call(model, label, spec, ids, mask, args, profile: int = 0, cache=None,
     new_tokens = new_tokens or args.new_tokens
     from_prompt = cache is None and shared is not None
     if from_prompt:
-        cache = shared.cache(model, label, spec)
+        cache = shared.cache(model, label, spec, **store_settings(args))
         ids, mask = shared.prompt.continued(ids, mask)
         new_tokens -= 1  # the prompt's greedy token is the first one
     elif cache is None:
-        cache = _cache_for(model, label, spec)
+        cache = _cache_for(model, label, spec, **store_settings(args))
     extra = {"custom_generate": decode} if label.endswith(GRAPH) else {}
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -461,6 +484,7 @@ def measure(model, model_name: str, label: str, spec, ids, mask, args, shared: S
         _close(first.pop("cache"))
         graph = label.endswith(GRAPH)
         pooled = _one_call(model, label, spec, ids, mask, args, profile=0 if graph else args.profile, shared=shared)
+        record.update(store_figures(pooled["cache"]))  # its row cache's counts: this call's decode steps
         turn = _next_turn(model, label, spec, pooled, mask, args) if args.turn_tokens else None
         if graph:  # after the turn: the replays append tokens to the conversation
             pooled["gpu_busy_ms"] = token_graph_gpu_ms(pooled["cache"])
@@ -497,6 +521,24 @@ def summarise(first: dict, pooled: dict, batch: int) -> dict:
     figures["gpu_busy_ms"] = busy = pooled.get("gpu_busy_ms")
     figures["host_ms_per_token"] = None if busy is None else max(0.0, figures["steady_ms"] - busy)
     return figures
+
+
+def store_figures(cache) -> dict:
+    """Where an offloaded FathomCache's store and recent rows lived (``--hbm-gb``, ``--row-cache-rows``):
+    ``hbm_planes`` (bit planes per channel its near tier holds in HBM), ``store_hbm_gb`` (that tier's scales and
+    planes and the row caches, GB), ``row_cache_rows`` and ``row_cache_hit`` (hits / lookups of the rows the
+    steps selected since the cache was made or taken from the pool: its decode steps, the first one finding the
+    row cache empty; None without a row cache). Empty for transformers' caches and the reference backend."""
+    from fathom.integrations.sessions import OffloadedSessions
+
+    sessions = getattr(getattr(cache, "decoding", None), "sessions", None)
+    if not isinstance(sessions, OffloadedSessions):
+        return {}
+    store = sessions.cache
+    hits, lookups = store.row_cache_counts()
+    return {"hbm_planes": store.shape.layout.hbm_planes, "store_hbm_gb": store.hbm_bytes / 1e9,
+            "row_cache_rows": store.shape.row_cache_rows,
+            "row_cache_hit": hits / lookups if store.shape.row_cache_rows and lookups else None}
 
 
 def _pinned_gb(cache) -> float | None:
@@ -627,13 +669,19 @@ COLUMNS = [("model", "model", ""), ("context", "context", "d"), ("batch", "batch
            ("host_ms_per_token", "host ms/token", ".1f"), ("hbm_gb", "HBM GB", ".1f"), ("pinned_gb", "pinned GB", ".1f")]
 
 
+# shown when a record's store kept planes or rows in HBM (--hbm-gb, --row-cache-rows)
+TIER_COLUMNS = [("hbm_planes", "planes in HBM", "d"), ("store_hbm_gb", "store HBM GB", ".2f"),
+                ("row_cache_hit", "row cache hits", ".2f")]
+
+
 def markdown(payload: dict) -> str:
     rows = [r for r in payload["records"] if "error" not in r]
     failed = [r for r in payload["records"] if "error" in r]
+    tiered = any(r.get("hbm_planes") or r.get("row_cache_rows") for r in rows)
     text = (f"`{payload['command']}` on {payload['device']}; weights: {payload['weights']}; "
             f"{payload['new_tokens']}+ new tokens, steady = the lower of the two caches' medians after "
             f"{payload['warmup']} steps.\n\n"
-            + markdown_table(rows, COLUMNS))
+            + markdown_table(rows, COLUMNS + (TIER_COLUMNS if tiered else [])))
     notes = _setting_notes(rows)
     if notes:
         text += "\n\n" + notes

@@ -24,6 +24,10 @@ PROBE = {"process_cold_s": 9.0, "process_warm_s": 2.0, "cold_kernels_compiled": 
     (["--models", "qwen3-8b,llama3.1-8b", "--layers", "33"], "--layers must be in 1..32"),
     (["--models", "smollm2-135m", "--layers", "4"], "--layers applies to the shapes"),
     (["--prefill-rows", "0"], "--prefill-rows must be >= 1"),
+    (["--hbm-gb", "-1"], "--hbm-gb must be a finite number of GB >= 0"),
+    (["--hbm-gb", "nan"], "--hbm-gb must be a finite number of GB >= 0"),
+    (["--row-cache-rows", "-1"], "--row-cache-rows must be in 0..1073741823"),
+    (["--systems", "hf-sdpa,hf-offloaded", "--row-cache-rows", "64"], "--hbm-gb and --row-cache-rows set FathomCaches"),
 ])
 def test_bad_arguments_are_refused_before_any_work(capsys, tmp_path, argv, message):
     assert message in refused(["generate", "--out", str(tmp_path), *argv], capsys)
@@ -142,3 +146,42 @@ def test_a_shared_prefill_seeds_hf_and_fathom_caches_that_generate_what_their_ow
         expected = hf_generate(model, ids, mask, generate._cache_for(model, label, spec), new=6)
         got = hf_generate(model, grown_ids, grown_mask, shared.cache(model, label, spec), new=5)
         torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=label)
+
+
+def test_the_store_tiers_reach_the_cache_and_their_figures_the_record():
+    """--hbm-gb and --row-cache-rows become the FathomCache's hbm_gb and row_cache_rows (not HF's caches'); the
+    record reads back the planes the near tier holds, its HBM and the row cache's hit rate over the call's steps
+    (tiny Llama on the offloaded backend: the simulator in CI)."""
+    import argparse
+
+    import transformers
+
+    from bench.decoding import MethodSpec
+    from fathom.cuda.interop import DEVICE
+    from tests.integrations.test_transformers import batch, generate as hf_generate
+    from tests.tiny_models import OFFLOAD_SETTINGS, tiny_offload_llama
+
+    model = tiny_offload_llama()
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    args = argparse.Namespace(hbm_gb=1.0, row_cache_rows=16)
+    spec = MethodSpec.parse(f"fathom@{OFFLOAD_SETTINGS['budget']}", 16)
+    settings = {name: value for name, value in OFFLOAD_SETTINGS.items() if name != "budget"}
+    store = generate.store_settings(args)
+    assert isinstance(generate._cache_for(model, "hf-sdpa", None, **store), transformers.DynamicCache)
+    cache = spec.cache(model, backend="offloaded", **store, **settings)
+    hf_generate(model, ids, mask, cache, new=3)
+    held = cache.decoding.sessions.cache
+    hits, lookups = held.row_cache_counts()
+    figures = generate.store_figures(cache)
+    assert figures == {"hbm_planes": 4, "store_hbm_gb": held.hbm_bytes / 1e9, "row_cache_rows": 16,
+                       "row_cache_hit": hits / lookups}
+    assert lookups > 0 and 0 < figures["row_cache_hit"] <= 1 and figures["store_hbm_gb"] > 0
+    cache.close()
+    assert generate.store_figures(transformers.DynamicCache(config=model.config)) == {}
+    record = {"system": "fathom@48", "model": "m", "context": 4096, "batch": 1, "prefill_s": 1.0,
+              "first_step_ms": 9.0, "pooled_first_step_ms": 2.0, "first_steady_ms": 5.0, "steady_ms": 5.0,
+              "tokens_per_s": 200.0, **figures}
+    text = generate.markdown({"command": "c", "device": "d", "weights": "random", "new_tokens": 8, "warmup": 3,
+                              "records": [record]})
+    assert "| planes in HBM | store HBM GB | row cache hits |" in text
+    assert f"| 4 | {figures['store_hbm_gb']:.2f} | {figures['row_cache_hit']:.2f} |" in text
