@@ -82,6 +82,20 @@ class MethodSpec:
         return FathomCache(model, method=self.method, k=k, calibration=calibration, **budget, **settings)
 
 
+def hf_cache(model, prompt=None, offloading: bool = False):
+    """transformers' own DynamicCache (the K/V in HBM; ``offloading``: its offloaded cache, in host memory), holding
+    ``prompt`` (a :func:`fathom.integrations.prefill.prefill` of ``model``) when given: every layer's keys and
+    values by the cache's own ``update``, so ``generate`` continues from ``prompt.next_token`` as it does with a
+    FathomCache made with ``prompt=`` (tested to generate what the cache's own prefill does)."""
+    import transformers
+
+    cache = transformers.DynamicCache(config=model.config, offloading=offloading)
+    if prompt is not None:
+        for layer, (keys, values) in enumerate(zip(prompt.keys, prompt.values, strict=True)):
+            cache.update(keys, values, layer)
+    return cache
+
+
 def head_dim(model) -> int:
     """The attention head dim of a loaded transformers model."""
     config = model.config.get_text_config(decoder=True)

@@ -328,15 +328,12 @@ class SharedPrefill:
     def cache(self, model, label: str, spec, **store):
         """A new cache of the system holding the prompt: a FathomCache made with ``prompt=`` (and ``store``:
         :func:`store_settings`), transformers' DynamicCache (offloaded for ``hf-offloaded``) given every layer's
-        keys and values by its own ``update``."""
-        import transformers
+        keys and values by its own ``update`` (:func:`bench.decoding.hf_cache`)."""
+        from bench.decoding import hf_cache
 
         if spec is not None:
             return spec.cache(model, prompt=self.prompt, **store)
-        cache = transformers.DynamicCache(config=model.config, offloading=label == "hf-offloaded")
-        for layer, (keys, values) in enumerate(zip(self.prompt.keys, self.prompt.values, strict=True)):
-            cache.update(keys, values, layer)
-        return cache
+        return hf_cache(model, self.prompt, offloading=label == "hf-offloaded")
 
 
 def shared_prefill(model, ids, mask, rows_per_forward: int) -> SharedPrefill:
@@ -385,13 +382,9 @@ def store_settings(args) -> dict:
 
 
 def _cache_for(model, label: str, spec, **store):
-    import transformers
+    from bench.decoding import hf_cache
 
-    if label == "hf-sdpa":
-        return transformers.DynamicCache(config=model.config)
-    if label == "hf-offloaded":
-        return transformers.DynamicCache(config=model.config, offloading=True)
-    return spec.cache(model, **store)
+    return spec.cache(model, **store) if spec is not None else hf_cache(model, offloading=label == "hf-offloaded")
 
 
 def _one_call(model, label, spec, ids, mask, args, profile: int = 0, cache=None, new_tokens: int | None = None,

@@ -87,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--token-graph", action="store_true",
                    help="decode with the whole token as one CUDA graph (--device cuda, full-attention models): the "
                         "same tokens as generate's own loop, faster")
+    p.add_argument("--dense-in-hbm", action="store_true",
+                   help="run the dense method on transformers' DynamicCache, the K/V in HBM and sdpa's attention "
+                        "(--device cuda), instead of FathomCache's offloaded dense, which reads every K/V row over "
+                        "the link each token: the same attention, the dense reference in a fraction of the time")
     p.add_argument("--out", type=Path, default=None, help="generations JSON (default beside the samples)")
     p.add_argument("--resume", action="store_true", help="keep the generations already in --out, do the rest")
 
@@ -211,6 +215,9 @@ def _generate(args) -> Path:
         cli.at_least("--prefill-rows", args.prefill_rows, 1)
     if args.token_graph and args.device != "cuda":
         raise UsageError("--token-graph needs --device cuda (the graph runs on the offloaded backend)")
+    if args.dense_in_hbm and (args.device != "cuda" or "dense" not in [s.method for s in specs]):
+        raise UsageError("--dense-in-hbm runs the dense method in HBM: it needs --device cuda and dense among "
+                         f"--methods, got --device {args.device}, methods {' '.join(s.label for s in specs)}")
     if args.token_graph and models.info(model_name).sliding_window is not None:
         raise UsageError(f"--token-graph needs full-attention layers only; {model_name} has sliding-window layers "
                          "(their growing dense cache is in no graph): leave it out")
@@ -223,6 +230,9 @@ def _generate(args) -> Path:
         if not isinstance(previous, dict) or previous.get("samples_file") != str(args.samples):
             held = previous.get("samples_file") if isinstance(previous, dict) else None
             raise UsageError(f"--resume: {out} holds generations of {held}, not {args.samples}")
+        if previous.get("dense_in_hbm", False) != args.dense_in_hbm:
+            raise UsageError(f"--resume: {out} ran dense {'in HBM' if previous.get('dense_in_hbm') else 'offloaded'};"
+                             " resume it the same way (--dense-in-hbm or not)")
     import torch
     import transformers
 
@@ -234,12 +244,12 @@ def _generate(args) -> Path:
               "methods": [s.label for s in specs], "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "batch_size": args.batch_size, "prefill_rows": args.prefill_rows,
-              "token_graph": args.token_graph, "k_requested": args.k,
+              "token_graph": args.token_graph, "dense_in_hbm": args.dense_in_hbm, "k_requested": args.k,
               "calibration": None if calibration is None else str(calibration),
               "eos_text": tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False),
               "torch_version": torch.__version__, "transformers_version": transformers.__version__}
     result = generate.run(model, tokenizer, payload["samples"], specs, out, header, args.k, calibration,
-                          args.batch_size, previous, args.prefill_rows, args.token_graph)
+                          args.batch_size, previous, args.prefill_rows, args.token_graph, args.dense_in_hbm)
     print(f"{len(result['generations'])} generations -> {out}")
     return out
 
@@ -264,7 +274,7 @@ def _score(args) -> Path:
     tasks = sorted({s["task"] for s in scored})
     rows = score.aggregate(scored, score.lm_eval_aggregation(tasks))
     contexts = sorted({s["context"] for s in scored})
-    ks = sorted({g["k"] for g in generations["generations"]})
+    ks = sorted({g["k"] for g in generations["generations"] if g["k"] is not None})  # None: dense in HBM
     name = args.name or f"ruler-{payload['model']}-{_contexts_tag(contexts)}"
     title = (_title(payload["model"], contexts, payload["limit"], generations.get("calibration"))
              + f", generated on {generations['device_name']}")
@@ -273,7 +283,8 @@ def _score(args) -> Path:
             "calibration": generations.get("calibration"), "generations_file": str(args.generations),
             "generate_command": generations["command"], "samples_command": payload["command"],
             "lm_eval_version": _version("lm_eval"), "scoring": functions,
-            "generation": {k: generations.get(k) for k in ("device", "device_name", "batch_size", "torch_version",
+            "generation": {k: generations.get(k) for k in ("device", "device_name", "batch_size", "dense_in_hbm",
+                                                           "token_graph", "torch_version",
                                                            "transformers_version", "seconds_by_method", "wall_s")},
             "per_sample": scored}
     path = score.write(args.out, name, args.command_line, rows, generations["methods"], info)

@@ -59,25 +59,32 @@ def encode(tokenizer, batch: list[dict], device):
 
 
 def generate_batch(model, tokenizer, encoded, prompt, batch: list[dict], spec: MethodSpec, k: int | None,
-                   calibration: Path | None, token_graph: bool = False) -> tuple[list[dict], int]:
+                   calibration: Path | None, token_graph: bool = False,
+                   dense_in_hbm: bool = False) -> tuple[list[dict], int | None]:
     """Greedy generations of one batch with one method, from the batch's shared prefill ``prompt`` -> (per
-    sample: text and new tokens, the top-k used). ``token_graph``: decode with the whole token as one CUDA graph
-    (``custom_generate=``:func:`fathom.integrations.token_graph.decode`, the offloaded backend, full-attention
-    models), which generates what generate's own loop does (tested) at the graph's GPU time a token."""
+    sample: text and new tokens, the top-k used; None for a dense cache in HBM). ``token_graph``: decode with the
+    whole token as one CUDA graph (``custom_generate=``:func:`fathom.integrations.token_graph.decode`, the offloaded
+    backend, full-attention models), which generates what generate's own loop does (tested) at the graph's GPU time
+    a token. ``dense_in_hbm``: the dense method on transformers' DynamicCache, the K/V in HBM and sdpa's attention
+    (:func:`bench.decoding.hf_cache`), through generate's own loop: the same attention as FathomCache's offloaded
+    dense, without reading every K/V row over the link each token."""
     import torch
 
+    from bench.decoding import hf_cache
     from fathom.integrations.token_graph import decode
 
     n, new_tokens = encoded.input_ids.shape[1], batch[0]["gen_kwargs"]["max_gen_toks"]
+    in_hbm = dense_in_hbm and spec.method == "dense"
     # max_tokens: what the offloaded backend reserves per session (pinned host memory), not the model's context
-    cache = spec.cache(model, k=k, calibration=calibration, prompt=prompt, max_tokens=n + new_tokens)
+    cache = hf_cache(model, prompt) if in_hbm else \
+        spec.cache(model, k=k, calibration=calibration, prompt=prompt, max_tokens=n + new_tokens)
     new = prompt.next_token[:, None]
     if new_tokens > 1:
         ids, mask = prompt.continued(encoded.input_ids, encoded.attention_mask)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens - 1,
                                  do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                                 **({"custom_generate": decode} if token_graph else {}))
+                                 **({"custom_generate": decode} if token_graph and not in_hbm else {}))
         new = out[:, n:]
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
@@ -85,6 +92,8 @@ def generate_batch(model, tokenizer, encoded, prompt, batch: list[dict], spec: M
     for tokens in new.tolist():
         length = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
         results.append({"text": tokenizer.decode(tokens[:length], skip_special_tokens=True), "new_tokens": length})
+    if in_hbm:
+        return results, None
     top_k = cache.selection.k
     cache.close()
     return results, top_k
@@ -92,9 +101,11 @@ def generate_batch(model, tokenizer, encoded, prompt, batch: list[dict], spec: M
 
 def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Path, header: dict,
         k: int | None = None, calibration: Path | None = None, batch_size: int = 1,
-        resumed: dict | None = None, prefill_rows: int | None = None, token_graph: bool = False) -> dict:
+        resumed: dict | None = None, prefill_rows: int | None = None, token_graph: bool = False,
+        dense_in_hbm: bool = False) -> dict:
     """Every method on every sample, one dense prefill per batch (``prefill_rows`` rows of it at a time:
-    :func:`~fathom.integrations.prefill.prefill`'s ``rows_per_forward``; ``token_graph``: :func:`generate_batch`'s);
+    :func:`~fathom.integrations.prefill.prefill`'s ``rows_per_forward``; ``token_graph``, ``dense_in_hbm``:
+    :func:`generate_batch`'s);
     the JSON at ``out`` is rewritten after each batch and method. A cut run keeps what it finished: ``resumed`` (its
     JSON) has its generations kept, not redone, and its times added to this run's (``seconds_by_method``,
     ``wall_s``; ``calls`` counts the runs)."""
@@ -122,7 +133,7 @@ def run(model, tokenizer, samples: list[dict], specs: list[MethodSpec], out: Pat
                 bar.set_postfix_str(f"{batch[0]['task']} {batch[0]['context']} {spec.label}")
                 start = time.perf_counter()
                 results, top_k = generate_batch(model, tokenizer, encoded, prompt, batch, spec, k, calibration,
-                                                token_graph)
+                                                token_graph, dense_in_hbm)
                 elapsed = time.perf_counter() - start
                 seconds[spec.label] = seconds.get(spec.label, 0.0) + elapsed
                 for sample, result in zip(batch, results, strict=True):

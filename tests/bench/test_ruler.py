@@ -202,6 +202,24 @@ def test_token_graph_decodes_through_the_token_graph(tokenizer_dir):
         generate.generate_batch(model, tokenizer, encoded, prompt, batch, spec, None, None, token_graph=True)
 
 
+def test_dense_in_hbm_generates_what_the_fathom_dense_cache_does(tokenizer_dir):
+    """--dense-in-hbm: the dense method on transformers' DynamicCache seeded with the shared prefill, through
+    generate's own loop: the text of FathomCache's dense (here the reference backend), and no top-k to report."""
+    from fathom.integrations.prefill import prefill
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = tiny_model(len(tokenizer))
+    batch = samples.build(["niah_single_1"], [CONTEXT], 2, tokenizer_dir)
+    batch = [{**s, "gen_kwargs": {**s["gen_kwargs"], "max_gen_toks": 6}} for s in batch]
+    encoded = generate.encode(tokenizer, batch, "cpu")
+    prompt = prefill(model, encoded.input_ids, encoded.attention_mask)
+    spec = MethodSpec.parse("dense", 16)
+    offloaded, k = generate.generate_batch(model, tokenizer, encoded, prompt, batch, spec, None, None)
+    in_hbm, no_k = generate.generate_batch(model, tokenizer, encoded, prompt, batch, spec, None, None,
+                                           dense_in_hbm=True)
+    assert in_hbm == offloaded and [r["new_tokens"] for r in in_hbm] == [6, 6] and k >= 1 and no_k is None
+
+
 @pytest.mark.parametrize("argv, message", [
     (["lm-eval", "--limit", "0"], "--limit"),
     (["lm-eval", "--contexts", "512"], "--contexts"),
@@ -232,6 +250,16 @@ def test_generate_refuses_bad_sizes_and_a_resume_of_another_or_a_broken_file(mon
                                                 "--prefill-rows", "0"], capsys)
     assert "--token-graph needs --device cuda" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
                                                           "--token-graph"], capsys)
+    samples_json = str(tmp_path / "s.json")
+    assert "--dense-in-hbm runs the dense method in HBM: it needs --device cuda" in refused(
+        ["ruler", "generate", "--samples", samples_json, "--dense-in-hbm"], capsys)
+    assert "and dense among --methods, got --device cuda, methods oracle" in refused(
+        ["ruler", "generate", "--samples", samples_json, "--dense-in-hbm", "--device", "cuda", "--methods", "oracle"],
+        capsys)
+    (tmp_path / "offloaded.json").write_text(json.dumps({"samples_file": samples_json, "generations": []}))
+    assert "--resume: " + str(tmp_path / "offloaded.json") + " ran dense offloaded; resume it the same way" in refused(
+        ["ruler", "generate", "--samples", samples_json, "--dense-in-hbm", "--device", "cuda",
+         "--out", str(tmp_path / "offloaded.json"), "--resume"], capsys)
     (tmp_path / "other.json").write_text(json.dumps({"samples_file": "elsewhere.json", "generations": []}))
     assert "--resume" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
                                           "--out", str(tmp_path / "other.json"), "--resume"], capsys)
