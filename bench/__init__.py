@@ -28,6 +28,8 @@ module                what it holds or does
                       a registered anonymous map (what ``fathom.host.pinned`` chose rests on it)
 ``plane_probe``       ``python -m bench.plane_probe``: reconstruction and depth-allocation variants of the raw
                       store measured on a capture (centroids, histogram gains; research for issue 15)
+``tier_split``        ``python -m bench.tier_split``: the share of each method's scan bits a t-plane HBM tier
+                      leaves on the link, on a real capture (issue 14's tiered planes)
 ``decoding``          method specs ``name@bits`` for the decoding benches, their FathomCache, the model's
                       committed calibration
 ``capture``           post-RoPE keys, values and decode queries of every global layer, recorded inside
