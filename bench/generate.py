@@ -502,8 +502,8 @@ def summarise(first: dict, pooled: dict, batch: int) -> dict:
     ``steady_ms`` is the lower of the two calls' medians: the steady state the system reaches in a serving process.
     A first call can pay once-per-process costs inside its steady steps that are no part of decoding: HF's
     DynamicCache grows its K/V by ``torch.cat`` and its first call allocates each new size from the driver; HF's
-    offloaded cache pins new host blocks. Taking the first call alone made HF's sdpa 2x and its offloaded cache
-    up to 9x slower than they run (``first_steady_ms`` keeps it). The same rule holds for every system."""
+    offloaded cache pins new host blocks. Taking the first call alone made HF's sdpa up to 5x and its
+    offloaded cache up to 8.6x slower than they run (``first_steady_ms`` keeps it). The same rule holds for every system."""
     figures = {key: first[key] for key in ("prefill_s", "first_step_ms")}
     figures.update({f"pooled_{key}": pooled[key] for key in ("prefill_s", "first_step_ms", "steady_ms")})
     figures["first_steady_ms"] = first["steady_ms"]
