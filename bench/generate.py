@@ -18,8 +18,9 @@ the calibration from the prompt and the appends), ``first_step_ms`` (the first d
 kernel warm-up), ``first_steady_ms`` (median per-token wall time after ``--warmup`` steps), the same three for a
 second cache of the same key made right after (``pooled_*``: pinned memory, graphs and kernels reused),
 ``steady_ms`` (the lower of the two steady medians: the system's steady state in a serving process, see
-:func:`summarise`), ``tokens_per_s`` (batch / steady), ``turn_first_token_ms`` (a conversation's second turn on the pooled call's cache: its output
-and ``--turn-tokens`` more tokens fed back, time to the turn's first token — the chunk's forward, no rebuild),
+:func:`summarise`), ``tokens_per_s`` (batch / steady), ``turn_first_token_ms`` (a conversation's second turn on
+the pooled call's cache: its output and ``--turn-tokens`` more tokens fed back, time to the turn's first token —
+the chunk's forward, no rebuild),
 ``setup_s`` (what the first cache of a key pays once: its prefill + first step minus the
 pooled cache's), ``gpu_busy_ms`` (kernel and copy time per steady token, torch.profiler over ``--profile`` steps
 of the pooled run, copies that overlap kernels counted twice; for ``+graph`` systems the token graph replayed
@@ -503,7 +504,8 @@ def summarise(first: dict, pooled: dict, batch: int) -> dict:
     A first call can pay once-per-process costs inside its steady steps that are no part of decoding: HF's
     DynamicCache grows its K/V by ``torch.cat`` and its first call allocates each new size from the driver; HF's
     offloaded cache pins new host blocks. Taking the first call alone made HF's sdpa up to 5x and its
-    offloaded cache up to 8.6x slower than they run (``first_steady_ms`` keeps it). The same rule holds for every system."""
+    offloaded cache up to 8.6x slower than they run (``first_steady_ms`` keeps it). The same rule holds for every
+    system."""
     figures = {key: first[key] for key in ("prefill_s", "first_step_ms")}
     figures.update({f"pooled_{key}": pooled[key] for key in ("prefill_s", "first_step_ms", "steady_ms")})
     figures["first_steady_ms"] = first["steady_ms"]
