@@ -16,7 +16,8 @@ a loop that overlaps the host with the GPU keeps doing so, and one that leaves t
 Per record: ``prefill_s`` (the prefill forward; for a FathomCache it includes reserving pinned memory,
 the calibration from the prompt and the appends), ``first_step_ms`` (the first decode step: graph captures,
 kernel warm-up), ``first_steady_ms`` (median per-token wall time after ``--warmup`` steps), the same three for a
-second cache of the same key made right after (``pooled_*``: pinned memory, graphs and kernels reused),
+second cache of the same key made right after (``pooled_*``: pinned memory, graphs and kernels reused; when it is
+profiled, its median leaves out the profiled steps too, which CUPTI slows: runs before 2026-12-02 kept them),
 ``steady_ms`` (the lower of the two steady medians: the system's steady state in a serving process, see
 :func:`summarise`), ``tokens_per_s`` (batch / steady), ``turn_first_token_ms`` (a conversation's second turn on
 the pooled call's cache: its output and ``--turn-tokens`` more tokens fed back, time to the turn's first token —
@@ -160,9 +161,9 @@ def validate(args) -> list[tuple[str, object]]:
     if not 0 <= args.turn_tokens <= 8192:
         raise UsageError(f"--turn-tokens must be in 0..8192, got {args.turn_tokens}")
     if not 0 <= args.warmup or args.new_tokens < args.warmup + 3 or args.profile < 0 \
-            or args.profile > args.new_tokens - args.warmup - 1:
-        raise UsageError(f"--new-tokens must exceed --warmup + 2 and --profile fit after the warm-up, got "
-                         f"{args.new_tokens}, {args.warmup}, {args.profile}")
+            or (args.profile and args.new_tokens < args.warmup + args.profile + 4):
+        raise UsageError(f"--new-tokens must exceed --warmup + 2, and --warmup + --profile + 3 when profiling (the "
+                         f"profiled steps are not steady ones), got {args.new_tokens}, {args.warmup}, {args.profile}")
     from bench.decoding import MethodSpec
 
     systems = []
@@ -434,12 +435,20 @@ def _one_call(model, label, spec, ids, mask, args, profile: int = 0, cache=None,
         prefill_s, steps = start - made, [times[0], *steps]
     result = {"cache_s": start - made, "prefill_s": prefill_s, "first_step_ms": 1e3 * steps[0], "ids": out,
               "cache": cache}
-    if len(steps) > args.warmup:
-        result["steady_ms"] = 1e3 * statistics.median(steps[args.warmup:])
+    steady = steady_steps(steps, args.warmup, profile)
+    if steady:
+        result["steady_ms"] = 1e3 * statistics.median(steady)
     if profiler is not None:
         busy_us = sum(e.self_device_time_total for e in profiler.key_averages())
         result["gpu_busy_ms"] = busy_us / 1e3 / profile
     return result
+
+
+def steady_steps(steps: list[float], warmup: int, profile: int) -> list[float]:
+    """The steps a steady median reads: after ``warmup``, and after the profiler's warm-up and ``profile`` active
+    steps when the call is profiled (CUPTI's callbacks on every launch slow a host-bound loop there). One step more
+    than the profiler's own count is left out: with a shared prefill a call's first forward is already a step."""
+    return steps[warmup + (profile + 1 if profile else 0):]
 
 
 def _next_turn(model, label, spec, first: dict, mask, args) -> dict:

@@ -17,6 +17,7 @@ PROBE = {"process_cold_s": 9.0, "process_warm_s": 2.0, "cold_kernels_compiled": 
     (["--contexts", "100"], "--contexts must be >= 256"),
     (["--batches", "0"], "--batches in 1..64"),
     (["--new-tokens", "4"], "--new-tokens must exceed --warmup"),
+    (["--new-tokens", "10", "--warmup", "3", "--profile", "4"], "and --warmup + --profile + 3 when profiling"),
     (["--systems", "sparq"], "--systems: method 'sparq': sparq takes a budget"),
     (["--systems", "fathom@48,fathom@48"], "names a system twice"),
     (["--name", "../x"], "--name"),
@@ -57,6 +58,12 @@ def test_replot_refuses_a_file_it_cannot_plot_naming_it(tmp_path, capsys, conten
     err = refused(["generate", "--replot", str(path), "--out", str(out), "--name", "x"], capsys)
     assert err.startswith(f"error: --replot {path}: ") and message in err, err
     assert not list(out.glob("generate-x.*"))
+
+
+def test_a_profiled_call_reads_its_steady_median_after_the_profiled_steps():
+    steps = [9.0, 5.0, 5.0, 3.0, 8.0, 8.0, 8.0, 8.0, 3.0, 3.0, 3.0]  # steps 4-7 profiled and slower
+    assert generate.steady_steps(steps, warmup=3, profile=0) == steps[3:]
+    assert generate.steady_steps(steps, warmup=3, profile=4) == [3.0, 3.0, 3.0]
 
 
 def test_steady_is_the_better_of_the_two_calls_for_every_system():
