@@ -141,3 +141,38 @@ def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path 
 
     result = fetch.load_cached(path, build, load)
     return result, result.meta["prefill_s"]
+
+
+def add_probe_arguments(parser, calibration_help: str) -> None:
+    """The arguments of a research probe over one cached capture (``bench.plane_probe``, ``bench.tier_split``):
+    the model, the text, its length, the decode positions, the calibration and the results folder."""
+    from bench.report import RESULTS
+
+    parser.add_argument("--model", default="smollm2-135m", help="one of " + ", ".join(models.MODELS))
+    parser.add_argument("--corpus", default="paul-graham", help="evaluation corpus (default paul-graham)")
+    parser.add_argument("--context", type=int, default=4096, help="tokens (default 4096)")
+    parser.add_argument("--positions", type=int, default=128, help="decode positions (default 128)")
+    parser.add_argument("--calibration", type=Path, default=None, help=calibration_help)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+
+
+def check_probe_arguments(args):
+    """:func:`add_probe_arguments`' values checked before any capture is made -> the model's
+    :class:`~bench.models.ModelInfo` and the calibration to read (``--calibration``, else the model's committed one,
+    else None). Raises :class:`~bench.cli.UsageError` naming the argument."""
+    from bench import cli, decoding
+    from fathom.quantize import BLOCK
+
+    info = models.model_argument(args.model)
+    if not BLOCK * 2 <= args.context <= info.context:
+        raise UsageError(f"--context must lie in {BLOCK * 2}..{info.context}, got {args.context}")
+    if not 1 <= args.positions < args.context // 2:
+        raise UsageError(f"--positions must lie in 1..{args.context // 2 - 1}, got {args.positions}")
+    if not corpora.is_corpus(args.corpus):
+        raise UsageError(f"--corpus must be one of {', '.join(corpora.CORPORA)} or austen:NOVEL "
+                         f"({', '.join(corpora.AUSTEN_NOVELS)}), got {args.corpus!r}")
+    calibration = args.calibration or decoding.default_calibration(args.model)
+    if calibration is not None:
+        decoding.check_calibration(calibration, args.model)
+    cli.writable_folder("--out", args.out)
+    return info, calibration

@@ -533,10 +533,8 @@ def store_figures(cache) -> dict:
     planes and the row caches, GB), ``row_cache_rows`` and ``row_cache_hit`` (hits / lookups of the rows the
     steps selected since the cache was made or taken from the pool: its decode steps, the first one finding the
     row cache empty; None without a row cache). Empty for transformers' caches and the reference backend."""
-    from fathom.integrations.sessions import OffloadedSessions
-
-    sessions = getattr(getattr(cache, "decoding", None), "sessions", None)
-    if not isinstance(sessions, OffloadedSessions):
+    sessions = _offloaded_sessions(cache)
+    if sessions is None:
         return {}
     store = sessions.cache
     hits, lookups = store.row_cache_counts()
@@ -545,10 +543,18 @@ def store_figures(cache) -> dict:
             "row_cache_hit": hits / lookups if store.shape.row_cache_rows and lookups else None}
 
 
-def _pinned_gb(cache) -> float | None:
+def _offloaded_sessions(cache):
+    """A FathomCache's :class:`~fathom.integrations.sessions.OffloadedSessions`; None for transformers' caches and
+    the reference backend."""
+    from fathom.integrations.sessions import OffloadedSessions
+
     sessions = getattr(getattr(cache, "decoding", None), "sessions", None)
-    store = getattr(sessions, "cache", None)
-    return None if store is None else store.pinned_bytes / 1e9
+    return sessions if isinstance(sessions, OffloadedSessions) else None
+
+
+def _pinned_gb(cache) -> float | None:
+    sessions = _offloaded_sessions(cache)
+    return None if sessions is None else sessions.cache.pinned_bytes / 1e9
 
 
 def _close(cache) -> None:
@@ -561,10 +567,8 @@ def attention_gpu_ms(cache, reps: int = 5) -> float | None:
     it: each layer's captured step replayed with random inputs (:func:`_replay_gpu_ms`)."""
     import torch
 
-    from fathom.integrations.sessions import OffloadedSessions
-
-    sessions = cache.decoding.sessions
-    if not isinstance(sessions, OffloadedSessions):
+    sessions = _offloaded_sessions(cache)
+    if sessions is None:
         return None
     s = sessions.shape
     q = torch.randn(s.layers, s.sessions, s.kv_heads * s.group_size, s.head_dim, device="cuda")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -135,40 +134,22 @@ def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[
 
 
 def main(argv=None) -> None:
-    from bench import cli, decoding, models
-    from bench.capture import load_capture
-    from bench.corpora import AUSTEN_NOVELS, CORPORA, is_corpus
+    from bench import cli
+    from bench.capture import add_probe_arguments, check_probe_arguments, load_capture
     from bench.cli import plain
-    from bench.report import RESULTS, write_json
+    from bench.report import write_json
     from fathom.calibration import Calibration
     from fathom.selection import Selection
 
     parser = argparse.ArgumentParser(prog="python -m bench.plane_probe", description=plain(__doc__.split("\n\n")[0]))
-    parser.add_argument("--model", default="smollm2-135m", help="one of " + ", ".join(models.MODELS))
-    parser.add_argument("--corpus", default="paul-graham", help="evaluation corpus (default paul-graham)")
-    parser.add_argument("--context", type=int, default=4096, help="tokens (default 4096)")
-    parser.add_argument("--positions", type=int, default=128, help="decode positions (default 128)")
+    add_probe_arguments(parser, "a .calibration.npz with plane drops, for the calibrated gains (default: the model's "
+                                "committed one; the variant is left out when it holds none)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[32.0, 48.0, 64.0], help="bits per token")
-    parser.add_argument("--calibration", type=Path, default=None,
-                        help="a .calibration.npz with plane drops, for the calibrated gains (default: the model's "
-                             "committed one; the variant is left out when it holds none)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
     try:
-        info = models.model_argument(args.model)
-        if not BLOCK * 2 <= args.context <= info.context:
-            raise cli.UsageError(f"--context must lie in {BLOCK * 2}..{info.context}, got {args.context}")
-        if not 1 <= args.positions < args.context // 2:
-            raise cli.UsageError(f"--positions must lie in 1..{args.context // 2 - 1}, got {args.positions}")
+        info, calibration = check_probe_arguments(args)
         if any(not 0 < b <= 4.25 * info.head_dim for b in args.budgets):
             raise cli.UsageError(f"--budgets must lie in (0, {4.25 * info.head_dim}], got {args.budgets}")
-        if not is_corpus(args.corpus):
-            raise cli.UsageError(f"--corpus must be one of {', '.join(CORPORA)} or austen:NOVEL "
-                                 f"({', '.join(AUSTEN_NOVELS)}), got {args.corpus!r}")
-        calibration = args.calibration or decoding.default_calibration(args.model)
-        if calibration is not None:
-            decoding.check_calibration(calibration, args.model)
-        cli.writable_folder("--out", args.out)
     except cli.UsageError as error:
         parser.exit(2, f"error: {error}\n")
     capture, _ = load_capture(args.model, args.corpus, args.context, positions=args.positions)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -39,9 +38,8 @@ def link_fractions(capture, calibration, methods: list) -> dict[str, dict]:
     weight = blocks * BLOCK  # the sealed tokens each position's scan reads
     rotated = fidelity.needs_rotated(methods, calibration)
     tiers = range(MAX_DEPTH + 1)
-    near = np.zeros((len(methods), L, len(tiers)))
+    # bits over the link per (method, layer, t), summed over heads and positions weighted by ``weight``
     far = np.zeros((len(methods), L, len(tiers)))
-    bits = np.zeros((len(methods), L))
     for layer in range(L):
         for head in range(H):
             stats = None if calibration is None else \
@@ -55,14 +53,11 @@ def link_fractions(capture, calibration, methods: list) -> dict[str, dict]:
                 depths = plane_depths(method, q_store, index.stats[method.basis],
                                       index.store_variance(method.basis, blocks), layer)
                 for t in tiers:
-                    n, f = tier_scan_bits(depths, t)
-                    near[i, layer, t] += (n * weight).sum()
-                    far[i, layer, t] += (f * weight).sum()
-                bits[i, layer] += (tier_scan_bits(depths, 0)[1] * weight).sum() / weight.sum() / H
-    total = near + far
-    return {method.label(d): {"bits": float(bits[i].mean()),
-                              "link": [float(far[i, :, t].sum() / total[i, :, t].sum()) for t in tiers],
-                              "worst_layer_link": [float((far[i, :, t] / total[i, :, t]).max()) for t in tiers]}
+                    far[i, layer, t] += (tier_scan_bits(depths, t)[1] * weight).sum()
+    scan = far[:, :, 0]  # with no plane in HBM every bit of the scan crosses the link
+    return {method.label(d): {"bits": float(scan[i].mean() / (weight.sum() * H)),
+                              "link": [float(far[i, :, t].sum() / scan[i].sum()) for t in tiers],
+                              "worst_layer_link": [float((far[i, :, t] / scan[i]).max()) for t in tiers]}
             for i, method in enumerate(methods)}
 
 
@@ -77,43 +72,25 @@ def table(result: dict[str, dict]) -> list[str]:
 
 
 def main(argv=None) -> None:
-    from bench import cli, decoding, models
-    from bench.capture import load_capture
+    from bench import cli, decoding
+    from bench.capture import add_probe_arguments, check_probe_arguments, load_capture
     from bench.cli import plain
-    from bench.corpora import AUSTEN_NOVELS, CORPORA, is_corpus
-    from bench.report import RESULTS, write_json
+    from bench.report import write_json
     from fathom.calibration import Calibration
 
     parser = argparse.ArgumentParser(prog="python -m bench.tier_split", description=plain(__doc__.split("\n\n")[0]))
-    parser.add_argument("--model", default="smollm2-135m", help="one of " + ", ".join(models.MODELS))
-    parser.add_argument("--corpus", default="paul-graham", help="evaluation corpus (default paul-graham)")
-    parser.add_argument("--context", type=int, default=4096, help="tokens (default 4096)")
-    parser.add_argument("--positions", type=int, default=128, help="decode positions (default 128)")
+    add_probe_arguments(parser, "a .calibration.npz (default: the model's committed one)")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         help=f"plane methods: {decoding.spec_help()} (default {' '.join(DEFAULT_METHODS)})")
-    parser.add_argument("--calibration", type=Path, default=None,
-                        help="a .calibration.npz (default: the model's committed one)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
     try:
-        info = models.model_argument(args.model)
-        if not BLOCK * 2 <= args.context <= info.context:
-            raise cli.UsageError(f"--context must lie in {BLOCK * 2}..{info.context}, got {args.context}")
-        if not 1 <= args.positions < args.context // 2:
-            raise cli.UsageError(f"--positions must lie in 1..{args.context // 2 - 1}, got {args.positions}")
-        if not is_corpus(args.corpus):
-            raise cli.UsageError(f"--corpus must be one of {', '.join(CORPORA)} or austen:NOVEL "
-                                 f"({', '.join(AUSTEN_NOVELS)}), got {args.corpus!r}")
+        info, calibration = check_probe_arguments(args)
         specs = decoding.parse_specs(args.methods, info.head_dim)
         methods = [spec.method_at(info.head_dim) for spec in specs]
         flat = [spec.label for spec, method in zip(specs, methods) if not method.scans_planes]
         if flat:
             raise cli.UsageError(f"--methods must scan bit planes; {', '.join(flat)} read none")
-        calibration = args.calibration or decoding.default_calibration(args.model)
-        if calibration is not None:
-            decoding.check_calibration(calibration, args.model)
         decoding.require_calibration(specs, calibration, args.model)
-        cli.writable_folder("--out", args.out)
     except cli.UsageError as error:
         parser.exit(2, f"error: {error}\n")
     capture, _ = load_capture(args.model, args.corpus, args.context, positions=args.positions)
