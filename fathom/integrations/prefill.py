@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fathom._checks import is_integer
-from fathom.integrations.attention import ATTENTION, attention_implementation
+from fathom.integrations.attention import ATTENTION, attention_implementation, prompt_sdpa
 from fathom.integrations.settings import ModelShape
 
 CALIBRATION_QUERIES = 128  # prompt queries per layer a calibration from the prompt uses (as the fidelity captures)
@@ -60,23 +59,7 @@ class _PromptRecorder:
                 self.row0 = nonpad_positions(self.valid)[0]  # one host read for the whole prefill
             self.queries[i] = calibration_queries(query, self.row0)
             self.scales.add(kwargs.get("scaling") or module.scaling)
-        if attention_mask is None and query.dtype == torch.float32 and key.shape[1] != query.shape[1]:
-            return _causal_sdpa_float32(module, query, key, value, **kwargs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def _causal_sdpa_float32(module, query, key, value, scaling: float | None = None, **kwargs):
-    """sdpa's causal attention of a float32 GQA layer without a mask (a prefill row group without padding), its K/V
-    repeated to the query heads. ``sdpa_attention_forward`` would pass ``enable_gqa`` there, which on a GPU only
-    the math kernel serves in float32, materialising ``B·H·G·n²`` float32 scores: 47 GiB a layer for one row of 32k
-    of Qwen2.5-Coder-1.5B (RULER's 32k prefill ran out of the H200's memory so); with equal heads the
-    memory-efficient kernel runs it in O(n) memory. Output ``[B, n, H·G, d]``, as ``sdpa_attention_forward``'s."""
-    groups = query.shape[1] // key.shape[1]
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
-        is_causal=query.shape[2] > 1 and getattr(module, "is_causal", True),
-        dropout_p=kwargs.get("dropout", 0.0), scale=scaling if scaling is not None else module.scaling)
-    return output.transpose(1, 2).contiguous(), None
+        return prompt_sdpa(module, query, key, value, attention_mask, **kwargs)
 
 
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,

@@ -58,12 +58,11 @@ import weakref
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fathom import methods
 from fathom.calibration import Calibration
 from fathom.integrations.attention import (ATTENTION, handoff, switch_to_fathom, switch_back, attention_implementation,
-                                           fathom_attention)
+                                           fathom_attention, prompt_sdpa)
 from fathom.integrations.decoding import Decoding
 from fathom.integrations.prefill import (CALIBRATION_QUERIES, Prompt, calibration_queries, check_prompt,
                                          valid_keys, prefill)
@@ -135,7 +134,7 @@ class FathomLayer(CacheLayerMixin):
             raise ValueError(f"Fathom's attention does not support {', '.join(unsupported)}")
         m = query.shape[2]
         if self.length == m:  # the prefill
-            dense = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            dense = prompt_sdpa(module, query, key, value, attention_mask, **kwargs)
             rows = self.decoding.prompt_rows(self.slot, valid_keys(attention_mask, key))
             self.decoding.prefill(self.slot, calibration_queries(query, rows[0]), key, value, scale)
             return dense

@@ -130,13 +130,13 @@ def test_a_prefill_in_row_groups_holds_what_the_one_forward_prefill_does(make):
             prefill(model, ids, mask, rows_per_forward=bad)
 
 
-def test_a_float32_gqa_row_group_attends_as_sdpa_does_with_its_kv_repeated():
-    """A row group without padding reaches the prompt's attention without a mask; in float32 with grouped K/V heads
-    the prefill repeats K/V rather than letting sdpa take ``enable_gqa`` (on a GPU only its math kernel serves that
-    in float32, n² scores a head). The output equals transformers' sdpa attention."""
+def test_a_float32_gqa_prompt_attends_as_sdpa_does_with_its_kv_repeated():
+    """A prompt without padding reaches the prompt's attention without a mask; in float32 with grouped K/V heads it
+    repeats K/V rather than letting sdpa take ``enable_gqa`` (on a GPU only its math kernel serves that in float32,
+    n² scores a head). The output equals transformers' sdpa attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from fathom.integrations.prefill import _causal_sdpa_float32
+    from fathom.integrations.attention import prompt_sdpa
 
     model = tiny_llama()
     module = model.model.layers[0].self_attn
@@ -144,7 +144,7 @@ def test_a_float32_gqa_row_group_attends_as_sdpa_does_with_its_kv_repeated():
     query = torch.randn(2, 4, 33, 16, generator=generator)
     key, value = torch.randn(2, 2, 33, 16, generator=generator), torch.randn(2, 2, 33, 16, generator=generator)
     want, _ = sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=module.scaling)
-    got, _ = _causal_sdpa_float32(module, query, key, value, dropout=0.0, scaling=module.scaling)
+    got, _ = prompt_sdpa(module, query, key, value, None, dropout=0.0, scaling=module.scaling)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
