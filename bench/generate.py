@@ -49,7 +49,8 @@ runs first (:data:`WARMUP`, ``warmup_s``, its own cache empty) and the first off
 ``after_warmup_kernels_compiled``: 0 when the warm-up covers the decode). Each cache is a temporary
 ``NUMBA_CACHE_DIR``: the package's own kernel cache is left as it is.
 
-Writes ``generate-<name>.json``, ``.md`` and ``.png``; ``--readme docs/results.md`` rewrites the table there.
+Writes ``generate-<name>.json``, ``.md`` and ``.png`` (the table and plot: ``bench.generate_report``; the models:
+``bench.shapes``); ``--readme docs/results.md`` rewrites the table there.
 """
 
 from __future__ import annotations
@@ -66,17 +67,10 @@ import time
 from pathlib import Path
 
 from bench.cli import UsageError, file_stem, int_list, name_list, require_cuda, result_json, writable_folder
-from bench.report import RESULTS, context_label, markdown_table, write_json
+from bench.generate_report import RECORD_FIELDS, REPLOT_FIELDS, line, merge, probe_sentence, publish
+from bench.report import RESULTS, write_json
+from bench.shapes import REAL, SHAPES, build_model, shape_layers
 
-SHAPES = {  # transformers configs of the 8B models' shapes (random weights)
-    "qwen3-8b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                                      head_dim=128, max_position_embeddings=131072, rope_theta=1e6)),
-    "llama3.1-8b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                         head_dim=128, max_position_embeddings=131072, rope_theta=5e5)),
-}
-REAL = ("smollm2-135m",)
 HF_SYSTEMS = ("hf-sdpa", "hf-offloaded")
 GRAPH = "+graph"
 PROBE = """
@@ -147,7 +141,7 @@ def validate(args) -> list[tuple[str, object]]:
         raise UsageError(f"--contexts must be >= 256 and --batches in 1..64, got {args.contexts}, {args.batches}")
     if args.layers is not None:
         real = [m for m in args.models if m in REAL]
-        fewest = min((SHAPES[m][1]["num_hidden_layers"] for m in args.models if m in SHAPES), default=0)
+        fewest = min((shape_layers(m) for m in args.models if m in SHAPES), default=0)
         if real:
             raise UsageError(f"--layers applies to the shapes ({', '.join(SHAPES)}), not {', '.join(real)}")
         if not 1 <= args.layers <= fewest:
@@ -214,29 +208,19 @@ def run(args: argparse.Namespace) -> Path:
                     record["prefill_vs_hf"] = None if shared is not None or hf_prefill is None \
                         or record.get("prefill_s") is None else record["prefill_s"] / hf_prefill
                     records.append(record)
-                    print(_line(record), flush=True)
+                    print(line(record), flush=True)
                     gc.collect()
                     torch.cuda.empty_cache()
                 del shared
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    payload = {"command": args.command_line, "device": torch.cuda.get_device_name(), "weights": "random bf16 for the 8B shapes; real for "
-               + ", ".join(REAL), "new_tokens": args.new_tokens, "warmup": args.warmup, "compile_probe": probe,
-               "records": records}
+    payload = {"command": args.command_line, "device": torch.cuda.get_device_name(),
+               "weights": "random bf16 for the 8B shapes; real for " + ", ".join(REAL), "new_tokens": args.new_tokens,
+               "warmup": args.warmup, "compile_probe": probe, "records": records}
     path = write_json(args.out / f"generate-{args.name}.json", payload.pop("command"), payload)
-    payload = {"command": args.command_line, **payload}
-    path.with_suffix(".md").write_text(markdown(payload) + "\n")
-    plot(payload, path.with_suffix(".png"))
-    if args.readme is not None:
-        update_readme(args.readme, payload, path)
-    print(markdown(payload))
+    publish({"command": args.command_line, **payload}, path, args.readme)
     return path
-
-
-# what the merged table, the plot and the section in docs/results.md read of a generate JSON (``--replot``)
-REPLOT_FIELDS = ("command", "device", "weights", "new_tokens", "warmup", "records")
-RECORD_FIELDS = ("model", "context", "batch", "system")
 
 
 def replot(args) -> Path:
@@ -254,56 +238,9 @@ def replot(args) -> Path:
                              "became the lower of the two calls' medians (its steady_ms is the first call's); "
                              "re-run it")
         payloads.append(payload)
-    merged = {"command": "; ".join(f"`{p['command']}`" for p in payloads).strip("`"), "device": payloads[0]["device"],
-              "weights": payloads[0]["weights"], "new_tokens": min(p["new_tokens"] for p in payloads),
-              "warmup": payloads[0]["warmup"],
-              "compile_probe": next((p["compile_probe"] for p in payloads if p.get("compile_probe")), None),
-              "records": _latest(r for p in payloads for r in p["records"])}
     path = args.out / f"generate-{args.name}.md"
-    path.write_text(markdown(merged) + "\n")
-    plot(merged, path.with_suffix(".png"))
-    if args.readme is not None:
-        update_readme(args.readme, merged, path)
-    print(markdown(merged))
+    publish(merge(payloads), path, args.readme)
     return path
-
-
-def _latest(records) -> list[dict]:
-    """One record per (model, context, batch, system, layers when fewer than the shape's, planes in HBM, row cache
-    slots): a later run's replaces an earlier one's, in first order."""
-    kept: dict[tuple, dict] = {}
-    for record in records:
-        kept[(record["model"], record["context"], record["batch"], record["system"], _fewer_layers(record),
-              record.get("hbm_planes") or 0, record.get("row_cache_rows") or 0)] = record
-    return list(kept.values())
-
-
-def _fewer_layers(record: dict) -> int | None:
-    """The record's decoder layers where a shape ran with fewer than its own (``--layers``), else None."""
-    full = SHAPES[record["model"]][1]["num_hidden_layers"] if record["model"] in SHAPES else None
-    layers = record.get("layers")
-    return layers if full is not None and layers is not None and layers != full else None
-
-
-def build_model(name: str, layers: int | None = None):
-    """The real model on the GPU in bf16, or a shape's (``layers`` decoder layers, default its own) with random bf16
-    weights."""
-    import torch
-    import transformers
-
-    if name in REAL:
-        from bench.models import load
-
-        model, _ = load(name)
-        return model.to("cuda", torch.bfloat16).eval()
-    config_class, config = SHAPES[name]
-    if layers is not None:
-        config = {**config, "num_hidden_layers": layers}
-    with torch.device("cuda"):
-        torch.manual_seed(0)
-        config = getattr(transformers, config_class)(**config, attn_implementation="sdpa")
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    return model.eval()
 
 
 def prompts(model, context: int, batch: int):
@@ -646,108 +583,3 @@ def _probe(cache: str) -> tuple[float, int]:
     return float(seconds), int(compiled)
 
 
-def probe_sentence(probe: dict) -> str:
-    """What :func:`compile_probe` measured, in words (a probe recorded before the warm-up command existed has only
-    its first two times)."""
-    text = (f"A fresh process's first offloaded decode: {probe['process_cold_s']:.1f} s with Numba's kernel cache "
-            f"empty, {probe['process_warm_s']:.1f} s with it filled")
-    if "warmup_s" not in probe:
-        return text + "."
-    return (text + f" ({probe['cold_kernels_compiled']} kernel signatures compiled when empty); after the warm-up "
-            f"command `{probe['warmup_command']}` ({probe['warmup_s']:.1f} s in a fresh process, its cache empty) "
-            f"{probe['process_after_warmup_s']:.1f} s, compiling {probe['after_warmup_kernels_compiled']}.")
-
-
-def _line(r: dict) -> str:
-    if "error" in r:
-        return f"{r['model']} {context_label(r['context'])} x{r['batch']} {r['system']}: {r['error']}"
-    return (f"{r['model']} {context_label(r['context'])} x{r['batch']} {r['system']}: prefill {r['prefill_s']:.2f} s, "
-            f"first step {r['first_step_ms']:.0f} ms, steady {r['steady_ms']:.1f} ms ({r['tokens_per_s']:.1f} tok/s), "
-            f"pooled first step {r['pooled_first_step_ms']:.0f} ms")
-
-
-COLUMNS = [("model", "model", ""), ("context", "context", "d"), ("batch", "batch", "d"), ("system", "system", ""),
-           ("prefill_s", "prefill s", ".2f"), ("prefill_vs_hf", "prefill / HF", ".2f"),
-           ("pooled_prefill_s", "pooled prefill s", ".2f"),
-           ("first_step_ms", "first step ms", ".0f"), ("pooled_first_step_ms", "pooled first step ms", ".0f"),
-           ("setup_s", "setup s", ".2f"), ("turn_first_token_ms", "turn-2 first token ms", ".0f"),
-           ("first_steady_ms", "first cache's steady ms", ".1f"), ("steady_ms", "steady ms/token", ".1f"),
-           ("tokens_per_s", "tok/s", ".1f"),
-           ("attention_gpu_ms", "attention GPU ms", ".1f"), ("gpu_busy_ms", "GPU busy ms", ".1f"),
-           ("host_ms_per_token", "host ms/token", ".1f"), ("hbm_gb", "HBM GB", ".1f"), ("pinned_gb", "pinned GB", ".1f")]
-
-
-# shown when a record's store kept planes or rows in HBM (--hbm-gb, --row-cache-rows)
-TIER_COLUMNS = [("hbm_planes", "planes in HBM", "d"), ("store_hbm_gb", "store HBM GB", ".2f"),
-                ("row_cache_hit", "row cache hits", ".2f")]
-
-
-def markdown(payload: dict) -> str:
-    rows = [r for r in payload["records"] if "error" not in r]
-    failed = [r for r in payload["records"] if "error" in r]
-    tiered = any(r.get("hbm_planes") or r.get("row_cache_rows") for r in rows)
-    text = (f"`{payload['command']}` on {payload['device']}; weights: {payload['weights']}; "
-            f"{payload['new_tokens']}+ new tokens, steady = the lower of the two caches' medians after "
-            f"{payload['warmup']} steps.\n\n"
-            + markdown_table(rows, COLUMNS + (TIER_COLUMNS if tiered else [])))
-    notes = _setting_notes(rows)
-    if notes:
-        text += "\n\n" + notes
-    if failed:
-        text += "\n\nNot measured: " + "; ".join(f"{r['model']} {r['context']} x{r['batch']} {r['system']} "
-                                                 f"({r['error']})" for r in failed)
-    probe = payload.get("compile_probe")
-    if probe:
-        text += "\n\n" + probe_sentence(probe)
-    return text
-
-
-def _setting_notes(rows: list[dict]) -> str:
-    """What the table's columns mean differently for some settings: fewer layers than the shape's, and caches that
-    started from a shared prefill (their prefill s is the time to take it in)."""
-    notes = []
-    for setting in sorted({(r["model"], r["context"], r["batch"]) for r in rows}):
-        group = [r for r in rows if (r["model"], r["context"], r["batch"]) == setting]
-        name = f"{setting[0]} {context_label(setting[1])} x{setting[2]}"
-        layers = _fewer_layers(group[0])
-        if layers is not None:
-            notes.append(f"{name}: {layers} of the shape's {SHAPES[setting[0]][1]['num_hidden_layers']} layers "
-                         "(host memory).")
-        if group[0].get("prefill") == "shared":
-            seconds, rows_at_once = group[0]["shared_prefill_s"], group[0]["prefill_rows"]
-            notes.append(f"{name}: every cache started from one shared dense prefill ({seconds:.1f} s, {rows_at_once} "
-                         "row(s) at a time); prefill s is the time to take it in (so no prefill / HF), the first "
-                         "step decodes the prefill's token, and HBM GB includes the prompt's keys and values, held "
-                         "on the GPU throughout.")
-    return " ".join(notes)
-
-
-def update_readme(readme: Path, payload: dict, source: Path) -> None:
-    text = readme.read_text(encoding="utf-8")
-    start, end = "<!-- generate:start -->", "<!-- generate:end -->"
-    if start not in text or end not in text:
-        raise UsageError(f"--readme {readme}: no {start} ... {end} section to rewrite")
-    body = f"From `{source.name}`:\n\n" + markdown(payload)
-    head, rest = text.split(start, 1)
-    readme.write_text(head + start + "\n" + body + "\n" + end + rest.split(end, 1)[1], encoding="utf-8")
-
-
-def plot(payload: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in payload["records"] if "error" not in r]
-    settings = sorted({(r["model"], r["context"], r["batch"]) for r in rows})
-    fig, axes = plt.subplots(1, max(1, len(settings)), figsize=(4 * max(1, len(settings)), 3.6), squeeze=False)
-    for ax, (model, context, batch) in zip(axes[0], settings):
-        group = [r for r in rows if (r["model"], r["context"], r["batch"]) == (model, context, batch)]
-        ax.barh([r["system"] for r in group], [r["steady_ms"] for r in group], color="#4c72b0")
-        ax.set_xscale("log")
-        ax.set_title(f"{model} {context_label(context)} x{batch}", fontsize=9)
-        ax.set_xlabel("ms per token (steady, log)")
-        ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
