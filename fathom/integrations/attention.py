@@ -55,7 +55,8 @@ def prompt_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     32k prefill ran out of the H200's memory so). With equal heads the memory-efficient kernel runs it in O(n)
     memory. ``query [B, H·G, n, d]``, ``key``, ``value [B, H, n, d]`` -> (``[B, n, H·G, d]``, None), as
     ``sdpa_attention_forward`` returns."""
-    if attention_mask is not None or query.dtype != torch.float32 or key.shape[1] == query.shape[1]:
+    if (attention_mask is not None or query.dtype != torch.float32 or key.shape[1] == query.shape[1]
+            or key.shape[2] != query.shape[2]):  # sdpa's is_causal aligns top-left: only a whole prompt is causal so
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     groups = query.shape[1] // key.shape[1]
     scaling = kwargs.get("scaling")
