@@ -17,6 +17,7 @@ context × method the mean score, the sample count and a 95% Wilson interval.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -96,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = steps.add_parser("score", help="score generations with lm-eval's own functions -> table, JSON, PNG")
     p.add_argument("--generations", type=Path, required=True, help="a JSON written by ruler generate")
+    p.add_argument("--samples", type=Path, default=None,
+                   help="its samples JSON (default: the file ruler generate read, else the same name beside "
+                        "--generations)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     p.add_argument("--name", default=None, help="file name stem (default ruler-<model>-<contexts>)")
 
@@ -221,6 +225,7 @@ def _generate(args) -> Path:
     if args.token_graph and models.info(model_name).sliding_window is not None:
         raise UsageError(f"--token-graph needs full-attention layers only; {model_name} has sliding-window layers "
                          "(their growing dense cache is in no graph): leave it out")
+    samples_sha256 = _sha256(args.samples)
     previous = None
     if args.resume and out.exists():
         try:
@@ -230,6 +235,8 @@ def _generate(args) -> Path:
         if not isinstance(previous, dict) or previous.get("samples_file") != str(args.samples):
             held = previous.get("samples_file") if isinstance(previous, dict) else None
             raise UsageError(f"--resume: {out} holds generations of {held}, not {args.samples}")
+        if previous.get("samples_sha256", samples_sha256) != samples_sha256:
+            raise UsageError(f"--resume: {out} was generated from another {args.samples} (sha256 differs)")
         if previous.get("dense_in_hbm", False) != args.dense_in_hbm:
             raise UsageError(f"--resume: {out} ran dense {'in HBM' if previous.get('dense_in_hbm') else 'offloaded'};"
                              " resume it the same way (--dense-in-hbm or not)")
@@ -240,7 +247,8 @@ def _generate(args) -> Path:
         cli.require_cuda("ruler generate --device cuda")
     model, tokenizer = models.load(model_name, args.cache)
     model.to(args.device)
-    header = {"command": args.command_line, "samples_file": str(args.samples), "model": model_name,
+    header = {"command": args.command_line, "samples_file": str(args.samples), "samples_sha256": samples_sha256,
+              "model": model_name,
               "methods": [s.label for s in specs], "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "batch_size": args.batch_size, "prefill_rows": args.prefill_rows,
@@ -265,10 +273,12 @@ def _score(args) -> Path:
         raise UsageError(f"--generations {args.generations}: not a readable generations JSON ({error})") from None
     if not isinstance(generations, dict) or "generations" not in generations or "samples_file" not in generations:
         raise UsageError(f"--generations {args.generations}: not written by python -m bench ruler generate")
-    samples_path = Path(generations["samples_file"])
-    if not samples_path.is_absolute() and not samples_path.exists():
-        samples_path = args.generations.parent / samples_path.name  # the two files travel together
+    samples_path = _samples_of(args, generations)
     payload = read_samples(samples_path)
+    recorded = generations.get("samples_sha256")  # generations made before 2026-12-02 did not record it
+    if recorded is not None and recorded != _sha256(samples_path):
+        raise UsageError(f"--samples {samples_path}: not the samples {args.generations} was generated from "
+                         "(sha256 differs)")
     scored, functions = score.score_generations(payload["samples"], generations["generations"],
                                                 generations.get("eos_text"))
     tasks = sorted({s["task"] for s in scored})
@@ -277,7 +287,8 @@ def _score(args) -> Path:
     ks = sorted({g["k"] for g in generations["generations"] if g["k"] is not None})  # None: dense in HBM
     name = args.name or f"ruler-{payload['model']}-{_contexts_tag(contexts)}"
     title = (_title(payload["model"], contexts, payload["limit"], generations.get("calibration"))
-             + f", generated on {generations['device_name']}")
+             + f", generated on {generations['device_name']}"
+             + _partial(payload["samples"], scored, generations["methods"]))
     info = {"title": title, "model": payload["model"], "contexts": contexts, "limit": payload["limit"],
             "tasks": tasks, "methods": generations["methods"], "k": "/".join(map(str, ks)),
             "calibration": generations.get("calibration"), "generations_file": str(args.generations),
@@ -290,6 +301,44 @@ def _score(args) -> Path:
     path = score.write(args.out, name, args.command_line, rows, generations["methods"], info)
     print((args.out / f"{name}.md").read_text())
     return path
+
+
+def _samples_of(args, generations: dict) -> Path:
+    """The samples file to score against: ``--samples``, else the one ruler generate read, else the file of that
+    name beside ``--generations`` (the two travel together); refused in one line when none is there."""
+    if args.samples is not None:
+        return args.samples
+    recorded = Path(generations["samples_file"])
+    for path in (recorded, args.generations.parent / recorded.name):
+        if path.exists():
+            return path
+    raise UsageError(f"--generations {args.generations}: its samples file {recorded} is not there, nor beside it; "
+                     "remake it with python -m bench ruler samples (the same --model, --contexts and --limit) and "
+                     "pass it as --samples")
+
+
+def _partial(samples: list[dict], scored: list[dict], methods: list[str]) -> str:
+    """``", partial: …"`` when a method holds fewer generations of some task than the samples file has samples."""
+    held: dict[tuple, int] = {}
+    for sample in samples:
+        held[(sample["task"], sample["context"])] = held.get((sample["task"], sample["context"]), 0) + 1
+    generated: dict[tuple, int] = {}
+    for s in scored:
+        key = (s["task"], s["context"], s["method"])
+        generated[key] = generated.get(key, 0) + 1
+    short = sorted({(generated.get((*setting, m), 0), total) for setting, total in held.items() for m in methods}
+                   - {(total, total) for total in held.values()})
+    if not short:
+        return ""
+    return (", partial: " + ", ".join(f"{n} of {total}" for n, total in short)
+            + " samples of a task generated (ruler generate --resume continues it)")
+
+
+def _sha256(path: Path) -> str:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as error:
+        raise UsageError(f"--samples {path}: not readable ({error})") from None
 
 
 def _version(package: str) -> str:

@@ -127,6 +127,32 @@ def test_scoring_a_hand_made_generations_file_through_lm_evals_metric(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_score_finds_the_samples_checks_them_and_says_when_the_generations_are_partial(tmp_path, capsys):
+    """The samples file is --samples, else the one generate read, else the same name beside the generations; one
+    that is not the generations' (sha256 recorded) or is nowhere is refused in one line; a run with fewer
+    generations of a task than samples says it is partial."""
+    import hashlib
+
+    hand_made(tmp_path)
+    generations = json.loads((tmp_path / "g.json").read_text())
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (tmp_path / "s.json").rename(moved / "s.json")  # the recorded path is gone: found beside the generations
+    generations["samples_sha256"] = hashlib.sha256((moved / "s.json").read_bytes()).hexdigest()
+    generations["generations"] = [g for g in generations["generations"] if g["id"] != "niah_single_1/4096/1"]
+    (moved / "g.json").write_text(json.dumps(generations))
+    main(["ruler", "score", "--generations", str(moved / "g.json"), "--out", str(tmp_path), "--name", "r"])
+    assert ", partial: 1 of 2 samples of a task generated" in (tmp_path / "r.md").read_text()
+    capsys.readouterr()  # what scoring printed (lm-eval's own messages)
+    (tmp_path / "other.json").write_text(json.dumps({"command": "other", "model": "smollm2-135m", "limit": 2,
+                                                     "samples": [{"id": "x"}]}))
+    assert "sha256 differs" in refused(["ruler", "score", "--generations", str(moved / "g.json"), "--samples",
+                                        str(tmp_path / "other.json"), "--out", str(tmp_path)], capsys)
+    (moved / "s.json").unlink()
+    assert "remake it with python -m bench ruler samples" in refused(
+        ["ruler", "score", "--generations", str(moved / "g.json"), "--out", str(tmp_path)], capsys)
+
+
 def tiny_model(vocab):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -263,6 +289,10 @@ def test_generate_refuses_bad_sizes_and_a_resume_of_another_or_a_broken_file(mon
     (tmp_path / "other.json").write_text(json.dumps({"samples_file": "elsewhere.json", "generations": []}))
     assert "--resume" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
                                           "--out", str(tmp_path / "other.json"), "--resume"], capsys)
+    (tmp_path / "changed.json").write_text(json.dumps({"samples_file": samples_json, "samples_sha256": "0" * 64,
+                                                       "generations": []}))
+    assert "was generated from another" in refused(["ruler", "generate", "--samples", samples_json,
+                                                    "--out", str(tmp_path / "changed.json"), "--resume"], capsys)
     (tmp_path / "broken.json").write_text("{not json")
     assert "not a readable generations JSON" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
                                                          "--out", str(tmp_path / "broken.json"), "--resume"], capsys)
