@@ -46,6 +46,14 @@ class Decoding:
         self.prompt: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # slot -> row 0's k, v, q
         self.capturing = False  # inside a whole-token CUDA graph capture (fathom.integrations.graph)
         self.closed = False
+        self.undo_chunk = None  # during a continuation chunk's forward: restores every layer as before it
+
+    @property
+    def batch(self) -> int | None:
+        """The conversations the cache holds, one per batch row, once its prefill fixed them (None before)."""
+        if self.sessions is not None:
+            return self.sessions.shape.sessions
+        return None if self.rows is None else len(self.rows)
 
     @property
     def calibration(self) -> Calibration | None:
@@ -61,7 +69,12 @@ class Decoding:
         """The non-pad positions of each batch row of the prompt (``valid bool [B, n]``), read on the host once per
         prefill, at its first layer."""
         if slot == 0 or self.rows is None:
-            self.rows = nonpad_positions(valid)
+            rows = nonpad_positions(valid)
+            empty = [row for row, positions in enumerate(rows) if count_positions(positions) == 0]
+            if empty:
+                raise ValueError(f"attention_mask row {empty[0]} holds no real token: each batch row is a "
+                                 "conversation the cache holds")
+            self.rows = rows
         return self.rows
 
     def prefill(self, slot: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
@@ -114,7 +127,7 @@ class Decoding:
             return self.sessions.enqueue_step(slot, q, k, v)
         self._check_scale(scale)
         if self.sessions is None:
-            self._open_planned(k.shape[0], k.device)
+            self.open_planned(k.shape[0], k.device)
         self.calibrate_waiting()
         if slot == 0 and isinstance(self.sessions, OffloadedSessions):
             self.sessions.begin_token()
@@ -190,8 +203,10 @@ class Decoding:
         self.sessions = pooled or OffloadedSessions(shape, self.method, self.selection, self.scale,
                                                     needs_calibration=needs)
 
-    def _open_planned(self, batch: int, device: torch.device) -> None:
+    def open_planned(self, batch: int, device: torch.device) -> None:
         """fathom-plan from the prompt, at the first decode step: plan on row 0's prompt, then hold every layer."""
+        if self.closed:
+            raise ValueError("the FathomCache was closed")
         capture = self._prompt_capture()
         calibration = self.calibration
         planned = plan_layers(capture, calibration, [self.settings.budget], self.selection)[0]

@@ -85,6 +85,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         prompt = prefill(model, batch.input_ids, batch.attention_mask, rows_per_forward=1)  # long ragged rows
         cache = FathomCache(model, method="fathom", budget=48, prompt=prompt)
     """
+    _check_prompt_inputs(input_ids, attention_mask)
     shape = ModelShape.of(model)
     if model.config._attn_implementation not in ("sdpa", ATTENTION):
         raise ValueError(f"model must use sdpa attention, got {model.config._attn_implementation!r}")
@@ -107,6 +108,31 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         joined.place(group, start, shared_pad)
         del group  # its keys and values now live in the joined prompt's: one group's at a time beside them
     return joined.prompt()
+
+
+def _check_prompt_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Refuse what :func:`prefill` cannot hold before the model runs: ids that are not ``[B, n]`` integers, a mask of
+    another shape, and a row that is not left-padded (its next token would be read at a pad position) or holds no
+    real token. One read of the mask on the host."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0 \
+            or input_ids.dtype.is_floating_point:
+        raise ValueError(f"input_ids must be integer token ids [B, n] with n >= 1, got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got "
+                         f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+    mask = attention_mask.detach().to("cpu", torch.int64).numpy()
+    if not np.isin(mask, (0, 1)).all():
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (real tokens) only")
+    empty = np.flatnonzero(mask.sum(1) == 0)
+    if len(empty):
+        raise ValueError(f"attention_mask row {empty[0]} holds no real token")
+    right = np.flatnonzero((np.diff(mask, axis=1) < 0).any(1))
+    if len(right):
+        raise ValueError(f"attention_mask row {right[0]} is not left-padded (a 0 after a 1): prefill reads each "
+                         "row's next token at its last position")
 
 
 class _JoinedPrompt:

@@ -54,6 +54,8 @@ class FathomSettings:
     pool: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.method, str):
+            raise ValueError(f"method must be a method name (a str), got {self.method!r}")
         entry = methods.entry(self.method)
         for name in ("k", "r", "max_tokens"):
             value = getattr(self, name)
@@ -63,6 +65,10 @@ class FathomSettings:
             value = getattr(self, name)
             if not _checks.is_integer(value) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if entry.budget == "channels" and self.budget is not None and self.r is not None \
+                and self.budget != fixed_channel_bits(self.r):
+            raise ValueError(f"budget and r disagree for {self.method}: budget = {self.budget:g} bits is r = "
+                             f"{self.budget / fixed_channel_bits(1):g} channels, r = {self.r}; pass one of them")
         if self.budget is None:  # the method's default: no fixed-channel count is a default worth guessing
             if entry.budget == "channels" and self.r is None:
                 raise ValueError(f"budget must be given for {self.method}: r·4.25 bits (e.g. budget=68 for r = 16), "
@@ -75,6 +81,10 @@ class FathomSettings:
             raise ValueError(f"variance must be None or one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
         if self.variance is not None and entry.basis == methods.PER_HEAD:
             raise ValueError(f"variance must be None for {self.method}: each head reads its basis' default σ²")
+        if self.variance is not None and not entry.reads_sigma2:
+            readers = ", ".join(name for name, e in methods.CATALOG.items() if e.reads_sigma2)
+            raise ValueError(f"variance is read by the water-filled methods only ({readers}); method is "
+                             f"{self.method!r}")
         if isinstance(self.hbm_gb, bool) or not isinstance(self.hbm_gb, (int, float, np.integer, np.floating)) \
                 or not np.isfinite(self.hbm_gb) or self.hbm_gb < 0:
             raise ValueError(f"hbm_gb must be a finite number of GB >= 0, got {self.hbm_gb!r}")
@@ -92,7 +102,8 @@ class FathomSettings:
         if self.plan is not None:
             if not entry.per_layer:
                 raise ValueError(f"plan is fathom-plan's per-layer budgets; method is {self.method!r}")
-            if not all(isinstance(b, (int, float)) and np.isfinite(b) and b >= 0 for b in self.plan):
+            if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and np.isfinite(b) and b >= 0
+                       for b in self.plan):
                 raise ValueError(f"plan must hold finite budgets >= 0, got {self.plan!r}")
             if np.mean(self.plan) > self.budget + 1e-9:
                 raise ValueError(f"plan must average at most budget = {self.budget}, got {np.mean(self.plan):g}")

@@ -30,6 +30,7 @@ under the CUDA simulator there is no graph and each "replay" runs the captured w
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -86,6 +87,8 @@ def decode(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, 
         if graph is None:
             if not bool(unfinished.any()):  # ended at the prefill's token: no graph is captured
                 return input_ids
+            if decoding.sessions is None:  # fathom-plan planned on the prompt: its sessions open at the first step
+                decoding.open_planned(B, input_ids.device)
             decoding.sessions.reserve((max_length or input_ids.shape[1]) - input_ids.shape[1] + 1)
             graph = TokenGraph.of(model, cache, B)
         position = position + 1
@@ -135,14 +138,15 @@ class TokenGraph:
         sessions = cache.decoding.sessions
         kept = sessions.token_graphs.get((id(model), batch))
         if kept is not None and kept.model is model and kept.store is sessions.cache:
-            kept.cache, kept.decoding = cache, cache.decoding
+            kept._cache = weakref.ref(cache)
             return kept
         graph = cls(model, cache, batch)
         sessions.token_graphs[(id(model), batch)] = graph
         return graph
 
     def __init__(self, model, cache: FathomCache, batch: int):
-        self.model, self.cache, self.decoding = model, cache, cache.decoding
+        # weak: the graph stays with the sessions, which the pool keeps past the cache and the model
+        self._model, self._cache = weakref.ref(model), weakref.ref(cache)
         self.sessions: OffloadedSessions = cache.decoding.sessions
         self.store = self.sessions.cache
         device = model.device
@@ -152,6 +156,16 @@ class TokenGraph:
         self._graph = None
         if not SIMULATED:
             self._capture()
+
+    @property
+    def model(self):
+        """The model captured (None once it is gone)."""
+        return self._model()
+
+    @property
+    def cache(self) -> FathomCache | None:
+        """The FathomCache the graph decodes for now (None once it is gone)."""
+        return self._cache()
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         self.sessions.begin_token()  # flags raised by the last token, and room for this one (no growth: reserved)
@@ -172,14 +186,15 @@ class TokenGraph:
     def _forward_enqueued(self) -> None:
         """The token's forward with every Fathom step launched directly on the current stream (what the capture
         records) and no host state changed: the layers' lengths are restored after."""
-        lengths = [layer.length for layer in self.cache.layers]
-        self.decoding.capturing = True
+        cache = self.cache
+        lengths = [layer.length for layer in cache.layers]
+        cache.decoding.capturing = True
         try:
             with torch.no_grad():  # not inference_mode: the step graphs' buffers made here are written later
-                self.logits = _forward(self.model, self.cache, self.token, self.position, None)
+                self.logits = _forward(self.model, cache, self.token, self.position, None)
         finally:
-            self.decoding.capturing = False
-            for layer, length in zip(self.cache.layers, lengths):
+            cache.decoding.capturing = False
+            for layer, length in zip(cache.layers, lengths):
                 layer.length = length
 
     def _capture(self) -> None:

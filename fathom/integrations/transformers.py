@@ -53,6 +53,7 @@ This module holds the cache and its layers and re-exports the rest (``__all__``)
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import numpy as np
@@ -142,9 +143,14 @@ class FathomLayer(CacheLayerMixin):
             valid = valid_keys(None if attention_mask is None else attention_mask[..., -m:], key)  # the chunk's keys
             try:
                 out = self.decoding.extend(self.slot, query, key, value, valid, scale)
-            except ValueError:
-                self.length -= m  # refused before the store changed: this layer is as before the call
+            except ValueError:  # refused before the store changed: every layer as before the forward
+                if self.decoding.undo_chunk is not None:
+                    self.decoding.undo_chunk()
+                else:  # a forward that did not pass FathomCache.update's first layer: this layer at least
+                    self.length -= m
                 raise
+            if self.slot == len(self.decoding.shape.fathom_layers) - 1:  # no later layer refuses the chunk
+                self.decoding.undo_chunk = None
             return out.to(query.dtype), None
         out = self.decoding.step(self.slot, query[:, :, 0], key[:, :, 0], value[:, :, 0], scale)
         return out.to(query.dtype)[:, None], None  # [B, 1, H·G, dv], as sdpa's output
@@ -217,7 +223,13 @@ class FathomCache(Cache):
             raise ValueError(f"unknown settings {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
         calibration = settings.pop("calibration", None)
         if settings.get("plan") is not None:
+            if isinstance(settings["plan"], (str, bytes)) or not hasattr(settings["plan"], "__iter__"):
+                raise ValueError(f"plan must be a sequence of budgets, one per full-attention layer, got "
+                                 f"{settings['plan']!r}")
             settings["plan"] = tuple(settings["plan"])
+        if prompt is not None and not isinstance(prompt, Prompt):
+            raise ValueError(f"prompt must be a Prompt made by fathom.integrations.transformers.prefill(model, ...), "
+                             f"got {type(prompt).__name__}")
         self.settings = FathomSettings(method, budget, k, **settings)
         shape = ModelShape.of(model)
         implementation = model.config._attn_implementation
@@ -255,6 +267,27 @@ class FathomCache(Cache):
         if prompt is not None:
             self._fill(prompt)
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' ``Cache.update``, with a forward checked before its first layer holds anything."""
+        if layer_idx == 0 and not self.decoding.capturing:
+            self._begin_forward(key_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _begin_forward(self, key_states: torch.Tensor) -> None:
+        """Before any layer holds the forward's tokens: a closed cache and a batch other than the cache's
+        conversations are refused; a continuation chunk, which a FathomLayer may still refuse (padding), keeps what
+        every layer holds, so that a refusal leaves the whole cache as it was (sliding-window layers included)."""
+        if self.decoding.closed:
+            raise ValueError("the FathomCache was closed")
+        batch = self.decoding.batch
+        if batch is not None and key_states.shape[0] != batch:
+            raise ValueError(f"the input must hold the cache's {batch} conversations, one per batch row, got "
+                             f"{key_states.shape[0]} rows")
+        chunk = key_states.shape[-2] > 1 and self.get_seq_length() > 0
+        held = [dict(vars(layer)) for layer in self.layers] if chunk else None  # shallow: updates replace tensors
+        self.decoding.undo_chunk = None if held is None else functools.partial(_restore, self.layers, held)
+
     def _fill(self, prompt: Prompt) -> None:
         """Hold ``prompt`` as this cache's own prefill would have left it."""
         for layer, k, v, queries in zip(self.layers, prompt.keys, prompt.values, prompt.queries, strict=True):
@@ -291,6 +324,13 @@ class FathomCache(Cache):
         """Hand the sessions' memory back (to the pool, see ``pool``) and, if no other FathomCache uses the model,
         restore its attention implementation. The cache cannot decode afterwards."""
         self._release()
+
+
+def _restore(layers, held: list[dict]) -> None:
+    """Every layer's state as ``held`` recorded it (:meth:`FathomCache._begin_forward`)."""
+    for layer, state in zip(layers, held, strict=True):
+        vars(layer).clear()
+        vars(layer).update(state)
 
 
 def _release(decoding: Decoding, model_ref) -> None:

@@ -110,6 +110,30 @@ def test_what_the_token_graph_cannot_hold_is_refused():
                       custom_generate=decode)
 
 
+def test_fathom_plan_planned_on_the_prompt_opens_its_sessions_before_the_graph_and_the_pool_keeps_no_model():
+    """fathom-plan without plan= opens its sessions at the first step, which the token graph's decode does before
+    it captures (the same tokens as generate's own loop); the graph kept with pooled sessions holds neither the
+    cache nor the model, which go when their user drops them."""
+    import gc
+    import weakref
+
+    from fathom.integrations.sessions import POOL
+
+    ids = torch.randint(1, 97, (1, 20), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    settings = {**OFFLOAD_SETTINGS, "budget": 20, "pool": True}
+    model = tiny_offload_llama()
+    expected = _generate(model, ids, None, FathomCache(model, "fathom-plan", backend="offloaded", **settings), new=3)
+    cache = FathomCache(model, "fathom-plan", backend="offloaded", **settings)
+    torch.testing.assert_close(_generate(model, ids, None, cache, new=3, custom_generate=decode), expected,
+                               rtol=0, atol=0)
+    cache.close()
+    alive = weakref.ref(model), weakref.ref(cache)
+    del model, cache
+    gc.collect()
+    assert len(POOL) > 0 and alive[0]() is None and alive[1]() is None
+    POOL.clear()
+
+
 @pytest.mark.gpu
 def test_the_docs_token_graph_example_runs_and_generates_what_generate_does():
     from tests.integrations.test_transformers import _cached

@@ -184,7 +184,8 @@ def test_sparse_methods_decode_over_the_store_and_differ_from_dense():
     for method, settings in [("fathom", {}), ("fathom-rotated", {}), ("fathom-plan", {}), ("sparq", {"r": 4}),
                              ("double-sparsity", {"r": 4}), ("loki", {"r": 4}), ("thumbnail", {}),
                              ("landmark", {}), ("oracle", {})]:
-        cache = FathomCache(model, method, budget=16, k=4, sink=2, local=4, **settings)
+        budget = None if "r" in settings else 16  # the fixed-channel methods: r channels, not a bit budget
+        cache = FathomCache(model, method, budget=budget, k=4, sink=2, local=4, **settings)
         out = generate(model, ids, mask, cache)
         assert out.shape == dense.shape and cache.method is not None
         differ += int((out != dense).any())
@@ -262,6 +263,13 @@ def test_every_update_call_form_of_transformers_5_is_accepted():
     ({"calibration": "missing.calibration.npz"}, "calibration must be a .calibration.npz file"),
     ({"calibration": 3}, "calibration must be a path or a fathom.calibration.Calibration"),
     ({"window": 3}, "unknown settings window"),
+    ({"method": ["fathom"]}, "method must be a method name"),
+    ({"method": "sparq", "budget": 68, "r": 4}, "budget and r disagree for sparq: budget = 68 bits is r = 16"),
+    ({"method": "dense", "variance": "calibration"}, "variance is read by the water-filled methods only"),
+    ({"method": "sparq", "budget": 68, "variance": "store"}, "variance is read by the water-filled methods only"),
+    ({"method": "fathom-plan", "plan": (True, 16)}, "plan must hold finite budgets >= 0"),
+    ({"method": "fathom-plan", "plan": 48}, "plan must be a sequence of budgets"),
+    ({"prompt": torch.zeros(3)}, "prompt must be a Prompt made by"),
 ])
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -286,6 +294,56 @@ def test_bad_model_calibration_and_use_are_refused():
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="the model's attention implementation is 'sdpa'"):
         model(ids[:, :1], past_key_values=cache)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_a_refused_forward_leaves_the_whole_cache_as_it_was(make):
+    """A continuation chunk refused by the first full-attention layer (padding), after the sliding-window layers
+    before it took it (Gemma-3), leaves every layer as before: a retry gives a fresh cache's logits. A batch other
+    than the cache's conversations and a closed cache are refused before any layer holds anything."""
+    model = make()
+    ids, mask = batch(n=20, pad=0)
+    said = torch.tensor([[5, 9], [7, 3]])
+    grown = torch.cat([mask, torch.ones_like(said)], 1)
+
+    def filled():
+        cache = FathomCache(model, "dense")
+        model(ids, attention_mask=mask, past_key_values=cache)
+        return cache
+
+    clean = model(said, attention_mask=grown, past_key_values=filled()).logits
+    cache = filled()
+    before = [layer.get_seq_length() for layer in cache.layers]
+    with pytest.raises(ValueError, match="a continuation chunk must hold no padding"):
+        model(said, attention_mask=torch.cat([mask, torch.tensor([[1, 1], [0, 1]])], 1), past_key_values=cache)
+    assert [layer.get_seq_length() for layer in cache.layers] == before
+    for rows in (ids[:1], torch.cat([ids, ids[:1]])):
+        with pytest.raises(ValueError, match="the input must hold the cache's 2 conversations, one per batch row"):
+            model(rows[:, :2], past_key_values=cache)
+        assert [layer.get_seq_length() for layer in cache.layers] == before
+    torch.testing.assert_close(model(said, attention_mask=grown, past_key_values=cache).logits, clean,
+                               rtol=0, atol=0)
+    cache.close()
+    with pytest.raises(ValueError, match="the FathomCache was closed"):
+        model(said[:, :1], past_key_values=cache)
+
+
+def test_prefill_refuses_inputs_it_cannot_hold_before_the_model_runs():
+    model = tiny_llama()
+    ids, mask = batch(n=20, pad=3)
+    right = mask.flip(1)
+    empty = mask.clone()
+    empty[0] = 0
+    for bad_ids, bad_mask, message in ((ids[0], None, r"input_ids must be integer token ids \[B, n\]"),
+                                       (ids, mask[:, 1:], "attention_mask must have input_ids' shape"),
+                                       (ids, 2 * mask, "attention_mask must hold 0"),
+                                       (ids, right, "attention_mask row 1 is not left-padded"),
+                                       (ids, empty, "attention_mask row 0 holds no real token")):
+        with pytest.raises(ValueError, match=message):
+            prefill(model, bad_ids, bad_mask)
+    cache = FathomCache(model, "dense")
+    with pytest.raises(ValueError, match="attention_mask row 0 holds no real token: each batch row is a conversation"):
+        model(ids, attention_mask=empty, past_key_values=cache)
 
 
 def _cached(name: str) -> bool:
