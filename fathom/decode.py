@@ -90,6 +90,8 @@ class HeadIndex:
     def append(self, keys: np.ndarray) -> None:
         """Append ``keys float32 [m, d]`` (m >= 0)."""
         keys = _checks.array("keys", keys, ndim=2, dtype=np.float32)
+        for store in self.stores.values():  # every store takes them, or none does
+            store.checked(keys)
         sealed = self.stores["raw"].n_blocks
         for store in self.stores.values():
             store.append(keys)

@@ -47,6 +47,7 @@ from typing import Callable
 
 import numpy as np
 
+from fathom import _checks
 from fathom.bits import fixed_channel_bits, full_key_bits, landmark_bits, scan_bits
 from fathom.quantize import MAX_DEPTH
 from fathom.waterfill import importance, waterfill_batched
@@ -91,6 +92,17 @@ def _top_channels(score: np.ndarray, r: int) -> np.ndarray:
     return depths
 
 
+def _check_budget(name: str, budget: float) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(budget) or budget < 0:
+        raise ValueError(f"{name} must be a finite number of bits per token >= 0, got {budget!r}")
+
+
+def _check_channels(r: int) -> None:
+    if not _checks.is_integer(r) or r < 1:
+        raise ValueError(f"r must be an integer >= 1 channels, got {r!r}")
+
+
 def _check_sources(variance: str, gains: str) -> None:
     if variance not in VARIANCE_SOURCES + (PER_BASIS,):
         raise ValueError(f"variance must be one of {VARIANCE_SOURCES + (PER_BASIS,)}, got {variance!r}")
@@ -128,8 +140,7 @@ class Waterfill:
 
     def __post_init__(self):
         _check_sources(self.variance, self.gains)
-        if not self.budget >= 0:
-            raise ValueError(f"budget must be >= 0 bits per token, got {self.budget}")
+        _check_budget("budget", self.budget)
 
     def nominal_bits(self, d: int) -> float:
         return float(self.budget)
@@ -157,6 +168,11 @@ class LayerWaterfill:
 
     def __post_init__(self):
         _check_sources(self.variance, self.gains)
+        _check_budget("target", self.target)
+        if not self.budgets:
+            raise ValueError("budgets must hold one budget per layer, got none")
+        for budget in self.budgets:
+            _check_budget("budgets", budget)
         if np.mean(self.budgets) > self.target + 1e-9:
             raise ValueError(f"budgets must average at most target = {self.target}, got {np.mean(self.budgets)}")
 
@@ -182,6 +198,9 @@ class QueryTopChannels:
 
     r: int
 
+    def __post_init__(self):
+        _check_channels(self.r)
+
     def nominal_bits(self, d: int) -> float:
         return fixed_channel_bits(self.r)
 
@@ -198,6 +217,7 @@ class FixedChannels:
     ranking: str = "double-sparsity"
 
     def __post_init__(self):
+        _check_channels(self.r)
         if self.ranking not in ("double-sparsity", "basis"):
             raise ValueError(f"ranking must be 'double-sparsity' or 'basis', got {self.ranking!r}")
 
@@ -220,6 +240,10 @@ class UniformDepth:
     """Every channel at the same depth: the 2-bit thumbnail at depth 2."""
 
     depth: int
+
+    def __post_init__(self):
+        if not _checks.is_integer(self.depth) or not 1 <= self.depth <= MAX_DEPTH:
+            raise ValueError(f"depth must be an integer in 1..{MAX_DEPTH} planes, got {self.depth!r}")
 
     @property
     def reads_ds_rank(self) -> bool:

@@ -61,6 +61,8 @@ def select(scores: np.ndarray, n: int, sel: Selection) -> np.ndarray:
         sel: the protocol's settings.
     """
     scores = _checks.array("scores", scores, ndim=2, kind="f")
+    if not _checks.is_integer(n):
+        raise ValueError(f"n must be an integer context length, got {n!r}")
     if scores.shape[1] > n:
         raise ValueError(f"scores cover {scores.shape[1]} tokens, more than the context n = {n}")
     return select_many(scores[None], np.array([n]), np.array([scores.shape[1]]), sel, n)[0]
@@ -76,6 +78,8 @@ def select_many(scores: np.ndarray, contexts: np.ndarray, scored: np.ndarray, se
         scored: ``[P]`` sealed (scored) tokens of each position.
     """
     P, G, S = scores.shape
+    if np.isnan(scores).any():  # a NaN sorts above every score: the k-th would be NaN and fewer than k kept
+        raise ValueError("scores must not hold NaN")
     keep, candidate = protocol_masks(contexts, scored, sel, width)
     candidate = candidate[:, :S]
     mask = np.broadcast_to(keep[:, None, :], (P, G, width)).copy()

@@ -102,14 +102,24 @@ class PlaneStore:
         store.append(k)
         return store
 
-    def append(self, k: np.ndarray) -> None:
-        """Append ``k float32 [m, d]`` (m >= 0 new tokens); full blocks are sealed as they complete."""
+    def checked(self, k: np.ndarray) -> np.ndarray:
+        """``k float32 [m, d]`` in the store's basis, refused (ValueError) where :meth:`append` could not hold all of
+        it: the store is left unchanged by a refused append."""
         k = _checks.array("k", k, ndim=2, dtype=np.float32)
         if k.shape[1] != self.d:
             raise ValueError(f"k must have {self.d} channels, got shape {k.shape}")
         _checks.finite("k", k)
         if self.basis is not None:
             k = k @ self.basis
+        with np.errstate(over="ignore"):  # overflow to inf is the refusal
+            if len(k) and not np.isfinite(np.abs(k).max().astype(np.float16)):
+                raise ValueError("k has a value beyond the float16 range (65504) in the store's basis: its block "
+                                 "scale cannot be stored")
+        return k
+
+    def append(self, k: np.ndarray) -> None:
+        """Append ``k float32 [m, d]`` (m >= 0 new tokens); full blocks are sealed as they complete."""
+        k = self.checked(k)
         while len(k):
             take = min(BLOCK - self._n_tail, len(k))
             if self._n_tail == 0 and take == BLOCK:  # whole blocks skip the tail buffer

@@ -75,3 +75,18 @@ def test_decode_step_checks_its_shapes_at_the_boundary():
         decode_step(q[:, :8], k, v, index, M.fathom(48), sel)
     with pytest.raises(ValueError, match=r"^q must have shape \(G >= 1, 16\)"):
         decode_step(q[:0], k, v, index, M.fathom(48), sel)
+
+
+def test_head_index_appends_to_every_store_or_to_none():
+    """Keys the raw store holds but the rotated one cannot (a value past float16's range once rotated) are refused
+    before either store, or the exact keys, takes them."""
+    rng = np.random.default_rng(1)
+    rotation, _ = np.linalg.qr(rng.standard_normal((8, 8)))
+    index = HeadIndex.build(np.zeros((0, 8), np.float32), None, rotation)
+    keys = np.zeros((64, 8), np.float32)
+    keys[0] = 60000.0  # in float16's range raw; some rotated coordinate exceeds it
+    assert np.abs(keys @ rotation).max() > 65504
+    with pytest.raises(ValueError, match="beyond the float16 range"):
+        index.append(keys)
+    assert [store.n_tokens for store in index.stores.values()] == [0, 0] and len(index.keys) == 0
+

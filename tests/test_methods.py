@@ -173,3 +173,19 @@ def test_a_per_head_method_runs_on_each_heads_basis_and_only_once_resolved():
         M.Method("x", basis=M.PER_HEAD, policy=M.Waterfill(48, "store"))
     with pytest.raises(ValueError, match="resolve it with Method.on_basis"):
         mixed.policy.depths(q, M.HeadStats(np.ones(q.shape[-1]), np.arange(q.shape[-1])))
+
+
+@pytest.mark.parametrize("make, message", [(lambda: M.thumbnail(5), "depth must be an integer in 1..4"),
+                                           (lambda: M.thumbnail(0), "depth must be an integer in 1..4"),
+                                           (lambda: M.sparq(-1), "r must be an integer >= 1"),
+                                           (lambda: M.double_sparsity(0), "r must be an integer >= 1"),
+                                           (lambda: M.loki(2.5), "r must be an integer >= 1"),
+                                           (lambda: M.fathom(float("inf")), "budget must be a finite number"),
+                                           (lambda: M.fathom_plan((float("nan"), 20.0), 48.0),
+                                            "budgets must be a finite number")])
+def test_a_depth_policy_refuses_what_its_scan_cannot_read(make, message):
+    """A depth past the 4 planes would read past a channel's record; a negative r picks d - 1 channels in the
+    reference and none on the GPU; a budget that is not finite plans nothing."""
+    with pytest.raises(ValueError, match=message):
+        make()
+

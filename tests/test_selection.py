@@ -61,3 +61,14 @@ def test_selection_takes_integers_only(field, bad):
     with pytest.raises(ValueError, match=f"^{field} must be an integer"):
         Selection(**{"k": 8, field: bad})
     assert Selection(k=np.int64(8)).k == 8 and type(Selection(k=np.int64(8)).k) is int  # JSON-safe
+
+
+def test_select_refuses_nan_scores_and_a_context_that_is_not_an_integer():
+    sel = Selection(k=2)
+    scores = np.arange(100, dtype=np.float32)[None]
+    scores[0, 50] = np.nan  # would sort above every score and leave fewer than k chosen
+    with pytest.raises(ValueError, match="scores must not hold NaN"):
+        select(scores, 100, sel)
+    with pytest.raises(ValueError, match="n must be an integer"):
+        select(np.zeros((1, 64), np.float32), 100.7, sel)
+

@@ -94,3 +94,20 @@ def test_planes_and_scales_from_a_block_on_are_the_tail_of_all_blocks():
         np.testing.assert_array_equal(store.scales(first), store.scales()[:, first:])
     with pytest.raises(ValueError, match="first_block must lie in 0..10"):
         store.planes(11)
+
+
+def test_a_refused_append_leaves_the_store_as_it_was():
+    """A value whose block scale float16 cannot hold is refused before anything is sealed: in a later block of the
+    append, or in the block that would complete the tail; the store then takes good keys as before."""
+    rng = np.random.default_rng(0)
+    store = PlaneStore(4)
+    store.append(rng.standard_normal((10, 4)).astype(np.float32))
+    for bad_row in (150, 20):
+        keys = rng.standard_normal((200, 4)).astype(np.float32)
+        keys[bad_row, 1] = 1e5
+        with pytest.raises(ValueError, match="beyond the float16 range"):
+            store.append(keys)
+        assert (store.n_tokens, store.n_sealed) == (10, 0)
+    store.append(rng.standard_normal((60, 4)).astype(np.float32))
+    assert (store.n_tokens, store.n_sealed) == (70, 64)
+

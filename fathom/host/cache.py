@@ -130,6 +130,8 @@ def hbm_planes_for(budget_bytes: float, shape: CacheShape, stores: int = 1) -> i
     between two tiers leaves the rest unused."""
     if not budget_bytes >= 0:
         raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes!r}")
+    if stores not in (1, 2):
+        raise ValueError(f"stores must be 1 or 2 (with the rotated store), got {stores!r}")
     fits = [t for t in range(PLANES + 1)
             if 8 * shape.layers * stores * replace(shape.layout, hbm_planes=t).near_words <= budget_bytes]
     return max(fits)
@@ -157,11 +159,21 @@ class PinnedLayer:
 
     @classmethod
     def allocate(cls, shape: CacheShape, store_names: tuple[str, ...]) -> PinnedLayer:
+        """Pin the layer's buffers; when one fails, those pinned before it are released before the error goes on."""
         words = shape.head_dim // 4
-        return cls(MappedBuffer((shape.streams, shape.max_tokens, 2, words), np.uint64),
-                   MappedBuffer((shape.streams, shape.max_tokens // LANDMARK_TOKENS, 1, words), np.uint64),
-                   {name: MappedBuffer((shape.layout.far_words,), np.uint64) for name in store_names
-                    if shape.layout.far_words})
+        sizes = [(shape.streams, shape.max_tokens, 2, words), (shape.streams, shape.max_tokens // LANDMARK_TOKENS, 1,
+                                                               words)]
+        names = [name for name in store_names if shape.layout.far_words]
+        sizes += [(shape.layout.far_words,)] * len(names)
+        pinned: list[MappedBuffer] = []
+        try:
+            for size in sizes:
+                pinned.append(MappedBuffer(size, np.uint64))
+        except BaseException:
+            for buffer in pinned:
+                buffer.close()
+            raise
+        return cls(pinned[0], pinned[1], dict(zip(names, pinned[2:], strict=True)))
 
     @staticmethod
     def nbytes(shape: CacheShape, store_names: tuple[str, ...]) -> int:

@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -80,12 +81,13 @@ class DecoderSettings:
             raise ValueError(f"method must be a fathom.methods.Method, got {type(self.method).__name__}")
         if not isinstance(self.selection, Selection):
             raise ValueError(f"selection must be a fathom.selection.Selection, got {type(self.selection).__name__}")
-        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"scale must be finite and > 0 (or None), got {self.scale}")
-        if not 1 <= self.scan_warps <= 32:
-            raise ValueError(f"scan_warps must lie in 1..32, got {self.scan_warps}")
-        if not 32 <= self.threads <= 1024:
-            raise ValueError(f"threads must lie in 32..1024, got {self.threads}")
+        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, numbers.Real)
+                                       or not (math.isfinite(self.scale) and self.scale > 0)):
+            raise ValueError(f"scale must be finite and > 0 (or None), got {self.scale!r}")
+        if not _checks.is_integer(self.scan_warps) or not 1 <= self.scan_warps <= 32:
+            raise ValueError(f"scan_warps must be an integer in 1..32, got {self.scan_warps!r}")
+        if not _checks.is_integer(self.threads) or not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads must be an integer in 32..1024, got {self.threads!r}")
 
 
 class Decoder:

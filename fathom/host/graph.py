@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from numba import cuda
 
+from fathom import _checks
 from fathom.cuda.interop import DEVICE, SIMULATED
 from fathom.host.decoder import Decoder
 from fathom.host.launch import Launch, run_launches
@@ -55,9 +56,10 @@ class StepGraph:
             raise ValueError(f"decoder must be a Decoder, got {type(decoder).__name__}")
         cache, s = decoder.cache, decoder.cache.shape
         cache.check()
-        self.layers = list(range(s.layers)) if layers is None else [int(x) for x in layers]
-        if not self.layers or any(not 0 <= x < s.layers for x in self.layers):
+        self.layers = list(range(s.layers)) if layers is None else list(layers)
+        if not self.layers or any(not _checks.is_integer(x) or not 0 <= x < s.layers for x in self.layers):
             raise ValueError(f"layers must be a non-empty list of layers in 0..{s.layers - 1}, got {layers!r}")
+        self.layers = [int(x) for x in self.layers]
         self.decoder, self.append = decoder, bool(append)
         self._unique = sorted(set(self.layers))
         self._appends = np.bincount(self.layers, minlength=s.layers)  # tokens each layer gains per replay

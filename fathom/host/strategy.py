@@ -71,15 +71,19 @@ class WaterfillDepths:
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
                         head_basis: np.ndarray | None = None) -> None:
         one_layer = replace(self.cache.shape, layers=1)
+        writes = []  # every argument checked before anything is written: a refused call changes nothing
         if self.sigma2 is not None and sigma2 is not None:
-            self._sigma2_uploads.write(layer, _per_stream_host(one_layer, "sigma2", np.asarray(sigma2)[None])[0])
+            host = _per_stream_host(one_layer, "sigma2", np.asarray(sigma2)[None])[0]
+            writes.append((self._sigma2_uploads, host))
         if self.per_head and head_basis is not None:
             H, d = one_layer.kv_heads, one_layer.head_dim
             head_basis = np.asarray(head_basis)
             if head_basis.shape != (H,) or not np.isin(head_basis, methods.BASES).all():
                 raise ValueError(f"head_basis must be [{H}] of 'raw' / 'rotated', got {head_basis.tolist()}")
             raw = np.broadcast_to((head_basis == "raw")[None, :, None], (1, H, d))  # raw heads read the store's σ²
-            self._from_store_uploads.write(layer, _per_stream_host(one_layer, "head_basis", raw)[0, :, 0])
+            writes.append((self._from_store_uploads, _per_stream_host(one_layer, "head_basis", raw)[0, :, 0]))
+        for uploads, host in writes:
+            uploads.write(layer, host)
 
     def launch(self, layer: int, basis: str, q_store, buf: StepBuffers) -> Launch:
         cache_layer, shape = self.cache.layers[layer], self.cache.shape

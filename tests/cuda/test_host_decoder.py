@@ -366,6 +366,14 @@ def test_bad_input_raises_before_any_kernel():
         CacheShape(1, 1, 1, D, 64, store="disk")
     with pytest.raises(ValueError, match="segment_blocks must be a power of two"):
         CacheShape(1, 1, 1, D, 64, segment_blocks=3)
+    for settings, message in (({"scan_warps": 1.5}, "scan_warps must be an integer"),
+                              ({"threads": 40.5}, "threads must be an integer"),
+                              ({"scale": "2"}, "scale must be finite")):
+        with pytest.raises(ValueError, match=message):
+            DecoderSettings(methods.fathom(12.0), **settings)
+    for layers in ([1.9], [True]):
+        with pytest.raises(ValueError, match="layers must be a non-empty list of layers"):
+            StepGraph(decoder, layers=layers)
     cache.close()
     for call in (lambda: decoder.run(LAYER, q_dev), lambda: _append(cache, k, v, 100, 101),
                  lambda: cache.lengths(LAYER), lambda: StepGraph(decoder)):
@@ -466,3 +474,16 @@ def test_a_grown_cache_keeps_its_row_cache():
             np.testing.assert_array_equal(got[:, :want.shape[1]] if name == "slot_of" else got, want, err_msg=name)
         assert (rows.slot_of[:, shape.max_tokens:] == -1).all() and grown.row_cache_counts(LAYER) == counts
         assert counts[1] > 0
+
+
+def test_a_refused_calibration_changes_nothing():
+    """set_calibration checks every argument before it writes: a bad per-head basis leaves σ² as it was."""
+    shape = CacheShape(sessions=1, layers=2, kv_heads=2, head_dim=D, max_tokens=128, segment_blocks=1)
+    with HostKVCache(shape, rotated=True) as cache:
+        decoder = Decoder(cache, DecoderSettings(methods.fathom_mixed(12.0), Selection(k=4)), GROUP_SIZE,
+                          sigma2=np.ones((2, 2, D)))
+        before = decoder.strategy.depth_plan.sigma2[1].clone()
+        with pytest.raises(ValueError, match="head_basis must be"):
+            decoder.set_calibration(1, np.full((2, D), 7.0), None, head_basis=np.array(["raw", "bogus"]))
+        torch.testing.assert_close(decoder.strategy.depth_plan.sigma2[1], before, rtol=0, atol=0)
+

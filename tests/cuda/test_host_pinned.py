@@ -70,3 +70,25 @@ def test_a_tiered_cache_pins_only_the_planes_beyond_its_tier():
             assert t == 0 or hbm_planes_for(cache.hbm_bytes - 1, shape) == t - 1
     with pytest.raises(ValueError, match="hbm_planes"):
         replace(base, hbm_planes=5)
+    with pytest.raises(ValueError, match="stores must be 1 or 2"):
+        hbm_planes_for(0, base, stores=-1)
+
+
+def test_a_layer_whose_pinning_fails_partway_releases_what_it_pinned(monkeypatch):
+    from fathom.host import cache as cache_module
+
+    made = []
+
+    class Failing(MappedBuffer):
+        def __init__(self, shape, dtype):
+            if len(made) == 2:
+                raise RuntimeError("out of pinned memory")
+            super().__init__(shape, dtype)
+            made.append(self)
+
+    monkeypatch.setattr(cache_module, "MappedBuffer", Failing)
+    shape = cache_module.CacheShape(sessions=1, layers=1, kv_heads=1, head_dim=8, max_tokens=128)
+    with cache_module.HostKVCache(shape) as cache:
+        with pytest.raises(RuntimeError, match="out of pinned memory"):
+            cache.layer(0)
+    assert len(made) == 2 and all(buffer.closed for buffer in made)
