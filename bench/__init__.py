@@ -20,7 +20,10 @@ module                what it holds or does
 ``timing_run``        one ``timing`` setting measured: link probes, the cache, decoders and graphs, a token
 ``timing_report``     ``timing``'s JSON, markdown tables, plot, summary and docs/results.md section
 ``generate``          ``python -m bench generate``: a model through transformers' ``generate``, HF's caches
-                      and FathomCache side by side
+                      and FathomCache side by side (the command: options, their checks, the measuring)
+``shapes``            ``generate``'s models: the 8B shapes with random bf16 weights, or a real model
+``generate_report``   ``generate``'s progress line, markdown table, plot, docs/results.md section and
+                      ``--replot``'s merge
 ``soak``              ``python -m bench soak``: memory over many create / use / close cycles of a cache
 ``channel_stats``     ``python -m bench channel-stats``: the real channel statistics behind ``timing``'s
                       synthetic keys (``bench/data/``)
