@@ -26,11 +26,16 @@ def publish(payload: dict, source: Path, readme: Path | None) -> None:
 
 
 def merge(payloads: list[dict]) -> dict:
-    """Several runs' payloads as one: their commands joined, the first run's device and settings, the fewest new
-    tokens, and one record per setting and system (:func:`latest`)."""
-    return {"command": "; ".join(f"`{p['command']}`" for p in payloads).strip("`"), "device": payloads[0]["device"],
-            "weights": payloads[0]["weights"], "new_tokens": min(p["new_tokens"] for p in payloads),
-            "warmup": payloads[0]["warmup"],
+    """Several runs' payloads as one: their commands joined, each setting as the runs had it (every value where
+    they differ: ``2 or 3`` warm-up steps), the fewest new tokens, and one record per setting and system
+    (:func:`latest`)."""
+    def each(key: str):
+        values = list(dict.fromkeys(p[key] for p in payloads))
+        return values[0] if len(values) == 1 else " or ".join(map(str, sorted(values, key=str)))
+
+    return {"command": "; ".join(f"`{p['command']}`" for p in payloads).strip("`"), "device": each("device"),
+            "weights": each("weights"), "new_tokens": min(p["new_tokens"] for p in payloads),
+            "warmup": each("warmup"),
             "compile_probe": next((p["compile_probe"] for p in payloads if p.get("compile_probe")), None),
             "records": latest(r for p in payloads for r in p["records"])}
 

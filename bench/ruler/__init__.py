@@ -240,6 +240,10 @@ def _generate(args) -> Path:
         if previous.get("dense_in_hbm", False) != args.dense_in_hbm:
             raise UsageError(f"--resume: {out} ran dense {'in HBM' if previous.get('dense_in_hbm') else 'offloaded'};"
                              " resume it the same way (--dense-in-hbm or not)")
+        _check_resumed(out, previous, {
+            "methods": [s.label for s in specs], "k_requested": args.k, "device": args.device,
+            "batch_size": args.batch_size,
+            "calibration": None if calibration is None else Path(calibration).name})
     import torch
     import transformers
 
@@ -301,6 +305,18 @@ def _score(args) -> Path:
     path = score.write(args.out, name, args.command_line, rows, generations["methods"], info)
     print((args.out / f"{name}.md").read_text())
     return path
+
+
+def _check_resumed(out: Path, previous: dict, now: dict) -> None:
+    """A resumed run continues only with what made the generations it holds (one table must not mix runs):
+    the same methods, top-k, device, batch size (its padding) and calibration file."""
+    held = {**{key: previous.get(key) for key in now},
+            "calibration": None if previous.get("calibration") is None else Path(previous["calibration"]).name}
+    differ = [key for key in now if held[key] != now[key] and key in previous]
+    if differ:
+        raise UsageError(f"--resume: {out} was generated with " + ", ".join(f"{key} {held[key]!r}" for key in differ)
+                         + "; resume it with the same (now " + ", ".join(f"{key} {now[key]!r}" for key in differ)
+                         + ")")
 
 
 def _samples_of(args, generations: dict) -> Path:

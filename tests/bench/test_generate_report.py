@@ -53,3 +53,14 @@ def test_settings_with_fewer_layers_or_a_shared_prefill_say_so_under_the_table()
     assert ("qwen3-8b 128k x8: 12 of the shape's 36 layers (host memory). qwen3-8b 128k x8: every cache started from "
             "one shared dense prefill (41.2 s, 1 row(s) at a time)") in text
     assert "32k x1" not in text.split("\n\n", 2)[-1]  # a full, self-prefilled setting needs no note
+
+
+def test_merged_runs_say_each_setting_as_the_runs_had_it():
+    """--replot's header gives every value where the runs differ (their warm-up steps), not the first run's."""
+    record = {"system": "dense", "model": "m", "context": 1024, "batch": 1, "steady_ms": 1.0, "tokens_per_s": 1000.0,
+              "first_steady_ms": 1.0}
+    runs = [{"command": f"c{w}", "device": "H200", "weights": "random", "new_tokens": 8 + w, "warmup": w,
+             "records": [{**record, "context": 1024 * w}]} for w in (3, 2)]
+    merged = generate_report.merge(runs)
+    assert merged["warmup"] == "2 or 3" and merged["device"] == "H200" and merged["new_tokens"] == 10
+    assert "medians after 2 or 3 steps" in generate_report.markdown(merged)

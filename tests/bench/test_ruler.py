@@ -293,6 +293,11 @@ def test_generate_refuses_bad_sizes_and_a_resume_of_another_or_a_broken_file(mon
                                                        "generations": []}))
     assert "was generated from another" in refused(["ruler", "generate", "--samples", samples_json,
                                                     "--out", str(tmp_path / "changed.json"), "--resume"], capsys)
+    (tmp_path / "k8.json").write_text(json.dumps({"samples_file": samples_json, "k_requested": 8, "device": "cpu",
+                                                  "generations": []}))
+    assert "was generated with k_requested 8; resume it with the same (now k_requested 32)" in refused(
+        ["ruler", "generate", "--samples", samples_json, "-k", "32", "--out", str(tmp_path / "k8.json"), "--resume"],
+        capsys)
     (tmp_path / "broken.json").write_text("{not json")
     assert "not a readable generations JSON" in refused(["ruler", "generate", "--samples", str(tmp_path / "s.json"),
                                                          "--out", str(tmp_path / "broken.json"), "--resume"], capsys)
