@@ -225,6 +225,10 @@ def check_args(args) -> tuple[list[MethodSpec], Path | None, str]:
         raise UsageError("--device cuda needs --path step (the batched path runs the NumPy reference on the host)")
     if args.k is not None:
         cli.at_least("-k", args.k, 1)
+    from fathom.selection import Selection
+
+    selection = Selection(k=args.k) if args.k is not None else Selection.for_context(args.context + args.steps)
+    decoding.check_top_k(selection, args.context, 1, given=args.k is not None)  # the first step's context
     calibration = args.calibration or decoding.default_calibration(args.model)
     basis = "raw"
     if calibration is not None:

@@ -23,11 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from bench.cli import UsageError
 from bench import models
 from bench.report import RESULTS
 from fathom import methods
 from fathom.bits import fixed_channel_bits
+from fathom.quantize import BLOCK
+from fathom.selection import Selection, always_kept
 
 # The catalog's methods by budget rule (fathom.methods.CATALOG): bare, @bits, and @bits naming r channels
 NO_BUDGET = methods.names("none")
@@ -43,6 +47,37 @@ def spec_help(exclude: tuple[str, ...] = ()) -> str:
     return (f"method specs: {', '.join(bare)} bare (they read no budget); {', '.join(flat)} need @BITS, the scan "
             f"bits per token (e.g. fathom@48); the fixed-channel methods {', '.join(FIXED_CHANNELS)} need @BITS = "
             f"4.25·r for r channels (e.g. sparq@68 is r = 16)")
+
+
+def choosable_tokens(n: int, positions: int, sel: Selection) -> int:
+    """Tokens top-k chooses from at the first of the last ``positions`` decode positions of an ``n``-token
+    window (context ``n - positions + 1``): its sealed 64-token blocks less the sink and the local window."""
+    context = n - positions + 1
+    return int(np.count_nonzero(~always_kept(context, context // BLOCK * BLOCK, sel))) if context > 0 else 0
+
+
+def min_context(positions: int, sel: Selection) -> int:
+    """The shortest window whose first decode position leaves ``sel.k + 1`` tokens to choose from, so that
+    top-k really selects (:func:`choosable_tokens` > k)."""
+    need = sel.k + sel.sink + 1  # sealed tokens beyond the sink, and clear of the local window
+    return max(-(-need // BLOCK) * BLOCK, need + sel.local) + positions - 1
+
+
+def check_top_k(sel: Selection, n: int, positions: int, given: bool, context_flag: str = "--context") -> None:
+    """Refuse a top-k that would not select: ``k`` at least the tokens it chooses from at the first of the last
+    ``positions`` decode positions of an ``n``-token window (``given``: ``-k`` was passed, else the context is what
+    is too short for the default k). Every method would then attend every token and agree with dense."""
+    choosable = choosable_tokens(n, positions, sel)
+    if sel.k >= choosable and given and choosable > 1:
+        raise UsageError(
+            f"-k must lie in 1..{choosable - 1} for a {n}-token context at {positions} decode positions (top-k "
+            f"must leave some of the {choosable} tokens it chooses from at the first: its sealed {BLOCK}-token "
+            f"blocks less sink {sel.sink} and local {sel.local}), got {sel.k}")
+    if sel.k >= choosable:
+        raise UsageError(
+            f"{context_flag} {n} is too short for k = {sel.k} at {positions} decode positions: it must be >= "
+            f"{min_context(positions, sel)} (sink {sel.sink} + local {sel.local} + k in sealed {BLOCK}-token "
+            f"blocks before the first decode position)")
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,14 @@ import numpy as np
 from tqdm import tqdm
 
 from bench import cli
+from bench.decoding import check_top_k
 from bench.report import LOCAL_RESULTS, RESULTS, context_label, markdown_table, write_json
 from fathom import methods as M
 from fathom.bits import fixed_channel_bits
 from fathom.calibration import Calibration, calibrate
 from fathom.capture import Capture
 from fathom.fidelity import Evaluator, MethodResult, evaluate, plan_layers
-from fathom.quantize import BLOCK
-from fathom.selection import Selection, always_kept
+from fathom.selection import Selection
 from fathom.synthetic import SyntheticConfig, generate
 
 FATHOM_BUDGETS = (32, 48, 64, 68, 92, 136)  # 68: matched to SparQ r = d/8 at d = 128
@@ -111,20 +111,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "cuda: prefills with the model on the GPU (fp32) and the evaluation in torch on the GPU")
 
 
-def choosable_tokens(n: int, positions: int, sel: Selection) -> int:
-    """Tokens top-k chooses from at the first of the last ``positions`` decode positions of an ``n``-token
-    window (context ``n - positions + 1``): its sealed 64-token blocks less the sink and the local window."""
-    context = n - positions + 1
-    return int(np.count_nonzero(~always_kept(context, context // BLOCK * BLOCK, sel))) if context > 0 else 0
-
-
-def min_context(positions: int, sel: Selection) -> int:
-    """The shortest window whose first decode position leaves ``sel.k + 1`` tokens to choose from, so that
-    top-k really selects (:func:`choosable_tokens` > k)."""
-    need = sel.k + sel.sink + 1  # sealed tokens beyond the sink, and clear of the local window
-    return max(-(-need // BLOCK) * BLOCK, need + sel.local) + positions - 1
-
-
 REPLOT_FIELDS = ("command", "synthetic", "capture", "selection", "summary", "records")
 
 
@@ -155,17 +141,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     else:
         n, positions = _check_real(args)
     sel = Selection(k=args.k) if args.k is not None else Selection.for_context(n)
-    choosable = choosable_tokens(n, positions, sel)
-    if sel.k >= choosable and args.k is not None and choosable > 1:
-        raise cli.UsageError(
-            f"-k must lie in 1..{choosable - 1} for a {n}-token context at {positions} decode positions (top-k "
-            f"must leave some of the {choosable} tokens it chooses from at the first: its sealed {BLOCK}-token "
-            f"blocks less sink {sel.sink} and local {sel.local}), got {args.k}")
-    if sel.k >= choosable:
-        raise cli.UsageError(
-            f"--context {n} is too short for k = {sel.k} at {positions} decode positions: it must be >= "
-            f"{min_context(positions, sel)} (sink {sel.sink} + local {sel.local} + k in sealed {BLOCK}-token "
-            f"blocks before the first decode position)")
+    check_top_k(sel, n, positions, given=args.k is not None)
     args.k = sel.k
 
 

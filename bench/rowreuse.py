@@ -33,6 +33,7 @@ from tqdm import tqdm
 from bench import cli, corpora, decoding, fetch, models
 from bench.cli import UsageError
 from bench.decoding import MethodSpec
+from fathom.selection import Selection
 from bench.report import RESULTS, context_label, markdown_table, write_json
 from bench.row_cache import lru_hits, previous_step_reuse
 from fathom import methods
@@ -169,6 +170,10 @@ def check_args(args) -> dict[str, tuple[list[MethodSpec], Path | None]]:
             if not max(MIN_CONTEXT, args.new_tokens + 1) <= context <= info.context:
                 raise UsageError(f"--contexts must lie in {max(MIN_CONTEXT, args.new_tokens + 1)}..{info.context} "
                                  f"({model}; the prompt holds context − new tokens), got {context}")
+            prompt = context - args.new_tokens  # what the first generated token's step chooses from
+            selection = Selection(k=args.k) if args.k is not None else Selection.for_context(prompt)
+            decoding.check_top_k(selection, prompt, 1, given=args.k is not None, context_flag="--contexts (less "
+                                 "--new-tokens)")
         specs = parse_methods(args.methods, info.head_dim)
         planned = [s.method for s in specs if methods.entry(s.method).per_layer]
         if planned:

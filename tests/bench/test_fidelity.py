@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench import capture as bench_capture
+from bench import decoding
 from bench import fidelity
 from bench.__main__ import main
 from bench.report import LOCAL_RESULTS, RESULTS, context_label
@@ -194,8 +195,8 @@ def test_quick_results_go_to_a_folder_git_ignores(tmp_path):
 def test_min_context_is_exactly_where_top_k_starts_to_select():
     for k, positions in ((1, 1), (128, 32), (128, 128), (256, 128), (60, 5)):
         sel = Selection(k=k)
-        n = fidelity.min_context(positions, sel)
-        assert fidelity.choosable_tokens(n, positions, sel) > k >= fidelity.choosable_tokens(n - 1, positions, sel)
+        n = decoding.min_context(positions, sel)
+        assert decoding.choosable_tokens(n, positions, sel) > k >= decoding.choosable_tokens(n - 1, positions, sel)
 
 
 def test_replot_refuses_a_file_that_is_not_a_fidelity_result(tmp_path, capsys):
