@@ -67,9 +67,10 @@ import time
 from pathlib import Path
 
 from bench.cli import UsageError, file_stem, int_list, name_list, require_cuda, result_json, writable_folder
-from bench.generate_report import RECORD_FIELDS, REPLOT_FIELDS, line, merge, probe_sentence, publish
+from bench.generate_report import (RECORD_FIELDS, REPLOT_FIELDS, check_readme, line, merge, probe_sentence,
+                                   publish)
 from bench.report import RESULTS, write_json
-from bench.shapes import REAL, SHAPES, build_model, shape_layers
+from bench.shapes import REAL, SHAPES, build_model, context_of, head_dim, shape_layers
 
 HF_SYSTEMS = ("hf-sdpa", "hf-offloaded")
 GRAPH = "+graph"
@@ -137,8 +138,11 @@ def validate(args) -> list[tuple[str, object]]:
     for model in args.models:
         if model not in SHAPES and model not in REAL:
             raise UsageError(f"--models: {model!r} is not one of {', '.join(list(SHAPES) + list(REAL))}")
-    if any(c < 256 for c in args.contexts) or any(b < 1 or b > 64 for b in args.batches):
-        raise UsageError(f"--contexts must be >= 256 and --batches in 1..64, got {args.contexts}, {args.batches}")
+    if any(b < 1 or b > 64 for b in args.batches):
+        raise UsageError(f"--batches must be in 1..64, got {args.batches}")
+    longest = min(context_of(model) for model in args.models)
+    if any(not 256 <= c <= longest for c in args.contexts):
+        raise UsageError(f"--contexts must be in 256..{longest} (the models' context), got {args.contexts}")
     if args.layers is not None:
         real = [m for m in args.models if m in REAL]
         fewest = min((shape_layers(m) for m in args.models if m in SHAPES), default=0)
@@ -167,17 +171,18 @@ def validate(args) -> list[tuple[str, object]]:
             continue
         spec_text = text.removesuffix(GRAPH)
         try:
-            systems.append((text, MethodSpec.parse(spec_text, 128)))
+            specs = [MethodSpec.parse(spec_text, head_dim(model)) for model in args.models]  # each model's d
         except UsageError as error:
             raise UsageError(f"--systems: {error}") from None
+        systems.append((text, specs[0]))
     if len({label for label, _ in systems}) != len(systems):
         raise UsageError(f"--systems names a system twice: {args.systems}")
     if (args.hbm_gb or args.row_cache_rows) and all(spec is None for _, spec in systems):
         raise UsageError(f"--hbm-gb and --row-cache-rows set FathomCaches; --systems has none: {args.systems}")
     writable_folder("--out", args.out)
     file_stem("--name", args.name)
-    if args.readme is not None and not args.readme.is_file():
-        raise UsageError(f"--readme {args.readme}: no such file")
+    if args.readme is not None:
+        check_readme(args.readme)
     return systems
 
 

@@ -134,11 +134,23 @@ def _setting_notes(rows: list[dict]) -> str:
     return " ".join(notes)
 
 
+README_START, README_END = "<!-- generate:start -->", "<!-- generate:end -->"  # in docs/results.md
+
+
+def check_readme(readme: Path) -> str:
+    """``readme``'s text, refused in one line without the section to rewrite (checked before a run)."""
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"--readme {readme}: not a readable text file ({error})") from None
+    if README_START not in text or README_END not in text.split(README_START, 1)[1]:
+        raise UsageError(f"--readme {readme}: no {README_START} ... {README_END} section to rewrite")
+    return text
+
+
 def update_readme(readme: Path, payload: dict, source: Path) -> None:
-    text = readme.read_text(encoding="utf-8")
-    start, end = "<!-- generate:start -->", "<!-- generate:end -->"
-    if start not in text or end not in text:
-        raise UsageError(f"--readme {readme}: no {start} ... {end} section to rewrite")
+    text = check_readme(readme)
+    start, end = README_START, README_END
     body = f"From `{source.name}`:\n\n" + markdown(payload)
     head, rest = text.split(start, 1)
     readme.write_text(head + start + "\n" + body + "\n" + end + rest.split(end, 1)[1], encoding="utf-8")

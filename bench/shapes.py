@@ -15,6 +15,24 @@ SHAPES = {  # transformers configs of the 8B models' shapes (random weights)
 REAL = ("smollm2-135m",)
 
 
+def head_dim(name: str) -> int:
+    """The attention head dim of model ``name`` (a shape's or a real model's)."""
+    if name in SHAPES:
+        return SHAPES[name][1]["head_dim"]
+    from bench.models import info
+
+    return info(name).head_dim
+
+
+def context_of(name: str) -> int:
+    """The longest context model ``name`` takes (a shape's ``max_position_embeddings``, a real model's context)."""
+    if name in SHAPES:
+        return SHAPES[name][1]["max_position_embeddings"]
+    from bench.models import info
+
+    return info(name).context
+
+
 def shape_layers(name: str) -> int | None:
     """The decoder layers of shape ``name``; None for a real model."""
     return SHAPES[name][1]["num_hidden_layers"] if name in SHAPES else None

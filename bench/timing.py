@@ -119,14 +119,21 @@ def validate(args) -> list[dict] | None:
         raise UsageError(f"--row-cache-rows must lie in 0..{1 << 20}, got {args.row_cache_rows}")
     if not 1 <= args.host_gb <= 1000:
         raise UsageError(f"--host-gb must lie in 1..1000, got {args.host_gb}")
-    if args.readme is not None and (args.replot is None
-                                    or timing_report.README_START not in timing_report.read(args.readme)):
-        raise UsageError(f"--readme needs --replot and a file with the marker {timing_report.README_START!r}")
+    if args.readme is not None:
+        text = timing_report.read(args.readme) if args.replot is not None else ""
+        start, end = timing_report.README_START, timing_report.README_END
+        if start not in text or end not in text.split(start, 1)[1]:
+            raise UsageError(f"--readme needs --replot and a file with the section {start!r} ... {end!r}")
     if args.replot is None and not args.stats.is_file():
         raise UsageError(f"--stats: no file {args.stats} (make it with python -m bench channel-stats)")
     writable_folder("--out", args.out)
     file_stem("--name", args.name)
-    return None if args.replot is None else [replot_payload(path) for path in args.replot]
+    if args.replot is None:
+        return None
+    resolved = [path.resolve() for path in args.replot]
+    if len(set(resolved)) < len(resolved):
+        raise UsageError(f"--replot names a file twice: {' '.join(map(str, args.replot))}")
+    return [replot_payload(path) for path in args.replot]
 
 
 # what the table, the plot and the section in docs/results.md read of a timing JSON (``--replot``)
@@ -146,7 +153,9 @@ def run(args: argparse.Namespace) -> Path:
     payloads = validate(args)
     if payloads is not None:
         merged = {**payloads[0], "records": [r for p in payloads for r in p["records"]],
-                  "commands": [p["command"] for p in payloads]}
+                  "commands": [p["command"] for p in payloads],
+                  "link_GBps_runs": sorted({p["link_GBps"] for p in payloads}),  # each run's floor used its own
+                  "device": " / ".join(dict.fromkeys(p["device"] for p in payloads))}
         path = timing_report.write(merged, args.out, args.name, args.command_line)
         if args.readme is not None:
             timing_report.update_readme(args.readme, merged, path)

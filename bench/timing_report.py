@@ -93,10 +93,13 @@ COLUMNS = [("label", "method@bits", "s"), ("mode", "mode", "s"), ("gpu_ms", "GPU
 
 
 def markdown(payload: dict) -> str:
+    rates = payload.get("link_GBps_runs") or [payload["link_GBps"]]  # merged runs: each floor at its run's rate
+    rate = f"{rates[0]:.1f} GB/s" if len(rates) == 1 else \
+        f"each run's own rate ({', '.join(f'{r:.1f}' for r in rates)} GB/s)"
     lines = [f"Whole decode token of Qwen3-8B's shape ({LAYERS} layers × {KV_HEADS} KV heads, G = {GROUP_SIZE}, "
              f"d = {HEAD_DIM}) on {payload['device']}: every layer appends the token's K/V and runs its step. "
              f"GPU: CUDA events, the token queued behind a sleep kernel; wall: host time of an unqueued token; host: "
-             f"enqueue time per layer; floor: link bytes at {payload['link_GBps']:.1f} GB/s (one 1 GiB pinned copy, "
+             f"enqueue time per layer; floor: link bytes at {rate} (one 1 GiB pinned copy, "
              f"same run). Medians. **Synthetic** keys and queries with the per-channel statistics of "
              f"{payload['keys'].split('of ', 1)[1]}.", ""]
     groups: dict[tuple, list[dict]] = {}

@@ -90,6 +90,13 @@ def test_timing_replot_of_the_committed_runs_remakes_the_committed_table(tmp_pat
     runs = [str(RESULTS / f"timing-qwen3-8b-{regime}.json") for regime in ("host", "hbm")]
     main(["timing", "--replot", *runs, "--out", str(tmp_path), "--name", "qwen3-8b"])
     assert (tmp_path / "timing-qwen3-8b.md").read_text() == (RESULTS / "timing-qwen3-8b.md").read_text()
+    assert "floor: link bytes at each run's own rate (53.9, 55.4 GB/s)" in (tmp_path / "timing-qwen3-8b.md").read_text()
+    assert "--replot names a file twice" in refused(["timing", "--replot", runs[0], runs[0], "--out", str(tmp_path)],
+                                                    capsys)
+    readme = tmp_path / "half.md"
+    readme.write_text("<!-- timing:start -->\n")
+    assert "a file with the section" in refused(["timing", "--replot", runs[0], "--readme", str(readme), "--out",
+                                                 str(tmp_path)], capsys)
 
 
 # --- bad list values: argparse names what they should be --------------------------------------------------------

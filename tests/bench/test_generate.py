@@ -12,8 +12,10 @@ WARMUP_COMMAND = "python -m fathom.integrations.warmup --head-dim 128 --group-si
 
 @pytest.mark.parametrize("argv, message", [
     (["--models", "gpt2"], "--models: 'gpt2' is not one of"),
-    (["--contexts", "100"], "--contexts must be >= 256"),
-    (["--batches", "0"], "--batches in 1..64"),
+    (["--contexts", "100"], "--contexts must be in 256..131072 (the models' context)"),
+    (["--models", "smollm2-135m", "--contexts", "100000"], "--contexts must be in 256..8192"),
+    (["--models", "smollm2-135m", "--contexts", "4096", "--systems", "sparq@544"], "integer r in 1..64"),
+    (["--batches", "0"], "--batches must be in 1..64"),
     (["--new-tokens", "4"], "--new-tokens must exceed --warmup"),
     (["--new-tokens", "10", "--warmup", "3", "--profile", "4"], "and --warmup + --profile + 3 when profiling"),
     (["--systems", "sparq"], "--systems: method 'sparq': sparq takes a budget"),
@@ -21,7 +23,8 @@ WARMUP_COMMAND = "python -m fathom.integrations.warmup --head-dim 128 --group-si
     (["--name", "../x"], "--name"),
     (["--layers", "0"], "--layers must be in 1..36"),
     (["--models", "qwen3-8b,llama3.1-8b", "--layers", "33"], "--layers must be in 1..32"),
-    (["--models", "smollm2-135m", "--layers", "4"], "--layers applies to the shapes"),
+    (["--models", "smollm2-135m", "--contexts", "4096", "--layers", "4"], "--layers applies to the shapes"),
+    (["--readme", "README.md"], "--readme README.md: no <!-- generate:start -->"),
     (["--prefill-rows", "0"], "--prefill-rows must be >= 1"),
     (["--hbm-gb", "-1"], "--hbm-gb must be a finite number of GB >= 0"),
     (["--hbm-gb", "nan"], "--hbm-gb must be a finite number of GB >= 0"),
