@@ -173,18 +173,31 @@ def require_calibration(specs: list[MethodSpec], calibration: Path | None, model
 
 
 def check_calibration(path: Path, model: str) -> None:
-    """Refuse a calibration file that is missing or not shaped for ``model``'s KV heads and head dim (FathomCache
-    checks its layers against the model's full-attention layers)."""
-    import numpy as np
+    """Refuse a calibration file that is missing, lacks what the benches read (every array of
+    :class:`fathom.calibration.Calibration`), or is not shaped for ``model``: ``[layers, KV heads, d]`` with the
+    model's KV heads and head dim, and its full-attention layers (every layer of a model without sliding windows)."""
+    import json
+
+    from fathom.calibration import Calibration
 
     if not path.is_file():
         raise UsageError(f"--calibration {path}: no such file")
     info = models.info(model)
     try:
-        with np.load(path) as f:
-            shape = f["sigma2_raw"].shape
-    except (OSError, ValueError, KeyError) as error:
+        calibration = Calibration.load(path)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
         raise UsageError(f"--calibration {path}: not a .calibration.npz of the fidelity bench ({error})") from None
+    shape = calibration.sigma2_raw.shape
     if shape[1:] != (info.kv_heads, info.head_dim):
         raise UsageError(f"--calibration {path}: holds [layers, KV heads, d] = {shape}, {model} has "
                          f"{info.kv_heads} KV heads of d = {info.head_dim}")
+    layers = shape[0]
+    if (info.sliding_window is None and layers != info.layers) or not 1 <= layers <= info.layers:
+        raise UsageError(f"--calibration {path}: holds {layers} layers, {model} has "
+                         f"{info.layers if info.sliding_window is None else 'at most ' + str(info.layers)} "
+                         "full-attention layers")
+    wanted = {"sigma2_rotated": shape, "ds_rank": shape, "basis": shape + (info.head_dim,)}
+    wrong = [name for name, want in wanted.items() if getattr(calibration, name).shape != want]
+    if wrong:
+        raise UsageError(f"--calibration {path}: {wrong[0]} has shape {getattr(calibration, wrong[0]).shape}, "
+                         f"not {wanted[wrong[0]]}")
