@@ -137,6 +137,9 @@ def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path 
         result = Capture.load(cached)
         if {key: result.meta.get(key) for key in ("model_sha256", "text_sha256")} != made_from():
             raise fetch.CacheMismatch(f"{cached} was made from another build of {model_name} or another text")
+        if result.keys.shape[2] != n or len(result.positions) != positions:  # a file renamed or copied over
+            raise fetch.CacheMismatch(f"{cached} holds {result.keys.shape[2]} tokens and {len(result.positions)} "
+                                      f"decode positions, not {n} and {positions}")
         return result
 
     result = fetch.load_cached(path, build, load)
