@@ -51,6 +51,8 @@ def _run(argv: list[str]) -> None:
     commands.add_parser("fetch", help="download, check and convert models and corpora (see fetch --help)")
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
+    if getattr(args, "cache", None) is not None:  # every command's model / corpus / capture cache folder
+        args.cache = cli.writable_folder("--cache", args.cache)
     run = {"fidelity": fidelity.run, "headline": headline.run, "ruler": ruler.run, "agreement": agreement.run,
            "timing": timing.run, "generate": generate.run, "rowreuse": rowreuse.run, "soak": soak.run,
            "channel-stats": channel_stats.run}[args.command]

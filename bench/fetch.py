@@ -475,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         if name not in models.MODELS and not corpora.is_corpus(name):
             parser.error(f"unknown name {name!r}; known: {known}, austen:NOVEL")
+    if args.cache is not None and args.cache.exists() and not args.cache.is_dir():
+        parser.error(f"--cache {args.cache} names an existing file; --cache must be a folder")
     root = cache_dir(args.cache)
     for name in names:
         started = time.perf_counter()
