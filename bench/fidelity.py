@@ -116,7 +116,15 @@ REPLOT_FIELDS = ("command", "synthetic", "capture", "selection", "summary", "rec
 
 def replot_payload(path: Path) -> dict:
     """A fidelity JSON to ``--replot``, refused in one line without the fields the summary is remade from."""
-    return cli.result_json(path, "a fidelity result", REPLOT_FIELDS)
+    required = tuple(f.name for f in dataclasses.fields(MethodResult)  # the per-head figures the table reads too:
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING) + (
+        "rel_error_per_head", "oracle_overlap")  # a run made before them is refused, not half-replotted
+    payload = cli.result_json(path, "a fidelity result", REPLOT_FIELDS, required)
+    for field, keys in (("summary", ("basis", "basis_rule_errors")), ("capture", ("head_dim",))):
+        missing = [key for key in keys if not isinstance(payload[field], dict) or key not in payload[field]]
+        if missing:
+            raise cli.UsageError(f"--replot {path}: not a fidelity result (its {field} lacks {', '.join(missing)})")
+    return payload
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -341,8 +349,11 @@ def replot(args: argparse.Namespace) -> Path:
     keep = {f.name for f in dataclasses.fields(MethodResult)}
     results = [MethodResult(**{k: v for k, v in r.items() if k in keep}) for r in payload["records"]]
     shape, sel, old = payload["capture"], Selection(**payload["selection"]), payload["summary"]
-    summary = summarize(results, shape["head_dim"], old["basis"], old["basis_rule_errors"], old.get("heads_rotated"),
-                        old.get("gains_rule_errors"))
+    try:
+        summary = summarize(results, shape["head_dim"], old["basis"], old["basis_rule_errors"],
+                            old.get("heads_rotated"), old.get("gains_rule_errors"))
+    except KeyError as error:  # the summary compares named methods: a run of fewer cannot be summarised
+        raise cli.UsageError(f"--replot {path}: its records lack {error}, which the summary compares") from None
     payload.update(summary=summary, replotted_by=args.command_line)
     path.write_text(json.dumps(payload, indent=1) + "\n")
     info = {k: payload.get(k) for k in ("synthetic", "model", "evaluation_text", "calibration_text")}

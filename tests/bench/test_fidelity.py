@@ -210,3 +210,21 @@ def test_replot_refuses_a_file_that_is_not_a_fidelity_result(tmp_path, capsys):
     (tmp_path / "c.json").write_text("[1, 2]")
     assert refused(["fidelity", "--replot", str(tmp_path / "c.json")], capsys) == (
         f"error: --replot {tmp_path / 'c.json'}: not a fidelity result (not a JSON object)")
+
+
+def test_replot_refuses_a_result_it_cannot_remake_in_one_line(tmp_path, capsys):
+    """A record without a figure the table reads, a summary without the basis rule, and a run without a method the
+    summary compares are each refused naming the file, not a traceback after part of the work."""
+    from tests.cli import refused
+
+    source = json.loads((RESULTS / "fidelity-smollm2-135m-4k-paul-graham.json").read_text())
+    cases = {"no-error": {**source, "records": [{k: v for k, v in r.items() if k != "rel_error"}
+                                                 for r in source["records"]]},
+             "no-basis": {**source, "summary": {}},
+             "no-sparq": {**source, "records": [r for r in source["records"] if r["label"] != "sparq@68"]}}
+    messages = {"no-error": "record 0 lacks rel_error", "no-basis": "its summary lacks basis",
+                "no-sparq": "its records lack 'sparq@68'"}
+    for name, payload in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(payload))
+        assert messages[name] in refused(["fidelity", "--replot", str(path)], capsys)
