@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 import json
 from pathlib import Path
 
@@ -31,53 +32,83 @@ def rows(results: Path) -> list[dict]:
     """One row per real setting: DS at r = d/4 (the design's fraction) is the primary comparator at every head
     dim; DS-136 (r = 32) a secondary column where it differs (d = 64: half the channels; d = 256: an eighth)."""
     out = []
-    for path in sorted(results.glob("fidelity-*.json")):
-        payload = json.loads(path.read_text())
+    for path, payload in _results(results):
         if payload.get("synthetic") or path.stem.endswith("-quick"):
             continue
-        s, shape = payload["summary"], payload["capture"]
-        d = shape["head_dim"]
-        hits = [s.get(k) for k in ("fathom48_overlap", "ds_quarter_overlap", "sparq68_overlap")]
-        plan = next(label for label in payload["per_layer_plans"] if label.endswith("@48"))  # on the rule's store
-        out.append({"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
-                    "d": d, "basis": f"{s['basis']}, {s.get('variance', 'store (old run)')}" if s.get(
-                        "heads_rotated") is None else f"per head: {s['heads_rotated']} of {s['heads']} rotated",
-                    "ds_quarter": s["ds_quarter_error"], "fathom48": s["fathom48_error"],
-                    "sparq68": s["sparq68_error"], "oracle": s["oracle_error"],
-                    "plan48": next(r["rel_error"] for r in payload["records"] if r["label"] == plan),
-                    "saving_quarter": _saving(s, "_quarter"),
-                    "saving": _saving(s, "") if s["ds_label"] != s["ds_quarter_label"] else "= primary",
-                    "hits": "—" if None in hits else " / ".join(f"{h:.3f}" for h in hits),
-                    "channels": f"{s['channels_touched_48']:.1f} / {d}", "device": payload.get("device", "cpu"),
-                    # the two captures' prefills, when recorded (older cached captures did not record theirs)
-                    "prefill": (payload.get("prefill_evaluation_s", 0) + payload.get("prefill_calibration_s", 0)) / 60
-                    or None,
-                    "evaluation": sum(payload.get(k, 0) for k in ("basis_rule_s", "gains_rule_s", "per_layer_plan_s",
-                                                                   "evaluation_s"))
-                    / 60 or None})
+        with _reading(path):
+            out.append(_row(payload))
     return out
+
+
+def _row(payload: dict) -> dict:
+    """:func:`rows`' row of one fidelity result."""
+    s, shape = payload["summary"], payload["capture"]
+    d = shape["head_dim"]
+    hits = [s.get(k) for k in ("fathom48_overlap", "ds_quarter_overlap", "sparq68_overlap")]
+    plan = next(label for label in payload["per_layer_plans"] if label.endswith("@48"))  # on the rule's store
+    return {"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
+            "d": d, "basis": f"{s['basis']}, {s.get('variance', 'store (old run)')}" if s.get(
+                "heads_rotated") is None else f"per head: {s['heads_rotated']} of {s['heads']} rotated",
+            "ds_quarter": s["ds_quarter_error"], "fathom48": s["fathom48_error"],
+            "sparq68": s["sparq68_error"], "oracle": s["oracle_error"],
+            "plan48": next(r["rel_error"] for r in payload["records"] if r["label"] == plan),
+            "saving_quarter": _saving(s, "_quarter"),
+            "saving": _saving(s, "") if s["ds_label"] != s["ds_quarter_label"] else "= primary",
+            "hits": "—" if None in hits else " / ".join(f"{h:.3f}" for h in hits),
+            "channels": f"{s['channels_touched_48']:.1f} / {d}", "device": payload.get("device", "cpu"),
+            # the two captures' prefills, when recorded (older cached captures did not record theirs)
+            "prefill": (payload.get("prefill_evaluation_s", 0) + payload.get("prefill_calibration_s", 0)) / 60
+            or None,
+            "evaluation": sum(payload.get(k, 0) for k in ("basis_rule_s", "gains_rule_s", "per_layer_plan_s",
+                                                           "evaluation_s")) / 60 or None}
+
+
+def _results(results: Path):
+    """``(path, payload)`` of every ``fidelity-*.json`` in ``results``, one that is not JSON refused naming it."""
+    for path in sorted(results.glob("fidelity-*.json")):
+        with _reading(path):
+            yield path, json.loads(path.read_text(encoding="utf-8"))
+
+
+@contextmanager
+def _reading(path: Path):
+    """A result the headline cannot read refused in one line naming it (not a traceback)."""
+    try:
+        yield
+    except (KeyError, TypeError, StopIteration, AttributeError, ValueError) as error:  # JSONDecodeError is one
+        raise cli.UsageError(f"--results: {path} is not a fidelity result the headline reads "
+                             f"({type(error).__name__}: {error})") from None
 
 
 def family_rows(results: Path) -> list[dict]:
     """One row per real setting that reports every fathom curve (runs since the per-head rule): each curve's
     error at 48 bits and its equal-error saving vs DS at r = d/4."""
     out = []
-    for path in sorted(results.glob("fidelity-*.json")):
-        payload = json.loads(path.read_text())
-        if payload.get("synthetic") or path.stem.endswith("-quick") or not payload["summary"].get("families"):
+    for path, payload in _results(results):
+        if path.stem.endswith("-quick"):
             continue
-        families = payload["summary"]["families"]
-        s, shape = payload["summary"], payload["capture"]
-        row = {"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
-               "sparq68": s["sparq68_error"], "ds_quarter": f"{s['ds_quarter_error']:.4f} ({s['ds_quarter_label']})"}
-        for name in FATHOM_FAMILIES:
-            f = families.get(name)
-            if f is not None:
-                saving = f["equal_error_saving_quarter"]
-                at_most = "≥ " if f["equal_error_how_quarter"] == "at most" else ""
-                row[name] = f"{f['fathom48_error']:.4f} / " + ("—" if saving is None else f"{at_most}{saving:.2f}×")
-        out.append(row)
+        with _reading(path):
+            row = _family_row(payload)
+        if row is not None:
+            out.append(row)
     return out
+
+
+def _family_row(payload: dict) -> dict | None:
+    """:func:`family_rows`' row of one fidelity result (None for a synthetic run or one before every curve)."""
+    if payload.get("synthetic") or not payload["summary"].get("families"):
+        return None
+    families = payload["summary"]["families"]
+    s, shape = payload["summary"], payload["capture"]
+    row = {"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
+           "sparq68": s["sparq68_error"], "ds_quarter": f"{s['ds_quarter_error']:.4f} ({s['ds_quarter_label']})"}
+    for name in FATHOM_FAMILIES:
+        f = families.get(name)
+        if f is not None:
+            saving = f["equal_error_saving_quarter"]
+            at_most = "≥ " if f["equal_error_how_quarter"] == "at most" else ""
+            row[name] = f"{f['fathom48_error']:.4f} / " + ("—" if saving is None else f"{at_most}{saving:.2f}×")
+    return row
 
 
 FAMILY_COLUMNS = [("setting", "model, context (text)", "s"), ("ds_quarter", "DS r=d/4 err", "s"),

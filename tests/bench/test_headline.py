@@ -42,3 +42,12 @@ def test_headline_tables_the_real_settings_only(tmp_path):
 def test_headline_refuses_a_results_folder_that_is_not_one(tmp_path, capsys):
     assert refused(["headline", "--results", str(tmp_path / "nowhere")], capsys) == \
         f"error: --results {tmp_path / 'nowhere'}: not a folder of fidelity-*.json"
+
+
+def test_headline_refuses_a_result_it_cannot_read_naming_it(tmp_path, capsys):
+    (tmp_path / "fidelity-x-4k-prose.json").write_text(json.dumps({"summary": {}, "capture": {"head_dim": 64}}))
+    assert refused(["headline", "--results", str(tmp_path)], capsys).startswith(
+        f"error: --results: {tmp_path / 'fidelity-x-4k-prose.json'} is not a fidelity result the headline reads")
+    (tmp_path / "fidelity-x-4k-prose.json").write_text("{not json")
+    assert "is not a fidelity result the headline reads (JSONDecodeError" in refused(
+        ["headline", "--results", str(tmp_path)], capsys)
