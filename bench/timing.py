@@ -111,6 +111,11 @@ def validate(args) -> list[dict] | None:
         raise UsageError(f"--modes must be eager and/or graph, got {args.modes}")
     if args.max_tokens < 4096:
         raise UsageError(f"--max-tokens must be >= 4096, got {args.max_tokens}")
+    if not 0 <= args.ragged_sessions <= 64:
+        raise UsageError(f"--ragged-sessions must lie in 0..64 (0: none), got {args.ragged_sessions}")
+    if args.replot is None and not settings_for(args):
+        raise UsageError(f"no setting to time: every --contexts × --sessions exceeds --max-tokens {args.max_tokens} "
+                         f"tokens per layer (or sessions > 1 beyond {MANY_SESSIONS_UP_TO} tokens)")
     if not 1 <= args.reps <= 50:
         raise UsageError(f"--reps must lie in 1..50, got {args.reps}")
     if not 0 <= args.hbm_planes <= 4:

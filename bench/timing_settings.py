@@ -53,7 +53,7 @@ def settings_for(args) -> list[Setting]:
                 if sessions > 1 and context > MANY_SESSIONS_UP_TO or sessions * context > args.max_tokens:
                     continue
                 out.append(Setting(context, sessions, regime, ragged=sessions == args.ragged_sessions))
-            if context >= 1048576 and (regime == "host" or not args.skip_large_k_hbm):
+            if context >= 1048576 and context <= args.max_tokens and (regime == "host" or not args.skip_large_k_hbm):
                 out.append(Setting(context, 1, regime, k=2048))
     return out
 
