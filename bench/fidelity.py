@@ -43,6 +43,7 @@ FATHOM_BUDGETS = (32, 48, 64, 68, 92, 136)  # 68: matched to SparQ r = d/8 at d 
 PLAN_MEANS = (48, 64)
 BASIS_RULE_BUDGETS = (48, 64)  # the raw-vs-rotated decision compares these budgets on calibration text
 QUICK_MODEL, QUICK_CONTEXT, QUICK_POSITIONS = "smollm2-135m", 4096, 32
+CALIBRATION_CORPUS = "austen"  # the calibration text when --calibration-corpus is not given
 EVALUATION_CORPUS = "paul-graham"
 DEVICES = ("cpu", "cuda")
 SYNTHETIC_QUICK = SyntheticConfig(layers=4, kv_heads=2, group_size=4, head_dim=128, tokens=4096, positions=16)
@@ -88,9 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", type=Path, default=None, help="evaluation text: any UTF-8 file")
     parser.add_argument("--corpus", default=None, help=f"evaluation corpus when no --text is given: {corpora} "
                                                        f"(default {EVALUATION_CORPUS})")
-    parser.add_argument("--calibration-corpus", default="austen",
+    parser.add_argument("--calibration-corpus", default=None,
                         help="calibration corpus, not the evaluation one: the same choices as --corpus "
-                             "(default %(default)s)")
+                             f"(default {CALIBRATION_CORPUS})")
     parser.add_argument("--positions", type=int, default=None, help="decode positions P (default 128; 64 at >= 64k)")
     parser.add_argument("--synthetic", action="store_true", help="synthetic keys instead of a real model")
     parser.add_argument("--quick", action="store_true",
@@ -141,7 +142,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.synthetic:
         given = [flag for flag, value in (("--model", args.model), ("--context", args.context),
                                           ("--positions", args.positions), ("--text", args.text),
-                                          ("--corpus", args.corpus)) if value is not None]
+                                          ("--corpus", args.corpus), ("--calibration-corpus", args.calibration_corpus))
+                 if value is not None]
         if given:
             raise cli.UsageError(f"{given[0]} does not apply to --synthetic (its shape is fixed; see --quick)")
         cfg = SYNTHETIC_QUICK if args.quick else SYNTHETIC_FULL
@@ -171,6 +173,7 @@ def _check_real(args: argparse.Namespace) -> tuple[int, int]:
                              f"got {args.positions}")
     if args.positions is None:  # a default too long for a short --context is reported as a too-short context
         args.positions = QUICK_POSITIONS if args.quick else decode_positions(args.context)
+    args.calibration_corpus = args.calibration_corpus or CALIBRATION_CORPUS
     known = f"{', '.join(CORPORA)} or austen:NOVEL ({', '.join(AUSTEN_NOVELS)})"
     for flag, name in (("--corpus", args.corpus), ("--calibration-corpus", args.calibration_corpus)):
         if name is not None and not is_corpus(name):
