@@ -181,7 +181,7 @@ def test_contexts_below_1024_or_not_whole_k_are_named_by_tokens(monkeypatch, tmp
 
 
 def test_quick_results_go_to_a_folder_git_ignores(tmp_path):
-    args = SimpleNamespace(model=None, context=None, text=None, corpus=None, calibration_corpus="austen",
+    args = SimpleNamespace(model=None, context=None, text=None, corpus=None, calibration_corpus=None,
                            positions=None, synthetic=True, quick=True, cache=None, out=None, name=None, k=None,
                            device="cpu")
     fidelity.check_arguments(args)
