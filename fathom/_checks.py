@@ -73,3 +73,15 @@ def orthonormal(name: str, basis, d: int) -> np.ndarray:
         raise ValueError(f"{name} must be orthonormal: RᵀR = I within {ORTHONORMAL_ATOL}, "
                          f"off by up to {np.abs(gram - np.eye(d)).max():.3g}")
     return basis
+
+
+def stream_sessions(streams: int, heads_per_session, lengths) -> None:
+    """A kernel's streams and sessions agree: stream ``g`` is session ``g // heads_per_session`` (an integer >= 1
+    that divides ``streams``), and ``lengths`` holds one length per session — else a kernel would index past it."""
+    if not is_integer(heads_per_session) or heads_per_session < 1 or streams % heads_per_session:
+        raise ValueError(f"heads_per_session must be an integer >= 1 dividing the {streams} streams, got "
+                         f"{heads_per_session!r}")
+    if tuple(lengths.shape) != (streams // heads_per_session,):
+        raise ValueError(f"lengths must hold one length per session, [{streams // heads_per_session}], got "
+                         f"{list(lengths.shape)}")
+

@@ -16,6 +16,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from fathom import _checks
 from fathom.cuda.half import bf16_bits_to_f32
 
 ROWS_IN_FLIGHT = 2  # rows each thread of the gather loads before it stores
@@ -213,6 +214,10 @@ def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool,
                                                    or slab.shape[0] != streams or slab.shape[2:] != kv.shape[2:]):
         raise ValueError(f"a row cache needs both source [{streams}, {max_rows}] and a slab [{streams}, slots, "
                          f"{kv.shape[2]}, {kv.shape[3]}], and sparse rows")
+    if row_index.shape != (streams, max_rows) or n_rows.shape != (streams,):
+        raise ValueError(f"row_index must be [{streams}, {max_rows}] as staged and n_rows [{streams}], got "
+                         f"{row_index.shape}, {n_rows.shape}")
+    _checks.stream_sessions(streams, heads_per_session, lengths)
     if not cached:  # placeholders of the same types (never read): one compiled kernel serves both
         source, slab = row_index, staged
     if streams and max_rows:
@@ -236,6 +241,10 @@ def attend(q, staged, head_mask, n_rows, lengths, heads_per_session: int, dense:
             or chunks * CHUNK_ROWS < staged.shape[1] or d % 4 or staged.shape[3] != d // 4:
         raise ValueError(f"partials {part_m.shape} / {part_o.shape} do not cover {staged.shape[1]} rows of "
                          f"{heads} heads × {d} channels (d % 4 == 0)")
+    if staged.shape[0] != streams or head_mask.shape != staged.shape[:2] or n_rows.shape != (streams,):
+        raise ValueError(f"staged and head_mask must be [{streams}, max_rows] alike and n_rows [{streams}], got "
+                         f"{staged.shape[:2]}, {head_mask.shape}, {n_rows.shape}")
+    _checks.stream_sessions(streams, heads_per_session, lengths)
     if streams:
         _softmax_kernel(heads, d // 4)[(chunks, streams), CHUNK_ROWS, stream](
             q, staged, head_mask, n_rows, lengths, heads_per_session, dense, scale, status, part_m, part_l, part_o)

@@ -35,6 +35,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from fathom import _checks
 from fathom.cuda.interop import SIMULATED
 from fathom.quantize import BLOCK, MAX_DEPTH
 from fathom.waterfill import BISECTION_STEPS
@@ -199,6 +200,7 @@ def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, length
         raise ValueError(f"from_store must be uint8 [{streams}], got {from_store.dtype} {from_store.shape}")
     if depths.shape != (streams, d) or depths.dtype != np.int8:
         raise ValueError(f"depths must be int8 {(streams, d)}, got {depths.dtype} {depths.shape}")
+    _checks.stream_sessions(streams, heads_per_session, lengths)
     if d > MAX_D or not (1 <= threads <= 32 or (threads <= MAX_THREADS and threads % 32 == 0)):
         raise ValueError(f"d must be <= {MAX_D} and threads in 1..32 or a multiple of 32 up to {MAX_THREADS}, "
                          f"got d = {d}, threads = {threads}")
@@ -235,7 +237,10 @@ def _top_channels_kernel(q, r, depths):
 def top_channels(q, r: int, depths, threads: int = THREADS, stream=0) -> None:
     """SparQ's depths: the twin of ``fathom.methods.QueryTopChannels.depths`` (``argsort(-Σ|q|, stable)[:r]``)."""
     streams, _, d = q.shape
-    if d > MAX_D or depths.shape != (streams, d):
-        raise ValueError(f"d must be <= {MAX_D} and depths [{streams}, {d}], got {d}, {depths.shape}")
+    if d > MAX_D or depths.shape != (streams, d) or depths.dtype != np.int8:
+        raise ValueError(f"d must be <= {MAX_D} and depths int8 [{streams}, {d}], got {d}, {depths.dtype} "
+                         f"{depths.shape}")
+    if not _checks.is_integer(r) or not 0 <= r <= d:
+        raise ValueError(f"r must be an integer in 0..{d} channels, got {r!r}")
     if streams:
         _top_channels_kernel[streams, min(threads, d), stream](q, r, depths)

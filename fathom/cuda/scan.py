@@ -29,6 +29,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from fathom import _checks
 from fathom.cuda.block import RADIX, exclusive_scan, flush_histogram, order_key
 from fathom.cuda.half import f16_bits_to_f32, f32_to_bits
 from fathom.cuda.interop import launch_bounds
@@ -264,6 +265,9 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
     if heads > MAX_HEADS or d > MAX_D or not 1 <= warps <= 32:
         raise ValueError(f"at most {MAX_HEADS} query heads per KV head, {MAX_D} channels and 32 warps, "
                          f"got {heads}, {d}, {warps}")
+    if depths.shape != (streams, d) or depths.dtype != np.int8:
+        raise ValueError(f"depths must be int8 [{streams}, {d}], got {depths.dtype} {depths.shape}")
+    _checks.stream_sessions(streams, heads_per_session, lengths)
     per_warp = min(blocks_per_warp(heads), layout.cap)
     warps = min(warps, layout.cap // per_warp)
     if layout.cap % (warps * per_warp):

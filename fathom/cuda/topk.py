@@ -27,6 +27,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from fathom import _checks
 from fathom.cuda.block import RADIX, exclusive_scan, order_key
 from fathom.quantize import BLOCK
 
@@ -355,9 +356,11 @@ def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local
         raise ValueError(f"score bits {score_bits.dtype} {score_bits.shape} / winners {winners.shape} / histograms "
                          f"{top_hist.shape} {hist2.shape} / candidates {cand_key.shape} / bitmap {any_rows.shape} do "
                          f"not fit (at most 32 heads)")
-    if min(k, sink, local) < 0 or not 1 <= threads <= MAX_THREADS or not 32 <= select_threads <= MAX_THREADS:
+    if min(k, sink, local) < 0 or not 1 <= threads <= MAX_THREADS or not 32 <= select_threads <= MAX_THREADS \
+            or not _checks.is_integer(per_block) or per_block < 1:
         raise ValueError(f"k, sink, local must be >= 0, threads in 1..{MAX_THREADS}, select_threads in "
-                         f"32..{MAX_THREADS}")
+                         f"32..{MAX_THREADS}, per_block an integer >= 1")
+    _checks.stream_sessions(streams, heads_per_session, lengths)
     if streams and heads and tokens:
         chunks = (math.ceil(tokens / per_block), heads, streams)
         for level in (0, 1):
@@ -384,6 +387,12 @@ def union_rows(any_rows, winners, lengths, heads_per_session: int, block_rows, r
     if not 1 <= threads <= MAX_THREADS or block_rows.shape != (streams, ctas) or winners.shape[0] != streams:
         raise ValueError(f"need threads in 1..{MAX_THREADS} and block_rows [{streams}, {ctas}]; got {threads}, "
                          f"{block_rows.shape}")
+    if head_mask.shape != row_index.shape or row_index.shape[0] != streams or n_rows.shape != (streams,) \
+            or winners.shape[1] > words * 64:
+        raise ValueError(f"row_index and head_mask must be [{streams}, max_rows] alike, n_rows [{streams}], winners "
+                         f"within the bitmap's {words * 64} tokens; got {row_index.shape}, {head_mask.shape}, "
+                         f"{n_rows.shape}, {winners.shape}")
+    _checks.stream_sessions(streams, heads_per_session, lengths)
     if streams:
         _count_rows_kernel[(ctas, streams), threads, stream](any_rows, lengths, heads_per_session, block_rows)
         _write_rows_kernel[(ctas, streams), threads, stream](any_rows, winners, lengths, heads_per_session,

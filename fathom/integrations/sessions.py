@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from fathom import _checks
 from fathom.calibration import Calibration
 from fathom.decode import DecodeStep, HeadIndex, decode_step
 from fathom.growing import GrowingRows
@@ -208,16 +209,39 @@ class ReferenceSessions:
 
     def append(self, layer: int, session: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``m`` tokens to one session: ``k [H, m, d]``, ``v [H, m, dv]`` (kept as float32)."""
-        self._open_layer(layer, v.shape[-1])
-        k, v = _numpy(k), _numpy(v)
+        if not _checks.is_integer(session) or not 0 <= session < self.shape.sessions:
+            raise ValueError(f"session must be an integer in 0..{self.shape.sessions - 1}, got {session!r}")
+        k, v = self._checked(layer, _numpy(k)[None], _numpy(v)[None])
+        self._append(layer, session, k[0], v[0])
+
+    def _append(self, layer: int, session: int, k: np.ndarray, v: np.ndarray) -> None:
         for h in range(self.shape.kv_heads):
             self.indexes[layer][session][h].append(k[h])
             self.values[layer][session][h].append(v[h])
+
+    def _checked(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``k [S', H, m, d]``, ``v [S', H, m, dv]`` of ``S'`` sessions, refused (ValueError) before any session
+        holds any of them: the shapes, finite values and each store's float16 block-scale range (in its basis)."""
+        H, d = self.shape.kv_heads, self.shape.head_dim
+        if k.ndim != 4 or k.shape[1] != H or k.shape[3] != d or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"k must be [sessions, {H}, m, {d}] and v [sessions, {H}, m, dv] with the same m, got "
+                             f"{list(k.shape)} and {list(v.shape)}")
+        if not (np.isfinite(k).all() and np.isfinite(v).all()):
+            raise ValueError("k and v must be finite (found NaN or inf)")
+        self._open_layer(layer, v.shape[-1])
+        for h, index in enumerate(self.indexes[layer][0]):  # every session of a head shares its stores' basis
+            for store in index.stores.values():
+                store.checked(np.ascontiguousarray(k[:, h].reshape(-1, d)))
+        return k, v
 
     def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A chunk of ``m`` tokens for every session: ``q [S, H·G, m, d]``, ``k, v [S, H, m, d]`` -> float32
         ``[S, H·G, m, dv]``, each token attending densely (exact float32) over what its session holds and causally
         within the chunk; then the chunk is appended."""
+        if q.shape[0] != self.shape.sessions or k.shape[0] != self.shape.sessions:
+            raise ValueError(f"q, k and v must hold the {self.shape.sessions} sessions, got {q.shape[0]}, "
+                             f"{k.shape[0]}")
+        self._checked(layer, _numpy(k), _numpy(v))  # before the first session takes the chunk
         out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float32)
         for s in range(self.shape.sessions):
             held = self.indexes[layer][s] if self.indexes[layer] is not None else None
@@ -233,8 +257,14 @@ class ReferenceSessions:
     def step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Append ``k, v [S, H, d]`` to every session, then decode ``q [S, H·G, d]`` -> float32 ``[S, H·G, dv]``."""
         G = self.shape.group_size
-        for s in range(self.shape.sessions):
-            self.append(layer, s, k[s, :, None], v[s, :, None])
+        S, H, d = self.shape.sessions, self.shape.kv_heads, self.shape.head_dim
+        if tuple(q.shape) != (S, H * G, d):
+            raise ValueError(f"q must be [{S}, {H * G}, {d}], got {list(q.shape)}")
+        keys, values = self._checked(layer, _numpy(k)[:, :, None], _numpy(v)[:, :, None])  # before any appends
+        if keys.shape[0] != S:
+            raise ValueError(f"k and v must hold the {S} sessions, got {keys.shape[0]}")
+        for s in range(S):
+            self._append(layer, s, keys[s], values[s])
         queries = _numpy(q)
         out = np.zeros(queries.shape[:2] + (v.shape[-1],), np.float32)
         head_basis = self.stats[layer].head_basis
@@ -317,13 +347,24 @@ class OffloadedSessions:
 
     def append(self, layer: int, session: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_calibrated(layer, appending=True)
+        if not _checks.is_integer(session) or not 0 <= session < self.shape.sessions:
+            raise ValueError(f"session must be an integer in 0..{self.shape.sessions - 1}, got {session!r}")
+        self._check_shapes(k[None], v[None])  # before the store grows for them
         self._room(int(self.cache.lengths(layer)[session]) + k.shape[1])
         self.cache.append(layer, k[None], v[None], sessions=[session])
+
+    def _check_shapes(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        H, d = self.shape.kv_heads, self.shape.head_dim
+        if k.ndim != 4 or k.shape[1] != H or k.shape[3] != d or tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"k and v must be [sessions, {H}, m, {d}], got {list(k.shape)} and {list(v.shape)}")
 
     def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """As :meth:`ReferenceSessions.extend`, in ``q``'s dtype on the GPU: each session's bf16 K/V rows are
         read from pinned memory for the chunk's dense attention, then the chunk is appended."""
         self._check_calibrated(layer, appending=True)
+        self._check_shapes(k, v)
+        if k.shape[0] != self.shape.sessions:
+            raise ValueError(f"k and v must hold the {self.shape.sessions} sessions, got {k.shape[0]}")
         m = k.shape[2]
         self.reserve(m)
         held = self.cache.lengths(layer)
@@ -442,7 +483,7 @@ class SessionPool:
         is closed."""
         sessions.clear()
         previous = self._idle.pop(sessions.key, None)
-        if previous is not None:
+        if previous is not None and previous is not sessions:  # given twice: kept once, not closed
             previous.close()
         self._idle[sessions.key] = sessions
         while len(self._idle) > self.limit:

@@ -102,3 +102,13 @@ def test_waterfill_refuses_launch_shapes_it_cannot_split():
         with pytest.raises(ValueError, match="threads|split_bits"):
             waterfill(q, sigma2, sigma2, _sources(1, 0), 10.0, depths, _lengths(1), threads=threads,
                       split_bits=split_bits)
+
+
+def test_top_channels_refuses_an_r_or_depths_it_cannot_write():
+    q = cuda.to_device(np.ones((1, 2, 8), np.float32))
+    for r, depths, message in ((-3, np.zeros((1, 8), np.int8), "r must be an integer in 0..8"),
+                               (9, np.zeros((1, 8), np.int8), "r must be an integer in 0..8"),
+                               (2, np.zeros((1, 8), np.float32), "depths int8")):
+        with pytest.raises(ValueError, match=message):
+            top_channels(q, r, cuda.to_device(depths))
+

@@ -66,3 +66,18 @@ def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, si
         np.testing.assert_array_equal(row_index.copy_to_host()[g, :len(rows)], rows)
         bits = (head_mask.copy_to_host()[g, :len(rows), None] >> np.arange(heads)) & 1
         np.testing.assert_array_equal(bits.astype(bool), want[:, rows].T)
+
+
+def test_a_kernel_refuses_streams_and_sessions_that_do_not_agree():
+    """heads_per_session must divide the streams and lengths hold one per session: else the kernels index past
+    lengths (the wrappers of the scan, plan, selection, row union, gather and attention share the check)."""
+    import pytest
+
+    from fathom import _checks
+
+    lengths = np.zeros(2, np.int32)
+    _checks.stream_sessions(4, 2, lengths)
+    for streams, heads_per_session, message in ((4, 0, "heads_per_session"), (4, 3, "heads_per_session"),
+                                                (4, True, "heads_per_session"), (2, 2, "lengths must hold")):
+        with pytest.raises(ValueError, match=message):
+            _checks.stream_sessions(streams, heads_per_session, lengths)

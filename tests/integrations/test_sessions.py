@@ -62,6 +62,33 @@ def test_the_pool_keeps_one_idle_sessions_per_key_and_closes_the_oldest_beyond_i
     assert pool.take("a") is None  # taken once
     pool.clear()
     assert c.closed and len(pool) == 0
+    pool.give(a2)
+    pool.give(a2)  # given twice: kept, not closed
+    assert not a2.closed and pool.take("a") is a2
+
+
+def test_reference_sessions_refuse_bad_tokens_before_any_session_or_head_takes_them():
+    """A NaN in head 1, K and V of different lengths or heads, a session out of range, a query of other heads: each
+    refused with nothing appended anywhere (the reference appended head by head, session by session)."""
+    S, H, d = 2, 2, 8
+    sessions = ReferenceSessions(SessionShape(S, 1, H, 1, d), M.dense(), Selection(k=0), scale=d ** -0.5)
+    k, v = torch.randn(S, H, 5, d), torch.randn(S, H, 5, d)
+    sessions.append(0, 0, k[0], v[0])
+    sessions.append(0, 1, k[1], v[1])
+    nan_head_1 = k[0].clone()
+    nan_head_1[1, 0, 0] = float("nan")
+    bad_calls = [(lambda: sessions.append(0, 0, nan_head_1, v[0]), "must be finite"),
+                 (lambda: sessions.append(0, 0, k[0], v[0, :, :3]), "with the same m"),
+                 (lambda: sessions.append(0, 0, torch.randn(3, 5, d), torch.randn(3, 5, d)), "k must be"),
+                 (lambda: sessions.append(0, -1, k[0], v[0]), "session must be an integer in 0..1"),
+                 (lambda: sessions.step(0, torch.randn(S, H, d), torch.stack([k[0, :, 0], nan_head_1[:, 0]]),
+                                        torch.randn(S, H, d)), "must be finite"),
+                 (lambda: sessions.step(0, torch.randn(S, 3, d), k[:, :, 0], v[:, :, 0]), "q must be")]
+    for call, message in bad_calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert sessions.lengths(0).tolist() == [5, 5]
+        assert [len(index.keys) for row in sessions.indexes[0] for index in row] == [5] * (S * H)
 
 
 def test_layer_stats_reads_one_layer_of_a_calibration_in_each_store():
