@@ -270,14 +270,8 @@ class SharedPrefill:
         self.prompt, self.seconds, self.rows_per_forward = prompt, seconds, rows_per_forward
 
     def cache(self, model, label: str, spec, **store):
-        """A new cache of the system holding the prompt: a FathomCache made with ``prompt=`` (and ``store``:
-        :func:`store_settings`), transformers' DynamicCache (offloaded for ``hf-offloaded``) given every layer's
-        keys and values by its own ``update`` (:func:`bench.decoding.hf_cache`)."""
-        from bench.decoding import hf_cache
-
-        if spec is not None:
-            return spec.cache(model, prompt=self.prompt, **store)
-        return hf_cache(model, self.prompt, offloading=label == "hf-offloaded")
+        """A new cache of the system holding the prompt (:func:`_cache_for`)."""
+        return _cache_for(model, label, spec, self.prompt, **store)
 
 
 def shared_prefill(model, ids, mask, rows_per_forward: int) -> SharedPrefill:
@@ -325,10 +319,15 @@ def store_settings(args) -> dict:
     return {"hbm_gb": args.hbm_gb, "row_cache_rows": args.row_cache_rows}
 
 
-def _cache_for(model, label: str, spec, **store):
+def _cache_for(model, label: str, spec, prompt=None, **store):
+    """A new cache of the system, holding ``prompt`` (a shared prefill) when given: a FathomCache of ``spec`` (and
+    ``store``: :func:`store_settings`), else transformers' DynamicCache, offloaded for ``hf-offloaded``
+    (:func:`bench.decoding.hf_cache`: given every layer's keys and values by its own ``update``)."""
     from bench.decoding import hf_cache
 
-    return spec.cache(model, **store) if spec is not None else hf_cache(model, offloading=label == "hf-offloaded")
+    if spec is not None:
+        return spec.cache(model, prompt=prompt, **store)
+    return hf_cache(model, prompt, offloading=label == "hf-offloaded")
 
 
 def _one_call(model, label, spec, ids, mask, args, profile: int = 0, cache=None, new_tokens: int | None = None,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from contextlib import contextmanager
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench import cli
@@ -67,7 +67,8 @@ def _results(results: Path):
     """``(path, payload)`` of every ``fidelity-*.json`` in ``results``, one that is not JSON refused naming it."""
     for path in sorted(results.glob("fidelity-*.json")):
         with _reading(path):
-            yield path, json.loads(path.read_text(encoding="utf-8"))
+            payload = json.loads(path.read_text(encoding="utf-8"))
+        yield path, payload
 
 
 @contextmanager

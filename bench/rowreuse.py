@@ -33,10 +33,10 @@ from tqdm import tqdm
 from bench import cli, corpora, decoding, fetch, models
 from bench.cli import UsageError
 from bench.decoding import MethodSpec
-from fathom.selection import Selection
 from bench.report import RESULTS, context_label, markdown_table, write_json
 from bench.row_cache import lru_hits, previous_step_reuse
 from fathom import methods
+from fathom.selection import Selection
 
 MIN_CONTEXT = 512  # tokens: the prompt must leave top-k a choice beyond sink, local and k
 

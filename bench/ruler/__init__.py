@@ -17,7 +17,6 @@ context × method the mean score, the sample count and a 95% Wilson interval.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -352,7 +351,7 @@ def _partial(samples: list[dict], scored: list[dict], methods: list[str]) -> str
 
 def _sha256(path: Path) -> str:
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return fetch.sha256_file(path)
     except OSError as error:
         raise UsageError(f"--samples {path}: not readable ({error})") from None
 

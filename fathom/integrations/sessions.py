@@ -241,7 +241,7 @@ class ReferenceSessions:
         if q.shape[0] != self.shape.sessions or k.shape[0] != self.shape.sessions:
             raise ValueError(f"q, k and v must hold the {self.shape.sessions} sessions, got {q.shape[0]}, "
                              f"{k.shape[0]}")
-        self._checked(layer, _numpy(k), _numpy(v))  # before the first session takes the chunk
+        keys, values = self._checked(layer, _numpy(k), _numpy(v))  # before the first session takes the chunk
         out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float32)
         for s in range(self.shape.sessions):
             held = self.indexes[layer][s] if self.indexes[layer] is not None else None
@@ -251,7 +251,7 @@ class ReferenceSessions:
                 else torch.zeros((self.shape.kv_heads, 0, v.shape[-1]))
             out[s] = dense_chunk_attention(q[s].float().cpu(), held_k, held_v, k[s].float().cpu(), v[s].float().cpu(),
                                            self.scale)
-            self.append(layer, s, k[s], v[s])
+            self._append(layer, s, keys[s], values[s])
         return out.to(q.device)
 
     def step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
