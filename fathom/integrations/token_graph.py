@@ -36,6 +36,7 @@ import torch
 
 from fathom.cuda.interop import SIMULATED
 from fathom.host.graph import capture
+from fathom.integrations.decoding import ordinary_tensors
 from fathom.integrations.sessions import OffloadedSessions
 from fathom.integrations.transformers import FathomCache, FathomLayer
 
@@ -89,8 +90,9 @@ def decode(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, 
                 return input_ids
             if decoding.sessions is None:  # fathom-plan planned on the prompt: its sessions open at the first step
                 decoding.open_planned(B, input_ids.device)
-            decoding.sessions.reserve((max_length or input_ids.shape[1]) - input_ids.shape[1] + 1)
-            graph = TokenGraph.of(model, cache, B)
+            with ordinary_tensors():  # the store grown and the graph's buffers made here are written later
+                decoding.sessions.reserve((max_length or input_ids.shape[1]) - input_ids.shape[1] + 1)
+                graph = TokenGraph.of(model, cache, B)
         position = position + 1
         # The next token is launched before the host learns whether this one ended every row, so the GPU decodes
         # while the host waits: no gap per token. An EOS stop then costs one token's work, and the cache holds the

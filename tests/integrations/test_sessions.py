@@ -287,6 +287,34 @@ def test_offloaded_sessions_are_pooled_grown_and_continue_a_conversation_as_the_
     POOL.clear()
 
 
+def test_offloaded_sessions_made_under_inference_mode_are_written_outside_it():
+    """A cache prefilled under ``torch.inference_mode`` continues under generate's ``no_grad``, and its pooled
+    sessions serve the next cache outside inference mode: the sessions' tensors are ordinary ones (inference
+    tensors refused every later write: a RuntimeError at the first step, and at close, in the pool's clear)."""
+    from fathom.cuda.interop import DEVICE
+    from fathom.integrations.sessions import POOL
+
+    model = tiny_offload_llama()
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    settings = dict(OFFLOAD_SETTINGS, pool=True)
+    reference = FathomCache(model, "fathom", backend="reference", **settings)
+    model(ids[:, :60], attention_mask=mask[:, :60], past_key_values=reference, use_cache=True)
+    expected = generate(model, ids, mask, reference, new=2)  # the first 60 as a prefill, 10 as a chunk, 2 steps
+    fresh = generate(model, ids, mask, FathomCache(model, "fathom", backend="reference", **settings), new=2)
+    POOL.clear()
+    first = FathomCache(model, "fathom", backend="offloaded", **settings)
+    with torch.inference_mode():
+        model(ids[:, :60], attention_mask=mask[:, :60], past_key_values=first, use_cache=True)
+    torch.testing.assert_close(generate(model, ids, mask, first, new=2), expected, rtol=0, atol=0)
+    first.close()  # its sessions, opened under inference mode, emptied into the pool outside it
+    assert len(POOL) == 1
+    pooled = FathomCache(model, "fathom", backend="offloaded", **settings)
+    with torch.inference_mode():
+        torch.testing.assert_close(generate(model, ids, mask, pooled, new=2), fresh, rtol=0, atol=0)
+    pooled.close()
+    POOL.clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["dense", "oracle", "fathom", "fathom-rotated", "sparq", "double-sparsity"])
 def test_on_a_gpu_the_offloaded_path_generates_the_reference_paths_tokens(method):
