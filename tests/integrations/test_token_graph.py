@@ -30,15 +30,17 @@ def _generate(model, ids, mask, cache, new, **kwargs):
 
 def test_the_token_graph_generates_what_generates_own_loop_does_and_continues_a_conversation():
     """Turn 1 captures the token graph; turn 2 (a chunk, then decoding) replays the same graph, kept with the
-    sessions, bound to the cache's new state."""
+    sessions, bound to the cache's new state. Turn 1 runs under ``torch.inference_mode`` and turn 2 outside it:
+    what turn 1 made (the sessions, the graph's buffers) must be ordinary tensors that turn 2 may write."""
     model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
     settings = OFFLOAD_SETTINGS
     eager = FathomCache(model, "fathom", backend="offloaded", **settings)
     expected = _generate(model, ids, mask, eager, new=2)
     cache = FathomCache(model, "fathom", backend="offloaded", **settings)
-    torch.testing.assert_close(_generate(model, ids, mask, cache, new=2, custom_generate=decode), expected,
-                               rtol=0, atol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(_generate(model, ids, mask, cache, new=2, custom_generate=decode), expected,
+                                   rtol=0, atol=0)
     assert cache.lengths().tolist() == [71, 62]  # the prompts' real tokens and one decoded, the last not yet held
     kept = dict(cache.decoding.sessions.token_graphs)
     assert len(kept) == 1
