@@ -83,6 +83,7 @@ def capture(model, ids, positions: int | None = None, meta: dict | None = None) 
 
     n = ids.shape[1]
     positions = positions or decode_positions(n)
+    _check_positions(positions, n)
     layers = global_layers(model.config)
     with tqdm(total=model.config.num_hidden_layers, desc=f"prefill {n} tokens", unit="layer") as bar:
         recorder = _Recorder(positions, set(layers), bar)
@@ -100,6 +101,13 @@ def capture(model, ids, positions: int | None = None, meta: dict | None = None) 
                    np.arange(n - P, n), scales.pop(), {**(meta or {}), "layers": layers, "synthetic": False})
 
 
+def _check_positions(positions: int, n: int) -> None:
+    """A capture records the queries of its last ``positions`` tokens: more than the ``n`` it holds would be fewer
+    queries than its name and meta promise (and a cached one that never matches, made twice per call)."""
+    if not 1 <= positions <= n:
+        raise ValueError(f"decode positions must lie in 1..{n} for a {n}-token capture, got {positions}")
+
+
 def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path | None = None,
                  positions: int | None = None, loaded=None, device: str = "cpu") -> tuple[Capture, float]:
     """The capture of ``model_name`` over the first ``n`` tokens of a corpus (a name or a UTF-8 file),
@@ -112,6 +120,7 @@ def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path 
     ``device``: where the fp32 prefill runs ("cpu" or "cuda"); recorded in the capture's meta.
     """
     positions = positions or decode_positions(n)
+    _check_positions(positions, n)  # before the text, the model or a prefill is touched
     if isinstance(corpus, Path):
         text, text_name = corpus.read_text(encoding="utf-8"), corpus.name
     else:
@@ -179,3 +188,17 @@ def check_probe_arguments(args):
         decoding.check_calibration(calibration, args.model)
     cli.writable_folder("--out", args.out)
     return info, calibration
+
+
+def probe_capture(parser, args) -> Capture:
+    """The capture a research probe reads (:func:`load_capture` of ``args``' model, corpus, context and positions),
+    its failures in one line as ``python -m bench`` gives them: a text too short for the context
+    (:class:`~bench.cli.UsageError`) exits 2, a failed download or cache repair (:class:`~bench.fetch.FetchError`)
+    exits 1."""
+    try:
+        capture, _ = load_capture(args.model, args.corpus, args.context, positions=args.positions)
+    except UsageError as error:
+        parser.exit(2, f"error: {error}\n")
+    except fetch.FetchError as error:
+        parser.exit(1, f"error: {error}\n")
+    return capture

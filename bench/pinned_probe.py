@@ -13,8 +13,10 @@ import json
 import mmap
 import threading
 import time
+from pathlib import Path
 
-from bench.cli import plain
+from bench.cli import UsageError, plain, writable_file
+from bench.report import command_line
 
 GIB = 1 << 30
 
@@ -23,10 +25,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.pinned_probe",
                                      description=plain(__doc__.split("\n\n")[0]))  # no reST in --help
     parser.add_argument("--gib", type=int, default=8, help="GiB per allocation (default 8)")
-    parser.add_argument("--out", default="bench/results/pinned-probe.json", help="JSON written here")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/pinned-probe.json"),
+                        help="JSON written here (default bench/results/pinned-probe.json)")
     args = parser.parse_args(argv)
     if args.gib < 1:
         parser.error(f"--gib must be >= 1, got {args.gib}")
+    try:  # before the minutes of pinning: the JSON is the last thing written
+        writable_file("--out", args.out)
+    except UsageError as error:
+        parser.error(str(error))
     import torch
 
     if not torch.cuda.is_available():
@@ -92,11 +99,11 @@ def main(argv=None) -> None:
     ways = {"hostalloc+memset": lambda: host_alloc(True), "hostalloc": lambda: host_alloc(False),
             "register t1": lambda: register(1), "register t16": lambda: register(16),
             "register t16 c8": lambda: register(16, 8)}
-    out = {"command": f"python -m bench.pinned_probe --gib {args.gib}", "device": torch.cuda.get_device_name()}
+    out = {"command": command_line(argv, "python -m bench.pinned_probe"), "device": torch.cuda.get_device_name()}
     for name, way in ways.items():
         release, record = way()
         seconds = sum(v for k, v in record.items() if k.endswith("_s"))
-        record.update(free_s=timed_release(release), GB_per_s=args.gib / seconds)
+        record.update(free_s=timed_release(release), GB_per_s=n / 1e9 / seconds)  # n bytes: GiB are not GB
         out[name] = record
         print(name, json.dumps(record), flush=True)
 

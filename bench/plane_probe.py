@@ -20,7 +20,6 @@ once the capture is cached; the capture's prefill is the fidelity bench's, cache
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
@@ -134,10 +133,10 @@ def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[
 
 
 def main(argv=None) -> None:
-    from bench import cli
-    from bench.capture import add_probe_arguments, check_probe_arguments, load_capture
+    from bench import cli, decoding
+    from bench.capture import add_probe_arguments, check_probe_arguments, probe_capture
     from bench.cli import plain
-    from bench.report import write_json
+    from bench.report import command_line, write_json
     from fathom.calibration import Calibration
     from fathom.selection import Selection
 
@@ -150,11 +149,14 @@ def main(argv=None) -> None:
         info, calibration = check_probe_arguments(args)
         if any(not 0 < b <= 4.25 * info.head_dim for b in args.budgets):
             raise cli.UsageError(f"--budgets must lie in (0, {4.25 * info.head_dim}], got {args.budgets}")
+        sel = Selection.for_context(args.context)
+        # a top-k that keeps every token the first position chooses from makes every variant exact: a table of
+        # zero errors (and a division by the design row's zero)
+        decoding.check_top_k(sel, args.context, args.positions, given=False)
     except cli.UsageError as error:
         parser.exit(2, f"error: {error}\n")
-    capture, _ = load_capture(args.model, args.corpus, args.context, positions=args.positions)
+    capture = probe_capture(parser, args)
     loaded = None if calibration is None else Calibration.load(calibration)
-    sel = Selection.for_context(args.context)
     result = evaluate(capture, loaded, args.budgets, sel)
     lines = [f"| variant | {' | '.join(f'{b:g} bits' for b in args.budgets)} |",
              "|---|" + "---|" * len(args.budgets)]
@@ -163,7 +165,7 @@ def main(argv=None) -> None:
             f"{e:.4f} ({(e / result['design'][b] - 1) * 100:+.1f}%)" for b, e in by_budget.items()) + " |")
     print("\n".join(lines))
     path = args.out / f"plane-probe-{args.model}-{args.corpus}-{args.context}.json"
-    command = "python -m bench.plane_probe " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line(argv, "python -m bench.plane_probe")
     write_json(path, command, {"model": args.model, "corpus": args.corpus, "context": args.context,
                                "positions": args.positions, "k": sel.k,
                                "calibration": None if calibration is None else str(calibration),

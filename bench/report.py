@@ -17,9 +17,11 @@ def context_label(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def command_line(argv: list[str] | None = None) -> str:
-    """The command that made a result, as a user would type it."""
-    return "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+def command_line(argv: list[str] | None = None, program: str = "python -m bench") -> str:
+    """The command that made a result, as a user would type it: each argument shell-quoted, so that the line runs
+    again as it ran (a path with a space stays one argument). ``program``: another entry point, e.g. ``python -m
+    bench.tier_split``."""
+    return f"{program} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
 def write_json(path: Path, command: str, payload: dict) -> Path:

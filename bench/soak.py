@@ -19,8 +19,10 @@ from bench.report import RESULTS, markdown_table, write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cycles", type=int, default=1000, help="create / use / close cycles (1..100000)")
-    parser.add_argument("--every", type=int, default=50, help="record memory every this many cycles")
+    parser.add_argument("--cycles", type=int, default=1000,
+                        help="create / use / close cycles (2..100000; default %(default)s)")
+    parser.add_argument("--every", type=int, default=50,
+                        help="record memory every this many cycles (1..cycles / 2; default %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
 
 
@@ -30,8 +32,13 @@ def _rss_mb() -> float:
 
 
 def run(args: argparse.Namespace) -> Path:
-    if not 1 <= args.cycles <= 100_000 or not 1 <= args.every <= args.cycles:
-        raise UsageError(f"--cycles must lie in 1..100000 and --every in 1..cycles, got {args.cycles}, {args.every}")
+    # the growth is measured from the second sample (the first cycle is warm-up) to the last: with --every above
+    # half the cycles they are one sample and the growth reads 0 whatever memory did
+    if not 2 <= args.cycles <= 100_000:
+        raise UsageError(f"--cycles must lie in 2..100000, got {args.cycles}")
+    if not 1 <= args.every <= args.cycles // 2:
+        raise UsageError(f"--every must lie in 1..{args.cycles // 2} (half of --cycles: growth is measured between "
+                         f"two samples after the first), got {args.every}")
     writable_folder("--out", args.out)
     require_cuda("soak")
     import torch
@@ -66,7 +73,7 @@ def run(args: argparse.Namespace) -> Path:
                             "torch_reserved_mb": torch.cuda.memory_reserved() / 1e6,
                             "torch_allocated_mb": torch.cuda.memory_allocated() / 1e6,
                             "seconds": round(time.perf_counter() - started, 1)})
-    first, last = samples[1] if len(samples) > 1 else samples[0], samples[-1]  # after the first cycle's warm-up
+    first, last = samples[1], samples[-1]  # after the first cycle's warm-up; --every <= cycles / 2 leaves 3 samples
     payload = {"device": torch.cuda.get_device_name(), "cycles": args.cycles, "shape": vars(shape),
                "samples": samples, "growth_after_first": {key: last[key] - first[key] for key in
                                                           ("host_rss_mb", "gpu_used_mb", "torch_reserved_mb")}}

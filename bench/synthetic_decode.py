@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from bench.cli import UsageError
 from bench.timing_settings import GROUP_SIZE, HEAD_DIM, KV_HEADS
 
 # The decode queries' step-to-step correlation per channel: at 0.8, oracle top-512 over 32k synthetic keys
@@ -21,6 +22,11 @@ class Synthetic:
     def __init__(self, stats: dict, seed: int = 0, device: str = "cuda"):
         import torch
 
+        head_dim = stats["key_mean"].shape[-1]
+        if head_dim != HEAD_DIM:  # the keys are drawn channel by channel: another d would fail at the first token
+            raise UsageError(f"--stats: channel statistics of a d = {head_dim} model ({stats['meta'].get('model')}); "
+                             f"the timing's keys need d = {HEAD_DIM} (python -m bench channel-stats --model "
+                             "qwen2.5-coder-1.5b)")
         self.torch, self.device = torch, device
         self.gen = torch.Generator(device=device).manual_seed(seed)
         self.stats = {k: torch.as_tensor(v, device=device) for k, v in stats.items() if k != "meta"}

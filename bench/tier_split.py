@@ -15,7 +15,6 @@ seconds once the capture is cached; the capture is the fidelity bench's, cached 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
@@ -73,9 +72,10 @@ def table(result: dict[str, dict]) -> list[str]:
 
 def main(argv=None) -> None:
     from bench import cli, decoding
-    from bench.capture import add_probe_arguments, check_probe_arguments, load_capture
+    from bench.capture import add_probe_arguments, check_probe_arguments, probe_capture
     from bench.cli import plain
-    from bench.report import write_json
+    from bench.report import command_line, write_json
+    from fathom import methods as catalog
     from fathom.calibration import Calibration
 
     parser = argparse.ArgumentParser(prog="python -m bench.tier_split", description=plain(__doc__.split("\n\n")[0]))
@@ -86,6 +86,9 @@ def main(argv=None) -> None:
     try:
         info, calibration = check_probe_arguments(args)
         specs = decoding.parse_specs(args.methods, info.head_dim)
+        planned = [spec.label for spec in specs if catalog.entry(spec.method).per_layer]
+        if planned:  # its budgets come from a plan over the layers, which a spec does not carry
+            raise cli.UsageError(f"--methods: {planned[0]} plans its budgets per layer; name a fixed-budget method")
         methods = [spec.method_at(info.head_dim) for spec in specs]
         flat = [spec.label for spec, method in zip(specs, methods) if not method.scans_planes]
         if flat:
@@ -93,12 +96,12 @@ def main(argv=None) -> None:
         decoding.require_calibration(specs, calibration, args.model)
     except cli.UsageError as error:
         parser.exit(2, f"error: {error}\n")
-    capture, _ = load_capture(args.model, args.corpus, args.context, positions=args.positions)
+    capture = probe_capture(parser, args)
     result = link_fractions(capture, None if calibration is None else Calibration.load(calibration), methods)
     lines = table(result)
     print("\n".join(lines))
     path = args.out / f"tier-split-{args.model}-{args.corpus}-{args.context}.json"
-    command = "python -m bench.tier_split " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line(argv, "python -m bench.tier_split")
     write_json(path, command, {"model": args.model, "corpus": args.corpus, "context": args.context,
                                "positions": args.positions,
                                "calibration": None if calibration is None else str(calibration),

@@ -280,8 +280,8 @@ def test_timing_and_soak_refuse_bad_arguments_before_any_gpu_work(capsys):
                          (["timing", "--hbm-planes", "5"], "--hbm-planes must lie in 0..4"),
                          (["timing", "--row-cache-rows", "-1"], "--row-cache-rows must lie in 0..1048576"),
                          (["timing", "--stats", "/nonexistent.npz"], "--stats: no file"),
-                         (["soak", "--cycles", "0"], "--cycles must lie in 1..100000"),
-                         (["channel-stats", "--context", "10"], "--context must lie in 64.."),
+                         (["soak", "--cycles", "0"], "--cycles must lie in 2..100000"),
+                         (["channel-stats", "--context", "10"], "--context must lie in 128.."),
                          (["channel-stats", "--corpus", "nope"], "is not a corpus")):
         assert needle in refused(argv, capsys), argv
 

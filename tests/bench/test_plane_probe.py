@@ -59,10 +59,13 @@ def test_the_design_row_is_the_fidelity_benchs_fathom_error():
     (["--positions", "0"], "--positions must lie in 1.."),
     (["--budgets", "0"], "--budgets must lie in (0,"),
     (["--corpus", "nope"], "--corpus must be one of"),
+    # top-k would keep every token the first position chooses from: every variant exact, the table 0 / 0
+    (["--context", "128", "--positions", "8"], "--context 128 is too short for k = 128 at 8 decode positions"),
+    (["--context", "192", "--positions", "8"], "--context 192 is too short for k = 128 at 8 decode positions"),
 ])
-def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
+def test_bad_arguments_exit_2_with_one_line(capsys, tmp_path, argv, message):
     with pytest.raises(SystemExit) as exit_:
-        plane_probe.main(argv)
+        plane_probe.main([*argv, "--out", str(tmp_path)])  # a refusal that regressed writes nothing under bench/results
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1

