@@ -217,6 +217,9 @@ def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool,
     if row_index.shape != (streams, max_rows) or n_rows.shape != (streams,):
         raise ValueError(f"row_index must be [{streams}, {max_rows}] as staged and n_rows [{streams}], got "
                          f"{row_index.shape}, {n_rows.shape}")
+    if dense and max_rows < kv.shape[1]:  # dense rows are 0 .. n with n up to T: the softmax reads all n staged
+        raise ValueError(f"staged must hold every token for dense rows: max_rows >= {kv.shape[1]} (kv's T), got "
+                         f"{max_rows}")
     _checks.stream_sessions(streams, heads_per_session, lengths)
     if not cached:  # placeholders of the same types (never read): one compiled kernel serves both
         source, slab = row_index, staged

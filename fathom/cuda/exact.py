@@ -22,18 +22,23 @@ from fathom.quantize import BLOCK
 THREADS = 128
 MAX_WORDS = 64  # 8-byte words per row: d <= 256
 TILE_WORDS = 4224  # shared words of a tile (33 KiB): 128 rows at d = 128
+SHARED_BYTES = 48 * 1024  # the static shared memory a CTA may declare (ptxas refuses a kernel past it)
 _KERNELS: dict[tuple, object] = {}
 
 
-def rows_per_cta(words: int) -> int:
-    return min(128, TILE_WORDS // (words + 1))
+def rows_per_cta(words: int, heads: int) -> int:
+    """Rows of a tile: at most 128 and :data:`TILE_WORDS`, and within the shared memory the query and histogram of
+    ``heads`` heads leave (float32 ``[heads, d]``, int32 ``[heads, 256]``: at G = 8, d = 256 a 64-row tile would
+    overrun it by 512 bytes)."""
+    left = SHARED_BYTES - heads * 4 * (4 * words + RADIX)
+    return min(128, TILE_WORDS // (words + 1), left // (8 * (words + 1)))
 
 
 def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
     key = (heads, bf16, tokens_per_row, words)
     if key in _KERNELS:
         return _KERNELS[key]
-    ROWS = rows_per_cta(words)
+    ROWS = rows_per_cta(words, heads)
     stride = words + 1  # +1: rows fall in different banks (shared sizes must be constants for Numba)
     d = 4 * words
 
@@ -107,7 +112,10 @@ def scan_rows(q, rows, bf16: bool, tokens_per_row: int, lengths, heads_per_sessi
     if d % 4 or d // 4 > MAX_WORDS or rows.shape[3] != d // 4:
         raise ValueError(f"rows must hold d / 4 words with d % 4 == 0 and d <= {4 * MAX_WORDS}; got d = {d}, "
                          f"rows {rows.shape}")
+    if heads < 1 or rows_per_cta(d // 4, heads) < 1:  # the query and histograms alone would fill shared memory
+        most = (SHARED_BYTES - 8 * (d // 4 + 1)) // (4 * (d + RADIX))
+        raise ValueError(f"q must have 1..{most} query heads at d = {d}, got {heads}")
     if streams:
-        grid = (math.ceil(rows.shape[1] / rows_per_cta(d // 4)), streams)
+        grid = (math.ceil(rows.shape[1] / rows_per_cta(d // 4, heads)), streams)
         _row_kernel(heads, bf16, tokens_per_row, d // 4)[grid, threads, stream](q, rows, lengths, heads_per_session, sink,
                                                                          local, scores, top_hist)

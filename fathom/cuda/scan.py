@@ -40,12 +40,22 @@ from fathom.quantize import BLOCK, PLANES
 MAX_D = 256
 MAX_HEADS = 8
 CHUNK_WORDS = 3072  # run words staged per chunk (24 KiB; a chunk may overrun by one run) at G <= 4
+# Blocks a CTA scores: its staging buffer holds a chunk plus one run of up to 4 planes of them. At G = 1, 32 warps of
+# 16 blocks (512) would declare 52 KB of static shared memory, past the 48 KB a CTA may (ptxas refuses the kernel).
+MAX_CTA_BLOCKS = 256
 _KERNELS: dict[tuple, object] = {}
 
 
 def blocks_per_warp(heads: int) -> int:
     """64-token blocks per warp: ``2 · blocks · heads`` fp32 accumulators per thread, at most 32."""
     return 1 << int(math.log2(max(16 // heads, 1)))
+
+
+def launch_shape(heads: int, cap: int, warps: int) -> tuple[int, int]:
+    """(warps, blocks per warp) of the scan's CTA for ``heads`` query heads, ``cap``-block segments and at most
+    ``warps`` warps: a CTA scores at most a segment and at most :data:`MAX_CTA_BLOCKS` blocks."""
+    per_warp = min(blocks_per_warp(heads), cap)
+    return min(warps, cap // per_warp, MAX_CTA_BLOCKS // per_warp), per_warp
 
 
 @cuda.jit(device=True, inline=True)
@@ -157,6 +167,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                 start[actives + before] = words + slot_before
             actives += total
             words += slot_total
+        cuda.syncthreads()  # every thread's start[] of the last round is written before thread 0 reads them all
         if t == 0:
             start[actives] = words
             n_chunks = 0
@@ -259,17 +270,19 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
         sink, local: design §6 (candidates are sealed tokens ``sink .. min(n_sealed, n − local)``).
         scores: float32 ``[streams, G, ≥ n]``: columns ``0 .. n_sealed`` written; top_hist: int32
             ``[streams, G, 256]``, counts added (``fathom.cuda.topk.select`` consumes and clears them).
-        warps: warps per CTA (at most 32); a CTA scores ``warps · blocks_per_warp(G)`` blocks, at most a segment.
+        warps: warps per CTA (at most 32); a CTA scores ``warps · blocks_per_warp(G)`` blocks, at most a segment
+            and at most :data:`MAX_CTA_BLOCKS` (:func:`launch_shape`).
     """
     streams, heads, d = q.shape
-    if heads > MAX_HEADS or d > MAX_D or not 1 <= warps <= 32:
-        raise ValueError(f"at most {MAX_HEADS} query heads per KV head, {MAX_D} channels and 32 warps, "
+    if not 1 <= heads <= MAX_HEADS or d > MAX_D or not 1 <= warps <= 32:
+        raise ValueError(f"1..{MAX_HEADS} query heads per KV head, at most {MAX_D} channels and 1..32 warps, "
                          f"got {heads}, {d}, {warps}")
+    if layout.d != d:  # the records' addresses count d channels per segment
+        raise ValueError(f"layout.d must equal q's {d} channels, got {layout.d}")
     if depths.shape != (streams, d) or depths.dtype != np.int8:
         raise ValueError(f"depths must be int8 [{streams}, {d}], got {depths.dtype} {depths.shape}")
     _checks.stream_sessions(streams, heads_per_session, lengths)
-    per_warp = min(blocks_per_warp(heads), layout.cap)
-    warps = min(warps, layout.cap // per_warp)
+    warps, per_warp = launch_shape(heads, layout.cap, warps)
     if layout.cap % (warps * per_warp):
         raise ValueError(f"segment capacity {layout.cap} must be a multiple of {warps * per_warp} blocks per CTA")
     if streams:

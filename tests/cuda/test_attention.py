@@ -72,3 +72,13 @@ def test_a_non_finite_query_raises_the_flag():
     attend(cuda.to_device(q), staged, cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, 1.0,
            status, *parts, cuda.device_array((1, 1, 1, 4), np.float32), cuda.device_array((1, 1, 4), np.float32))
     assert status.copy_to_host()[2] == 1
+
+
+def test_dense_rows_need_a_staging_buffer_for_every_token():
+    """Dense rows are 0 .. n with n up to kv's T, and the softmax reads all n of them from ``staged``: a smaller
+    staging buffer is refused, not read past."""
+    kv = cuda.to_device(np.zeros((1, 320, 2, 1), np.uint64))
+    staged = cuda.to_device(np.zeros((1, 64, 2, 1), np.uint64))
+    lengths, n_rows = cuda.to_device(np.array([300], np.int32)), cuda.to_device(np.array([0], np.int32))
+    with pytest.raises(ValueError, match=r"max_rows >= 320"):
+        gather_rows(cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, kv, staged, 1)

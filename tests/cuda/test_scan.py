@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
+from fathom.cuda.interop import SIMULATED
 from fathom.cuda.scan import scan_planes
 from fathom.layout import StoreLayout
 from fathom.scoring import approx_scores
@@ -76,3 +77,86 @@ def test_every_tier_scans_exactly_as_the_host_store():
         tiered = _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, 2, 16, 2, max_tokens)
         np.testing.assert_array_equal(tiered[0], host[0])
         np.testing.assert_array_equal(tiered[1], host[1])
+
+
+@pytest.mark.skipif(not SIMULATED, reason="steers the CUDA simulator's thread schedule")
+def test_chunks_are_cut_after_every_channel_slot_is_written(monkeypatch):
+    """Thread 0 cuts the chunks from every active channel's slot start, those of the last round of channels too:
+    with the other threads held back after each block scan (a legal warp order) and shared memory stale (zero), a
+    chunk cut from unwritten starts overran the staging buffer (d = 64 over 32 threads: the 3072-word chunk boundary
+    falls at channel 46, in the last round)."""
+    import inspect
+    import sys
+    import threading
+    import time
+    import traceback
+
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    from fathom.cuda import scan
+
+    if "_allocations" not in inspect.getsource(FakeCUDAShared):  # the simulator internals steered below
+        pytest.skip("this numba-cuda simulator keeps its shared arrays otherwise")
+    lock = threading.Lock()
+
+    def stale_shared(self, shape, dtype, alignment=None):
+        """The simulator's shared array (one per source line and CTA), zero-filled, and made under a lock: the
+        simulator's own get-then-set lets two threads of a CTA make two arrays of one line."""
+        caller = traceback.extract_stack(sys._getframe())[-2][0:2]
+        with lock:
+            if caller not in self._allocations:
+                self._allocations[caller] = np.zeros(shape, dtype)  # the kernels pass NumPy dtypes
+            return self._allocations[caller]
+
+    monkeypatch.setattr(FakeCUDAShared, "array", stale_shared)
+    block_scan = scan.exclusive_scan
+
+    def others_late(counts, t, n_threads):
+        result = block_scan(counts, t, n_threads)
+        if t != 0:
+            time.sleep(0.02)
+        return result
+
+    monkeypatch.setattr(scan, "exclusive_scan", others_late)
+    rng = np.random.default_rng(3)
+    d, cap = 64, 16  # runs of 4 scale words + 4 · 16 plane words: 68 words a channel
+    tokens = np.array([64], np.int32)
+    stores = _store(rng, tokens, 1, d, cap)
+    depths = np.full((1, d), 4, np.int8)
+    q = rng.standard_normal((1, 1, d)).astype(np.float32)
+    got, _ = _scan(q, depths, tokens, 1, stores, cap, 0, 0, 0, 1, 64)
+    want = approx_scores(q[0], stores[0].planes(), stores[0].scales(), depths[0])
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_every_launch_shape_fits_in_static_shared_memory():
+    """A CTA may declare 48 KiB of static shared memory (ptxas refuses more): at G = 1 with 32 warps of 16 blocks
+    the staging buffer of 512-block runs took 52 KB, so segments of 512 blocks or more could not scan at all. The
+    sizes below are the kernel's shared arrays (checked against its PTX)."""
+    from fathom.cuda.block import RADIX
+    from fathom.cuda.scan import CHUNK_WORDS, MAX_CTA_BLOCKS, MAX_D, MAX_HEADS, launch_shape
+
+    for heads in range(1, MAX_HEADS + 1):
+        for cap in (2**i for i in range(13)):
+            warps, per_warp = launch_shape(heads, cap, 32)
+            per_cta = warps * per_warp
+            assert per_cta <= MAX_CTA_BLOCKS and cap % per_cta == 0
+            chunk_words = CHUNK_WORDS if heads <= 4 else CHUNK_WORDS // 2
+            buffer_words = chunk_words + per_cta // 4 + 2 + 4 * per_cta
+            shared = 4 * (MAX_D + MAX_D + (MAX_D + 1) + (MAX_D + 2) + MAX_D * heads + 32 * warps + 2 + heads * RADIX) \
+                + 8 * buffer_words
+            assert shared <= 48 * 1024, (heads, cap, warps, per_warp, shared)
+
+
+def test_the_scan_refuses_a_layout_or_group_it_cannot_address():
+    """The records' addresses count ``layout.d`` channels: queries of another d read past the store; no query head
+    leaves nothing to score."""
+    layout = StoreLayout(1, 1, 8, 1, 0)
+    lengths = cuda.to_device(np.array([64], np.int32))
+    store = cuda.to_device(np.zeros(layout.far_words, np.uint64))
+    for heads, d, message in ((1, 16, "layout.d must equal q's 16 channels, got 8"), (0, 8, "1..8 query heads")):
+        scores = cuda.to_device(np.zeros((1, max(heads, 1), 64), np.float32))
+        top_hist = cuda.to_device(np.zeros((1, max(heads, 1), 256), np.int32))
+        with pytest.raises(ValueError, match=message):
+            scan_planes(cuda.to_device(np.zeros((1, heads, d), np.float32)), cuda.to_device(np.zeros((1, d), np.int8)),
+                        lengths, 1, store, store, layout, 0, 0, scores, top_hist)
