@@ -66,12 +66,22 @@ def test_a_step_larger_than_the_slab_bypasses_the_rest():
     assert cache.assign(0, np.array([1, 5, 6])).tolist() == [1, 2, EMPTY]  # slot 1 hit: only slot 0 may go
 
 
-def test_old_slots_tie_at_the_age_cap():
-    cache = RowCache(streams=1, slots=2, max_tokens=16)
-    cache.assign(0, np.array([7]))  # slot 0 at step 1
+def _past_the_age_cap() -> RowCache:
+    """Slot 1 (row 8, last used at step 1) is older than slot 0 (row 7, step 2), both older than AGE_CAP; slot 2
+    (row 9) is used every step."""
+    cache = RowCache(streams=1, slots=3, max_tokens=16)
+    assert cache.assign(0, np.array([7, 8])).tolist() == [3, 4]  # slots 0, 1 at step 1
+    assert cache.assign(0, np.array([7, 9])).tolist() == [0, 5]  # slot 0 hit at step 2; the empty slot 2 filled
     for _ in range(AGE_CAP + 5):
-        cache.assign(0, np.array([8]))  # slot 1, every step
-    assert cache.assign(0, np.array([9])).tolist() == [2]  # slot 0: the only slot not used this step
+        cache.assign(0, np.array([9]))  # slot 2, every step
+    return cache
+
+
+def test_old_slots_tie_at_the_age_cap():
+    """Ages are capped: slots 0 and 1, both past the cap, tie and go by slot index, although slot 1 is older."""
+    cache = _past_the_age_cap()
+    assert cache.assign(0, np.array([9, 10])).tolist() == [2, 3]  # slot 0 (uncapped ages would take slot 1)
+    assert cache.slot_of[0, [7, 8, 9, 10]].tolist() == [EMPTY, 1, 2, 0]
 
 
 def test_emptied_streams_forget_their_rows():

@@ -32,7 +32,9 @@ def test_gather_and_attend_match_reference(seed, streams, heads, d, dense, rows)
     kv = np.stack([_words(k), _words(v)], axis=2)  # [streams, T, 2, d / 4]
     lengths = np.full(streams, rows, np.int32)  # one KV head per session: lengths are per stream
     n_rows = rng.integers(1, rows + 1, streams).astype(np.int32)
-    row_index = np.stack([np.sort(rng.choice(rows, rows, replace=False)) for _ in range(streams)]).astype(np.int32)
+    row_index = np.zeros((streams, rows), np.int32)  # each stream's n_rows distinct rows of its context, ascending
+    for g in range(streams):
+        row_index[g, :n_rows[g]] = np.sort(rng.choice(rows, n_rows[g], replace=False))
     head_mask = rng.integers(0, 1 << heads, (streams, rows)).astype(np.int32)
     head_mask[np.arange(streams), 0] = (1 << heads) - 1  # every head selects at least one row
     max_rows = tokens

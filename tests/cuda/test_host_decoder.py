@@ -314,7 +314,7 @@ def test_bad_keys_are_refused_and_leave_the_cache_unchanged():
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # a NaN query: NaN out, flagged
 def test_bad_input_raises_before_any_kernel():
     shape = SHAPES[3]
-    k, v, q, *_ = _setup(shape)
+    k, v, q, *_ = data = _setup(shape)
     cache = HostKVCache(shape)
     _append(cache, k, v, 0, 100)
     decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), Selection(k=20)), GROUP_SIZE)
@@ -337,7 +337,8 @@ def test_bad_input_raises_before_any_kernel():
     decoder.run(LAYER, q_nan)  # flagged on the GPU, reported at the next call
     with pytest.raises(ValueError, match="query that is NaN or inf"):
         decoder.run(LAYER, q_dev)
-    decoder.run(LAYER, q_dev)  # reported once; the cache is fine
+    out = decoder.run(LAYER, q_dev).cpu().numpy()  # reported once; the cache is fine
+    _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER), Selection(k=20))
     with pytest.raises(ValueError, match="exceeds max_tokens"):
         cache.append(LAYER, torch.zeros((3, 1, 101, D), device=DEVICE), torch.zeros((3, 1, 101, D), device=DEVICE))
     with pytest.raises(ValueError, match="sessions must be distinct"):

@@ -8,7 +8,7 @@ from numba import cuda
 
 from fathom.cuda.row_cache import assign_slots
 from fathom.row_cache import RowCache
-from tests.test_row_cache import _steps
+from tests.test_row_cache import _past_the_age_cap, _steps
 
 
 @settings(max_examples=5, deadline=None)
@@ -43,3 +43,20 @@ def test_assign_slots_matches_reference(seed, streams, slots, rows, threads):
         np.testing.assert_array_equal(c[:, 2], ref.lookups)
         step_hits = [int(((want[g, :n_rows[g]] >= 0) & (want[g, :n_rows[g]] < slots)).sum()) for g in range(streams)]
         assert c[:, 0].tolist() == step_hits
+
+
+def test_assign_slots_ties_slots_past_the_age_cap_as_the_reference():
+    """Two slots older than AGE_CAP (steps of the reference, copied to the device): the kernel's capped age
+    histogram ties them and takes the lower slot, as the reference does."""
+    ref = _past_the_age_cap()
+    d = {name: cuda.to_device(getattr(ref, name)) for name in ("slot_of", "position", "stamp", "clock")}
+    rows = np.array([[9, 10]], np.int32)
+    counters = cuda.to_device(np.zeros((1, 3), np.int64))
+    source = cuda.to_device(np.zeros((1, 2), np.int32))
+    assign_slots(cuda.to_device(rows), cuda.to_device(np.array([2], np.int32)), d["slot_of"], d["position"],
+                 d["stamp"], d["clock"], counters, cuda.to_device(np.zeros((1, 2), np.int32)), source, 32)
+    want = ref.assign(0, rows[0])
+    assert want.tolist() == [2, 3]  # slot 0, not the older slot 1
+    np.testing.assert_array_equal(source.copy_to_host()[0], want)
+    for name in ("slot_of", "position", "stamp", "clock"):
+        np.testing.assert_array_equal(d[name].copy_to_host(), getattr(ref, name), err_msg=name)
