@@ -8,7 +8,9 @@ Every variant reads the same planes (the same bytes per token) and differs in on
   the sealed blocks: a statistic a store can keep as it keeps s²);
 * **plane gains** of the water-filling: design §5's model, the calibration's measured table
   (``fathom[gains]``), or the drops of the code error variance the same histogram gives (no calibration text);
-  and, apart, one water line shared by every KV head of a layer (its H·B bits) instead of one per head.
+  and, apart, one water line shared by every KV head of a layer (its H·B bits) instead of one per head, and
+  ``depth-2-minimum``: a channel read to 0 or at least 2 planes (design §5's first two gains merged into their
+  mean), the test of whether a 1-bit read, whose midpoint overshoots a peaked channel, is worth its bit.
 
 Errors are the fidelity bench's (mean relative attention error over layers, KV heads and positions; raw store,
 store σ², the selection protocol at the capture's k); the ``design`` row equals the fidelity bench's ``fathom``
@@ -27,7 +29,17 @@ from fathom.quantize import BLOCK, MAX_DEPTH, unpack_planes
 
 CELLS = 1 << MAX_DEPTH  # 4-bit codes
 VARIANTS = ("design", "centroid", "histogram-gains", "centroid+histogram-gains", "calibrated-gains",
-            "shared-water-line")
+            "shared-water-line", "depth-2-minimum")
+
+
+def depth_2_minimum_gains() -> np.ndarray:
+    """Relative plane gains ``[4]`` under which water-filling reads a channel to depth 0 or >= 2: design §5's first
+    two gains replaced by their mean (still non-increasing), the others as they are."""
+    from fathom.waterfill import DESIGN_GAINS
+
+    gains = DESIGN_GAINS.copy()
+    gains[:2] = gains[:2].mean()
+    return gains
 
 
 def code_histogram(codes: np.ndarray) -> np.ndarray:
@@ -119,7 +131,9 @@ def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[
                             w, budget, np.broadcast_to(h["gains"][False], w.shape + (MAX_DEPTH,)))),
                         "centroid+histogram-gains": ("centroid", waterfill_batched(
                             w, budget, np.broadcast_to(h["gains"][True], w.shape + (MAX_DEPTH,)))),
-                        "shared-water-line": ("midpoint", shared_depths)}
+                        "shared-water-line": ("midpoint", shared_depths),
+                        "depth-2-minimum": ("midpoint", waterfill_batched(
+                            w, budget, np.broadcast_to(depth_2_minimum_gains(), w.shape + (MAX_DEPTH,))))}
                 if calibrated:
                     runs["calibrated-gains"] = ("midpoint", method_scores(
                         M.fathom(budget, gains="calibrated"), h["q"], h["index"], blocks)[1])

@@ -44,6 +44,16 @@ def test_histogram_gains_are_a_table_the_water_filling_accepts():
         assert gains.shape == (6, 4) and (gains >= 0).all() and (np.diff(gains, axis=1) <= 1e-12).all()
 
 
+def test_depth_2_minimum_never_reads_a_channel_to_depth_1():
+    from fathom.waterfill import waterfill_batched
+
+    w = np.random.default_rng(0).gamma(0.5, size=(50, 32))  # importances spread over decades
+    gains = np.broadcast_to(plane_probe.depth_2_minimum_gains(), w.shape + (MAX_DEPTH,))
+    for budget in (8.0, 20.0, 48.0):
+        depths = waterfill_batched(w, budget, gains)
+        assert not (depths == 1).any() and (depths >= 2).any()
+
+
 def test_the_design_row_is_the_fidelity_benchs_fathom_error():
     capture = generate(SyntheticConfig(layers=1, kv_heads=2, group_size=2, head_dim=16, tokens=512, positions=4))
     sel = Selection(k=32)
