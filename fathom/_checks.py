@@ -55,9 +55,14 @@ def integer(name: str, x, minimum: int | None = None) -> int:
     return int(x)
 
 
+def is_real(x) -> bool:
+    """Whether ``x`` is a finite real number, Python's or NumPy's (not a bool, nor a string)."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and bool(np.isfinite(x))
+
+
 def real(name: str, x) -> float:
-    """``x`` as a float after checking it is a finite real number (not a bool or string)."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not np.isfinite(x):
+    """``x`` as a float after checking it is a finite real number (:func:`is_real`)."""
+    if not is_real(x):
         raise ValueError(f"{name} must be a finite number, got {x!r}")
     return float(x)
 

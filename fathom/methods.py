@@ -93,8 +93,7 @@ def _top_channels(score: np.ndarray, r: int) -> np.ndarray:
 
 
 def _check_budget(name: str, budget: float) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)) \
-            or not np.isfinite(budget) or budget < 0:
+    if not _checks.is_real(budget) or budget < 0:
         raise ValueError(f"{name} must be a finite number of bits per token >= 0, got {budget!r}")
 
 

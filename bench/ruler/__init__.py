@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 from bench import cli, decoding, fetch, models
@@ -334,13 +335,8 @@ def _samples_of(args, generations: dict) -> Path:
 
 def _partial(samples: list[dict], scored: list[dict], methods: list[str]) -> str:
     """``", partial: …"`` when a method holds fewer generations of some task than the samples file has samples."""
-    held: dict[tuple, int] = {}
-    for sample in samples:
-        held[(sample["task"], sample["context"])] = held.get((sample["task"], sample["context"]), 0) + 1
-    generated: dict[tuple, int] = {}
-    for s in scored:
-        key = (s["task"], s["context"], s["method"])
-        generated[key] = generated.get(key, 0) + 1
+    held = Counter((sample["task"], sample["context"]) for sample in samples)
+    generated = Counter((s["task"], s["context"], s["method"]) for s in scored)
     short = sorted({(generated.get((*setting, m), 0), total) for setting, total in held.items() for m in methods}
                    - {(total, total) for total in held.values()})
     if not short:

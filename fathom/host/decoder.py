@@ -36,7 +36,6 @@ Example::
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -81,8 +80,7 @@ class DecoderSettings:
             raise ValueError(f"method must be a fathom.methods.Method, got {type(self.method).__name__}")
         if not isinstance(self.selection, Selection):
             raise ValueError(f"selection must be a fathom.selection.Selection, got {type(self.selection).__name__}")
-        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, numbers.Real)
-                                       or not (math.isfinite(self.scale) and self.scale > 0)):
+        if self.scale is not None and not (_checks.is_real(self.scale) and self.scale > 0):
             raise ValueError(f"scale must be finite and > 0 (or None), got {self.scale!r}")
         if not _checks.is_integer(self.scan_warps) or not 1 <= self.scan_warps <= 32:
             raise ValueError(f"scan_warps must be an integer in 1..32, got {self.scan_warps!r}")

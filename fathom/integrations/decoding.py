@@ -4,7 +4,6 @@ prefill's bookkeeping, the calibration and plan from the prompt."""
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import replace
 
 import numpy as np
@@ -27,20 +26,13 @@ from fathom.selection import Selection
 def ordinary_tensors():
     """Inside, inference mode is off (autograd stays off): what the sessions make or write outlives the caller's
     mode. A tensor made under ``torch.inference_mode`` is an inference tensor, which nothing outside inference mode
-    may write: not generate's later ``no_grad`` steps, nor the next cache that takes the pooled sessions."""
+    may write: not generate's later ``no_grad`` steps, nor the next cache that takes the pooled sessions.
+    Also a decorator (``@ordinary_tensors()``), as every ``contextlib.contextmanager`` is."""
     if not torch.is_inference_mode_enabled():
         yield
         return
     with torch.inference_mode(False), torch.no_grad():
         yield
-
-
-def _with_ordinary_tensors(method):
-    @functools.wraps(method)
-    def wrapped(*args, **kwargs):
-        with ordinary_tensors():
-            return method(*args, **kwargs)
-    return wrapped
 
 
 class Decoding:
@@ -99,7 +91,7 @@ class Decoding:
             self.rows = rows
         return self.rows
 
-    @_with_ordinary_tensors
+    @ordinary_tensors()
     def prefill(self, slot: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
         """Record the prompt of one layer: ``k, v [B, H, n, d]`` at the positions :meth:`prompt_rows` gave, and
         ``queries [H·G, m, d]``, row 0's calibration queries (:func:`calibration_queries`)."""
@@ -129,7 +121,7 @@ class Decoding:
             self._calibrate([slot])
         self._append(slot, k, v)
 
-    @_with_ordinary_tensors
+    @ordinary_tensors()
     def extend(self, slot: int, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                scale: float) -> torch.Tensor:
         """A conversation's next chunk: ``query [B, H·G, m, d]``, ``k, v [B, H, m, d]`` -> ``[B, m, H·G, d]``,
@@ -145,7 +137,7 @@ class Decoding:
         out = self.sessions.extend(slot, query, k, v)
         return out.transpose(1, 2)
 
-    @_with_ordinary_tensors
+    @ordinary_tensors()
     def step(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """One decoded token of every session: ``q [B, H·G, d]``, ``k, v [B, H, d]`` -> float32 ``[B, H·G, d]``."""
         if self.capturing:  # no host work: it would not be replayed (the graph's owner checks once per token)
@@ -158,7 +150,7 @@ class Decoding:
             self.sessions.begin_token()
         return self.sessions.step(slot, q, k, v)
 
-    @_with_ordinary_tensors
+    @ordinary_tensors()
     def close_sessions(self) -> None:
         """Hand the sessions back (to the pool when they are offloaded and pooled) or release them; the cache
         cannot decode afterwards."""
@@ -184,7 +176,7 @@ class Decoding:
         for session, rows in enumerate(self.rows):
             self.sessions.append(slot, session, k[session][:, rows], v[session][:, rows])
 
-    @_with_ordinary_tensors
+    @ordinary_tensors()
     def calibrate_waiting(self) -> None:
         """The layers whose calibration waited for the first step (:meth:`prefill`), calibrated now: the prompt's
         statistics reach the host in one go. Called before the first step, eager or captured."""
@@ -230,7 +222,7 @@ class Decoding:
         self.sessions = pooled or OffloadedSessions(shape, self.method, self.selection, self.scale,
                                                     needs_calibration=needs)
 
-    @_with_ordinary_tensors
+    @ordinary_tensors()
     def open_planned(self, batch: int, device: torch.device) -> None:
         """fathom-plan from the prompt, at the first decode step: plan on row 0's prompt, then hold every layer."""
         if self.closed:

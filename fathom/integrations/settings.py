@@ -85,8 +85,7 @@ class FathomSettings:
             readers = ", ".join(name for name, e in methods.CATALOG.items() if e.reads_sigma2)
             raise ValueError(f"variance is read by the water-filled methods only ({readers}); method is "
                              f"{self.method!r}")
-        if isinstance(self.hbm_gb, bool) or not isinstance(self.hbm_gb, (int, float, np.integer, np.floating)) \
-                or not np.isfinite(self.hbm_gb) or self.hbm_gb < 0:
+        if not _checks.is_real(self.hbm_gb) or self.hbm_gb < 0:
             raise ValueError(f"hbm_gb must be a finite number of GB >= 0, got {self.hbm_gb!r}")
         if self.hbm_gb > 0 and self.backend == "reference":
             raise ValueError("hbm_gb places the offloaded store's top planes in HBM: the reference backend has none")
