@@ -58,9 +58,10 @@ class Decoding:
         self.rows: list[slice] | None = None  # the current prefill's non-pad positions per batch row
         self.waiting: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> k, v (fathom-plan from the prompt)
         self.prompt: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # slot -> row 0's k, v, q
-        self.capturing = False  # inside a whole-token CUDA graph capture (fathom.integrations.graph)
+        self.capturing = False  # inside a whole-token CUDA graph capture (fathom.integrations.token_graph)
         self.closed = False
-        self.undo_chunk = None  # during a continuation chunk's forward: restores every layer as before it
+        self.undo_forward = None  # during a forward: restores every layer as before it (FathomCache._begin_forward)
+        self.broken: str | None = None  # why the cache cannot go on: a refused forward left tokens in the store
 
     @property
     def batch(self) -> int | None:
@@ -150,10 +151,44 @@ class Decoding:
             self.sessions.begin_token()
         return self.sessions.step(slot, q, k, v)
 
-    @ordinary_tensors()
     def close_sessions(self) -> None:
         """Hand the sessions back (to the pool when they are offloaded and pooled) or release them; the cache
         cannot decode afterwards."""
+        self._hand_back_sessions()
+        self.closed = True
+
+    def forward_refused(self, slot: int, prefill: bool) -> bool:
+        """A ValueError ends the forward at full-attention layer ``slot``: every layer restored as before it
+        (False: the forward did not begin at :meth:`FathomCache.update`, nothing to restore). A refused prefill
+        leaves nothing behind (the sessions it opened are handed back). A later forward refused after earlier
+        layers' stores took its tokens cannot be undone (the store only grows): the cache refuses to go on rather
+        than decode over layers holding different tokens."""
+        if prefill:
+            self._forget_prefill()
+        elif not self._store_consistent():
+            self.broken = (f"a forward refused at full-attention layer {self.shape.fathom_layers[slot]} left its "
+                           "tokens in the store of the layers before it: this FathomCache cannot go on, make a new one")
+        undo, self.undo_forward = self.undo_forward, None
+        if undo is None:
+            return False
+        undo()
+        return True
+
+    def _store_consistent(self) -> bool:
+        """Whether every layer's store holds the same tokens per session, as every completed forward leaves it."""
+        if self.sessions is None:
+            return True
+        held = [self.sessions.lengths(slot) for slot in range(len(self.shape.fathom_layers))]
+        return all(np.array_equal(held[0], lengths) for lengths in held[1:])
+
+    def _forget_prefill(self) -> None:
+        """The bookkeeping as before the prefill; the sessions it opened (partly filled) handed back."""
+        self._hand_back_sessions()
+        self.selection, self.method, self.scale, self.rows = None, None, None, None
+        self.layer_calibrations, self.uncalibrated, self.waiting, self.prompt = {}, [], {}, {}
+
+    @ordinary_tensors()
+    def _hand_back_sessions(self) -> None:
         if self.sessions is not None:
             if isinstance(self.sessions, OffloadedSessions) and self.settings.pool and not self.sessions.cache.closed:
                 try:
@@ -163,7 +198,7 @@ class Decoding:
                     self.sessions.close()
             else:
                 self.sessions.close()
-        self.sessions, self.closed = None, True
+        self.sessions = None
 
     def _check_scale(self, scale: float) -> None:
         if self.scale is None:

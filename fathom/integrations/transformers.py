@@ -128,29 +128,35 @@ class FathomLayer(CacheLayerMixin):
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
         """Prefill: the model's sdpa attention, then the prompt into the store. A later chunk (a conversation's next
-        turn): dense over the store, causal within the chunk. Decode: append, sparse step."""
+        turn): dense over the store, causal within the chunk. Decode: append, sparse step. A refusal (ValueError)
+        leaves the cache as before the forward (:meth:`Decoding.forward_refused`)."""
+        m = query.shape[2]
+        prefill = self.length == m
+        try:
+            out = self._attend(module, query, key, value, attention_mask, prefill, **kwargs)
+        except ValueError:
+            if not self.decoding.forward_refused(self.slot, prefill):  # not within FathomCache.update's forward
+                self.length -= m
+            raise
+        if self.slot == len(self.decoding.shape.fathom_layers) - 1:  # no later layer refuses the forward
+            self.decoding.undo_forward = None
+        return out
+
+    def _attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, prefill: bool, **kwargs) -> tuple[torch.Tensor, None]:
         scale = kwargs.get("scaling") or module.scaling
         unsupported = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
         if unsupported:
             raise ValueError(f"Fathom's attention does not support {', '.join(unsupported)}")
         m = query.shape[2]
-        if self.length == m:  # the prefill
+        if prefill:
             dense = prompt_sdpa(module, query, key, value, attention_mask, **kwargs)
             rows = self.decoding.prompt_rows(self.slot, valid_keys(attention_mask, key))
             self.decoding.prefill(self.slot, calibration_queries(query, rows[0]), key, value, scale)
             return dense
         if m > 1:
             valid = valid_keys(None if attention_mask is None else attention_mask[..., -m:], key)  # the chunk's keys
-            try:
-                out = self.decoding.extend(self.slot, query, key, value, valid, scale)
-            except ValueError:  # refused before the store changed: every layer as before the forward
-                if self.decoding.undo_chunk is not None:
-                    self.decoding.undo_chunk()
-                else:  # a forward that did not pass FathomCache.update's first layer: this layer at least
-                    self.length -= m
-                raise
-            if self.slot == len(self.decoding.shape.fathom_layers) - 1:  # no later layer refuses the chunk
-                self.decoding.undo_chunk = None
+            out = self.decoding.extend(self.slot, query, key, value, valid, scale)
             return out.to(query.dtype), None
         out = self.decoding.step(self.slot, query[:, :, 0], key[:, :, 0], value[:, :, 0], scale)
         return out.to(query.dtype)[:, None], None  # [B, 1, H·G, dv], as sdpa's output
@@ -275,18 +281,20 @@ class FathomCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _begin_forward(self, key_states: torch.Tensor) -> None:
-        """Before any layer holds the forward's tokens: a closed cache and a batch other than the cache's
-        conversations are refused; a continuation chunk, which a FathomLayer may still refuse (padding), keeps what
-        every layer holds, so that a refusal leaves the whole cache as it was (sliding-window layers included)."""
+        """Before any layer holds the forward's tokens: a closed cache, one a refused forward left unable to go on
+        and a batch other than the cache's conversations are refused; what every layer holds is kept, so that a
+        FathomLayer's refusal later in the forward leaves the whole cache as it was (sliding-window layers
+        included; :meth:`Decoding.forward_refused`)."""
         if self.decoding.closed:
             raise ValueError("the FathomCache was closed")
+        if self.decoding.broken is not None:
+            raise ValueError(self.decoding.broken)
         batch = self.decoding.batch
         if batch is not None and key_states.shape[0] != batch:
             raise ValueError(f"the input must hold the cache's {batch} conversations, one per batch row, got "
                              f"{key_states.shape[0]} rows")
-        chunk = key_states.shape[-2] > 1 and self.get_seq_length() > 0
-        held = [dict(vars(layer)) for layer in self.layers] if chunk else None  # shallow: updates replace tensors
-        self.decoding.undo_chunk = None if held is None else functools.partial(_restore, self.layers, held)
+        held = [dict(vars(layer)) for layer in self.layers]  # shallow: updates replace tensors
+        self.decoding.undo_forward = functools.partial(_restore, self.layers, held)
 
     def _fill(self, prompt: Prompt) -> None:
         """Hold ``prompt`` as this cache's own prefill would have left it."""

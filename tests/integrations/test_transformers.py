@@ -328,6 +328,66 @@ def test_a_refused_forward_leaves_the_whole_cache_as_it_was(make):
         model(said[:, :1], past_key_values=cache)
 
 
+def _poisoned_keys(model, layer: int):
+    """A switch that makes ``layer``'s keys NaN while on (the store refuses them), through a forward hook."""
+    on = [False]
+    model.model.layers[layer].self_attn.k_proj.register_forward_hook(
+        lambda module, args, out: out * float("nan") if on[0] else out)
+    return on
+
+
+def test_a_refused_prefill_or_token_leaves_the_cache_as_it_was():
+    """A prefill refused at its first full-attention layer (a row of padding only) or at a later one (after the
+    first opened the sessions and stored the prompt), and a decode token refused at the first layer, leave the
+    cache as before them: a retry gives a fresh cache's logits."""
+    model = tiny_llama()
+    poisoned = _poisoned_keys(model, 1)
+    ids, mask = batch(n=20, pad=3)
+    empty = mask.clone()
+    empty[0] = 0
+    token = torch.tensor([[5], [7]])
+    fresh = FathomCache(model, "dense")
+    clean_prompt = model(ids, attention_mask=mask, past_key_values=fresh).logits
+    clean_token = model(token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1),
+                        past_key_values=fresh).logits
+    cache = FathomCache(model, "dense")
+    with pytest.raises(ValueError, match="attention_mask row 0 holds no real token"):
+        model(ids, attention_mask=empty, past_key_values=cache)
+    poisoned[0] = True
+    with pytest.raises(ValueError, match="k and v must be finite"):
+        model(ids, attention_mask=mask, past_key_values=cache)
+    poisoned[0] = False
+    assert [layer.get_seq_length() for layer in cache.layers] == [0, 0] and cache.decoding.sessions is None
+    torch.testing.assert_close(model(ids, attention_mask=mask, past_key_values=cache).logits, clean_prompt,
+                               rtol=0, atol=0)
+    first_layer_poisoned = _poisoned_keys(model, 0)
+    first_layer_poisoned[0] = True
+    with pytest.raises(ValueError, match="k and v must be finite"):
+        model(token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1), past_key_values=cache)
+    first_layer_poisoned[0] = False
+    assert [layer.get_seq_length() for layer in cache.layers] == [20, 20]
+    torch.testing.assert_close(model(token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1),
+                                     past_key_values=cache).logits, clean_token, rtol=0, atol=0)
+
+
+def test_a_forward_refused_after_an_earlier_layer_stored_it_refuses_to_go_on():
+    """A chunk refused at the second full-attention layer has entered the first one's store, which only grows: the
+    cache refuses every later forward instead of decoding over layers that hold different tokens."""
+    model = tiny_llama()
+    poisoned = _poisoned_keys(model, 1)
+    ids, mask = batch(n=20, pad=0)
+    said = torch.tensor([[5, 9], [7, 3]])
+    grown = torch.cat([mask, torch.ones_like(said)], 1)
+    cache = FathomCache(model, "dense")
+    model(ids, attention_mask=mask, past_key_values=cache)
+    poisoned[0] = True
+    with pytest.raises(ValueError, match="k and v must be finite"):
+        model(said, attention_mask=grown, past_key_values=cache)
+    poisoned[0] = False
+    with pytest.raises(ValueError, match="a forward refused at full-attention layer 1 left its tokens in the store"):
+        model(said, attention_mask=grown, past_key_values=cache)
+
+
 def test_prefill_refuses_inputs_it_cannot_hold_before_the_model_runs():
     model = tiny_llama()
     ids, mask = batch(n=20, pad=3)
