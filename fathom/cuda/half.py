@@ -41,28 +41,35 @@ def f32_abs_bits_to_f16_bits(a):
     return np.uint16(h)
 
 
-@cuda.jit(device=True, inline=True)
-def f16_bits_to_f32(h):
-    """The float32 value of non-negative fp16 bits ``h`` (exact; inf for 0x7C00)."""
-    e = np.int32((h >> 10) & 0x1F)
-    m = np.int32(h & 0x3FF)
-    if e == 31:
-        return np.float32(np.inf)
-    if e == 0:
-        return np.float32(m) * np.float32(2.0**-24)
-    # (1024 + m) · 2^e · 2^-25: every factor and product is exact in float32
-    return np.float32(1024 + m) * np.float32(np.int64(1) << e) * np.float32(2.0**-25)
-
-
 if config.ENABLE_CUDASIM:
-    def bf16_bits_to_f32(h):
-        """The float32 value of bf16 bits ``h`` (simulator: through a NumPy view)."""
-        return np.array([np.uint32(h) << np.uint32(16)], np.uint32).view(np.float32)[0]
+    def f32_from_bits(bits):
+        """The float32 whose bits are ``bits`` (uint32; simulator: through a NumPy view)."""
+        return np.array([np.uint32(bits)], np.uint32).view(np.float32)[0]
 else:
     @cuda.jit(device=True, inline=True)
-    def bf16_bits_to_f32(h):
-        """The float32 value of bf16 bits ``h``: the bits are the high half of the float32's (exact)."""
-        return libdevice.int_as_float(np.int32(np.uint32(h) << np.uint32(16)))
+    def f32_from_bits(bits):
+        """The float32 whose bits are ``bits`` (uint32)."""
+        return libdevice.int_as_float(np.int32(bits))
+
+
+@cuda.jit(device=True, inline=True)
+def f16_bits_to_f32(h):
+    """The float32 value of non-negative fp16 bits ``h`` (exact; inf for 0x7C00 and every other exponent-31
+    pattern)."""
+    e = np.int32((h >> 10) & 0x1F)
+    if e == 0:  # subnormal or zero: m · 2^-24, exact
+        return np.float32(np.int32(h & 0x3FF)) * np.float32(2.0**-24)
+    if e == 31:
+        return np.float32(np.inf)
+    # normal: the exponent rebiased (15 -> 127) and the mantissa widened are the float32's bits (a few integer
+    # operations: the plane scan decodes a scale per block and channel)
+    return f32_from_bits((np.uint32(h) << np.uint32(13)) + np.uint32(112 << 23))
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_bits_to_f32(h):
+    """The float32 value of bf16 bits ``h``: the bits are the high half of the float32's (exact)."""
+    return f32_from_bits(np.uint32(h) << np.uint32(16))
 
 
 if config.ENABLE_CUDASIM:
