@@ -209,11 +209,11 @@ def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, p
     lane_top = cuda.shared.array(32, np.float64)  # weights and sums in float64: a few values a chunk
     weight = cuda.shared.array(COMBINE_TILE, np.float64)
     mass = cuda.shared.array(COMBINE_TILE, np.float64)  # weight · the chunk's sum of exponentials
-    if t < 32:
+    for lane in range(t, 32, n_threads):  # 32 partial maxima, whatever the CTA's d threads
         top = -np.inf
-        for i in range(t, chunks, 32):
+        for i in range(lane, chunks, 32):
             top = max(top, part_m[g, i, h])
-        lane_top[t] = top
+        lane_top[lane] = top
     cuda.syncthreads()
     top = -np.inf
     for lane in range(32):

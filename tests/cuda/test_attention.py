@@ -62,6 +62,28 @@ def test_gather_and_attend_match_reference(seed, streams, heads, d, dense, rows)
     assert not status.copy_to_host().any()
 
 
+def test_far_negative_logits_over_many_chunks_at_a_small_head_dim():
+    """Every logit near −2400 across several chunks, with d = 8 channels (the combine's CTA has fewer threads than
+    the 32 partial maxima it reads): exp(logit − max) must not underflow to a zero sum."""
+    streams, heads, d, rows = 1, 2, 8, 3 * CHUNK_ROWS + 5
+    rng = np.random.default_rng(7)
+    k = _bf16(np.full((rows, d), 3.0, np.float32) + rng.uniform(0, 0.1, (rows, d)).astype(np.float32))
+    v = _bf16(rng.standard_normal((rows, d)).astype(np.float32))
+    q = np.full((streams, heads, d), -100.0, np.float32)
+    kv = np.stack([_words(k), _words(v)], axis=1)[None]  # [1, T, 2, d / 4]
+    lengths = n_rows = np.array([rows], np.int32)
+    chunks = -(-rows // CHUNK_ROWS)
+    staged = cuda.to_device(np.zeros((streams, rows, 2, d // 4), np.uint64))
+    parts = [cuda.device_array((streams, chunks, heads), np.float32) for _ in range(2)]
+    out = cuda.device_array((streams, heads, d), np.float32)
+    gather_rows(cuda.to_device(np.zeros((1, rows), np.int32)), cuda.to_device(n_rows), cuda.to_device(lengths), 1,
+                True, cuda.to_device(kv), staged, 1)
+    attend(cuda.to_device(q), staged, cuda.to_device(np.zeros((1, rows), np.int32)), cuda.to_device(n_rows),
+           cuda.to_device(lengths), 1, True, 1.0, cuda.to_device(np.zeros(4, np.int32)), *parts,
+           cuda.device_array((streams, chunks, heads, d), np.float32), out)
+    np.testing.assert_allclose(out.copy_to_host()[0], attention(q[0], k, v, scale=1.0), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # a NaN query: NaN out, flagged
 def test_a_non_finite_query_raises_the_flag():
     k = np.ones((1, 64, 2, 1), np.uint64)
