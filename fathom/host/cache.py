@@ -383,8 +383,15 @@ class HostKVCache:
 
     def advance(self, tokens: np.ndarray) -> None:
         """Record in the host's mirror that every session of layer ``l`` gained ``tokens[l]`` tokens through GPU
-        work enqueued without it (:meth:`enqueue_append` in a replayed CUDA graph)."""
-        self._lengths += np.asarray(tokens, np.int64).reshape(-1, 1)
+        work enqueued without it (:meth:`enqueue_append` in a replayed CUDA graph); nothing inside a dry run, whose
+        appends changed nothing."""
+        if not self._dry:
+            self._lengths += np.asarray(tokens, np.int64).reshape(-1, 1)
+
+    @property
+    def _dry(self) -> bool:
+        """Whether a :meth:`dry_run` is under way (its flag is set on every layer)."""
+        return bool(self.status.host[0, DRY_RUN])
 
     # -- the rotated store's basis ---------------------------------------------------------------------------
 
@@ -448,7 +455,8 @@ class HostKVCache:
         streams = len(sessions) * s.kv_heads
         self.enqueue_append(layer, k.reshape(streams, m, s.head_dim), v.reshape(streams, m, s.head_dim), index,
                             self.stream())
-        self._lengths[layer, sessions] += m
+        if not self._dry:  # a dry run's append changes nothing on the GPU: nor in the mirror
+            self._lengths[layer, sessions] += m
 
     def enqueue_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor, stream) -> None:
         """The GPU work of an append, with no check and no host-side state: ``k, v [S'·H, m, d]`` of sessions
@@ -479,9 +487,9 @@ class HostKVCache:
 
     @contextlib.contextmanager
     def dry_run(self):
-        """Inside, every append launch reads a flag and changes nothing (its rows land past the lengths, unseen):
-        for warming up launches — compiling kernels, preparing cuBLAS on a stream — before a CUDA graph capture.
-        Syncs on exit."""
+        """Inside, every append launch reads a flag and changes nothing (its rows land past the lengths, unseen), nor
+        does an append or a replay change the host's mirror of the lengths: for warming up launches — compiling
+        kernels, preparing cuBLAS on a stream — before a CUDA graph capture. Syncs on exit."""
         self.check()
         self.status.host[:, DRY_RUN] = 1
         try:
@@ -515,7 +523,7 @@ class HostKVCache:
             if cache_layer.rows is not None:
                 cache_layer.rows.empty()
         self._lengths[...] = 0
-        self.status.host[...] = 0
+        self.status.host[:, :DRY_RUN] = 0  # inside a dry run, the appends that follow stay dry
 
     def empty_row_cache(self) -> None:
         """Forget every row the row cache holds, and its counters (the rows refill from the next step)."""
@@ -572,7 +580,10 @@ class HostKVCache:
 
     def store_variance(self, layer: int, basis: str = "raw") -> torch.Tensor:
         """σ² from the store (design §5): mean squared fp16 block scale per stream, float64 ``[streams, d]``."""
-        cache_layer = self.layer(layer)
+        self.check(layer)
+        if basis not in self.store_names:
+            raise ValueError(f"basis must be one of {self.store_names} (the stores this cache holds), got {basis!r}")
+        cache_layer = self._cache_layer(layer)
         blocks = torch.repeat_interleave(cache_layer.lengths.long() // BLOCK, self.shape.kv_heads).clamp(min=1)
         return cache_layer.stores[basis].scale_sq_sum / blocks[:, None]
 

@@ -267,6 +267,8 @@ class Decoder:
         torch.cuda.synchronize()
 
     # -- what the last step read (host syncs) ---------------------------------------------------------------
+    # The depths and row counts these read are the decoder's, shared by every layer: call them right after
+    # ``layer``'s own step (a later step of another layer overwrites what they count).
 
     def scan_nbytes(self, layer: int) -> float:
         """Bytes the last step's scan read from the store (planes + scales, landmarks or K rows), by the one bit

@@ -39,6 +39,9 @@ from fathom.cuda.interop import DEVICE, SIMULATED
 from fathom.host.decoder import Decoder
 from fathom.host.launch import Launch, run_launches
 
+# What Decoder.run and HostKVCache.append take: the input buffers' float32 copy would silently cast anything else
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class StepGraph:
     """The decode steps of ``layers`` (a layer may repeat), each optionally preceded by the append of one token per
@@ -90,14 +93,16 @@ class StepGraph:
         one = isinstance(q, torch.Tensor) and q.ndim == 3
         qs = (n, s.sessions, s.kv_heads * decoder.group_size, s.head_dim)
         if not isinstance(q, torch.Tensor) or tuple(q[None].shape if one else q.shape) != qs \
-                or q.device.type != DEVICE.type:
-            raise ValueError(f"q must be a tensor on {DEVICE.type} of shape {qs[1:] if n == 1 else qs}")
+                or q.device.type != DEVICE.type or q.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"q must be a float32, bf16 or fp16 tensor on {DEVICE.type} of shape "
+                             f"{qs[1:] if n == 1 else qs}")
         if self.append:
             ks = (n, s.sessions, s.kv_heads, 1, s.head_dim)
             for name, x in (("k", k), ("v", v)):
                 if not isinstance(x, torch.Tensor) or tuple(x[None].shape if one else x.shape) != ks \
-                        or x.device.type != DEVICE.type:
-                    raise ValueError(f"{name} must be a tensor on {DEVICE.type} of shape {ks[1:] if n == 1 else ks}")
+                        or x.device.type != DEVICE.type or x.dtype not in FLOAT_DTYPES:
+                    raise ValueError(f"{name} must be a float32, bf16 or fp16 tensor on {DEVICE.type} of shape "
+                                     f"{ks[1:] if n == 1 else ks}")
         elif k is not None or v is not None:
             raise ValueError("this graph appends nothing: pass q only (capture with append=True to append)")
         for layer in self._unique:

@@ -150,6 +150,11 @@ class PlaneScan:
                  ds_rank: np.ndarray | None, warps: int):
         if type(method.policy) not in DEPTH_PLANS:
             raise ValueError(f"no plane scan for the policy of {method.name!r}")
+        d = cache.shape.head_dim
+        if isinstance(method.policy, (methods.QueryTopChannels, methods.FixedChannels)) and method.policy.r > d:
+            # else SparQ fails only at its first step, Loki with an IndexError, Double Sparsity reads d channels
+            raise ValueError(f"r must be an integer in 1..{d} channels (the cache's head_dim) for {method.name!r}, "
+                             f"got {method.policy.r}")
         # the per-head store is the rotated store with each raw head's basis the identity
         self.cache, self.basis, self.warps = cache, "rotated" if method.scans_rotated else "raw", warps
         self.depth_plan = DEPTH_PLANS[type(method.policy)](method, cache, group_size, sigma2, ds_rank)

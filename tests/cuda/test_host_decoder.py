@@ -289,6 +289,23 @@ def test_reset_empties_a_session_for_reuse():
         _assert_matches_reference(decoder, out, k, v, q, *rest, cache.lengths(LAYER))
 
 
+def test_a_dry_run_changes_neither_the_cache_nor_its_host_mirror():
+    """Inside ``dry_run`` an append and a replayed token change nothing, the host's mirror of the lengths included
+    (else it would claim tokens the GPU never took), and a ``clear`` there leaves the run dry."""
+    shape = SHAPES[3]
+    k, v, q, *_ = data = _setup(shape)
+    with HostKVCache(shape) as cache:
+        _append(cache, k, v, 0, 100)
+        token = StepGraph(_decoder(cache, methods.fathom(12.0), data), layers=[LAYER], append=True)
+        with cache.dry_run():
+            _append(cache, k, v, 100, 110)
+            token(*(torch.from_numpy(x).to(DEVICE) for x in (q, k[:, :, 110:111], v[:, :, 110:111])))
+            assert cache.lengths(LAYER).tolist() == cache.layer(LAYER).lengths.tolist() == [100, 100, 100]
+            cache.clear()
+            _append(cache, k, v, 0, 10)
+        assert cache.lengths(LAYER).tolist() == cache.layer(LAYER).lengths.tolist() == [0, 0, 0]
+
+
 def test_bad_keys_are_refused_and_leave_the_cache_unchanged():
     shape = SHAPES[3]
     k, v, q, *_ = data = _setup(shape, seed=6)
@@ -383,6 +400,32 @@ def test_bad_input_raises_before_any_kernel():
     with HostKVCache(shape) as empty:
         with pytest.raises(ValueError, match="holds no tokens"):
             Decoder(empty, DecoderSettings(methods.dense()), GROUP_SIZE).run(LAYER, q_dev)
+
+
+def test_bad_input_to_a_graph_or_a_channel_count_beyond_the_head_dim_is_refused():
+    """A replay refuses what the eager step refuses (a non-float query, key or value, which the graph's float32 input
+    buffers would silently cast), and a decoder refuses a channel method's r beyond d when it is made, before any
+    step (not at SparQ's first step, nor by reading only d channels for Double Sparsity)."""
+    shape = SHAPES[3]
+    k, v, q, *_ = data = _setup(shape)
+    with HostKVCache(shape, basis=data[3]) as cache:
+        _append(cache, k, v, 0, 100)
+        token = StepGraph(_decoder(cache, methods.fathom(12.0), data), layers=[LAYER], append=True)
+        q_t, k_t, v_t = (torch.from_numpy(x).to(DEVICE) for x in (q, k[:, :, 100:101], v[:, :, 100:101]))
+        for bad in ((q_t.to(torch.int32), k_t, v_t), (q_t, k_t.to(torch.int64), v_t), (q_t, k_t, v_t.bool())):
+            with pytest.raises(ValueError, match="float32, bf16 or fp16"):
+                token(*bad)
+        assert cache.lengths(LAYER).tolist() == [100, 100, 100]
+        for method in (methods.sparq(D + 1), methods.double_sparsity(D + 1), methods.loki(D + 1)):
+            with pytest.raises(ValueError, match=f"r must be an integer in 1..{D}"):
+                _decoder(cache, method, data)
+
+
+def test_the_variance_of_a_store_the_cache_does_not_hold_is_refused():
+    with HostKVCache(SHAPES[3]) as cache:
+        for basis in ("rotated", "bogus"):
+            with pytest.raises(ValueError, match=r"basis must be one of \('raw',\)"):
+                cache.store_variance(LAYER, basis)
 
 
 @pytest.mark.parametrize("tier", [
