@@ -62,6 +62,37 @@ def test_gather_and_attend_match_reference(seed, streams, heads, d, dense, rows)
     assert not status.copy_to_host().any()
 
 
+@pytest.mark.gpu  # the simulator would take minutes: a model's head dims over thousands of rows, many chunks
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gather_and_attend_match_reference_at_model_head_dims(d):
+    rng = np.random.default_rng(d)
+    streams, heads, tokens, rows = 2, 4, 4096, 1800
+    k, v = _bf16(rng.standard_normal((2, streams, tokens, d)).astype(np.float32))
+    q = rng.standard_normal((streams, heads, d)).astype(np.float32)
+    kv = np.stack([_words(k), _words(v)], axis=2)
+    lengths = np.full(streams, tokens, np.int32)
+    n_rows = np.array([rows, rows // 3], np.int32)
+    row_index = np.zeros((streams, rows), np.int32)
+    for g in range(streams):
+        row_index[g, :n_rows[g]] = np.sort(rng.choice(tokens, n_rows[g], replace=False))
+    head_mask = rng.integers(1, 1 << heads, (streams, rows)).astype(np.int32)
+    chunks = -(-rows // CHUNK_ROWS)
+    staged = cuda.to_device(np.zeros((streams, rows, 2, d // 4), np.uint64))
+    parts = [cuda.device_array((streams, chunks, heads), np.float32) for _ in range(2)]
+    out = cuda.device_array((streams, heads, d), np.float32)
+    gather_rows(cuda.to_device(row_index), cuda.to_device(n_rows), cuda.to_device(lengths), 1, False,
+                cuda.to_device(kv), staged, ctas=8)
+    attend(cuda.to_device(q), staged, cuda.to_device(head_mask), cuda.to_device(n_rows), cuda.to_device(lengths), 1,
+           False, d ** -0.5, cuda.to_device(np.zeros(4, np.int32)), *parts,
+           cuda.device_array((streams, chunks, heads, d), np.float32), out)
+    got = out.copy_to_host()
+    for g in range(streams):
+        listed = row_index[g, :n_rows[g]]
+        mask = ((head_mask[g, :n_rows[g], None] >> np.arange(heads)) & 1).T.astype(bool)
+        want = attention(q[g], k[g, listed], v[g, listed], mask, scale=d ** -0.5)
+        np.testing.assert_allclose(got[g], want, rtol=1e-4, atol=1e-5)
+
+
 def test_far_negative_logits_over_many_chunks_at_a_small_head_dim():
     """Every logit near −2400 across several chunks, with d = 8 channels (the combine's CTA has fewer threads than
     the 32 partial maxima it reads): exp(logit − max) must not underflow to a zero sum."""
