@@ -66,6 +66,7 @@ from fathom.scoring import LANDMARK_TOKENS
 from fathom.store import DEFAULT_SEGMENT_BLOCKS
 
 STORES = ("host", "device")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what appends and steps take
 BAD_KEY, BAD_VALUE, BAD_QUERY, DRY_RUN = 0, 1, 2, 3  # status flags of a layer (DRY_RUN is no error)
 _FLAG_NAMES = {BAD_KEY: "a key that is NaN, inf or beyond the float16 range (|k| >= 65520, in the store's basis)",
                BAD_VALUE: "a value that is NaN or inf", BAD_QUERY: "a query that is NaN or inf"}
@@ -432,7 +433,7 @@ class HostKVCache:
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.device.type != DEVICE.type:
                 raise ValueError(f"{name} must be a torch tensor on {DEVICE.type}")
-            if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            if x.dtype not in FLOAT_DTYPES:
                 raise ValueError(f"{name} must be float32, bf16 or fp16, got {x.dtype}")
             if x.ndim != 4 or x.shape[:2] != (len(sessions), s.kv_heads) or x.shape[3] != s.head_dim:
                 raise ValueError(f"{name} must have shape ({len(sessions)}, {s.kv_heads}, m, {s.head_dim}), "

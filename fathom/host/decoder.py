@@ -51,7 +51,7 @@ from fathom.cuda.row_cache import assign_slots
 from fathom.cuda.scan import MAX_HEADS as MAX_GROUP_SIZE  # query heads a scan CTA accumulates
 from fathom.cuda.topk import select, union_blocks, union_rows
 from fathom.decode import step_bits
-from fathom.host.cache import HostKVCache
+from fathom.host.cache import FLOAT_DTYPES, HostKVCache
 from fathom.host.launch import Launch, run_launches
 from fathom.host.strategy import StepBuffers, resolve
 from fathom.quantize import BLOCK
@@ -201,7 +201,7 @@ class Decoder:
         if q is not None:
             if not isinstance(q, torch.Tensor) or q.device.type != DEVICE.type:
                 raise ValueError(f"q must be a torch tensor on {DEVICE.type}")
-            if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            if q.dtype not in FLOAT_DTYPES:
                 raise ValueError(f"q must be float32, bf16 or fp16, got {q.dtype}")
             if tuple(q.shape) != (s.sessions, s.kv_heads * self.group_size, s.head_dim):
                 raise ValueError(f"q must have shape {(s.sessions, s.kv_heads * self.group_size, s.head_dim)}, "

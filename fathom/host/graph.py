@@ -36,11 +36,9 @@ from numba import cuda
 
 from fathom import _checks
 from fathom.cuda.interop import DEVICE, SIMULATED
+from fathom.host.cache import FLOAT_DTYPES  # what run and append take: the buffers' copy would cast anything
 from fathom.host.decoder import Decoder
 from fathom.host.launch import Launch, run_launches
-
-# What Decoder.run and HostKVCache.append take: the input buffers' float32 copy would silently cast anything else
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class StepGraph:
