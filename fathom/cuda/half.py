@@ -67,6 +67,17 @@ def f16_bits_to_f32(h):
 
 
 @cuda.jit(device=True, inline=True)
+def f16_bits_to_f32_eighth(h):
+    """``f16_bits_to_f32(h) / 8`` (exact) for non-negative fp16 bits ``h`` (uint32), without branches: the plane
+    scan's Δ = scale / 8 per block and channel. A normal scale's exponent is rebiased 15 -> 127 − 3, a subnormal
+    one's mantissa scaled by 2^-27, every exponent-31 pattern is inf."""
+    e = h >> np.uint32(10)
+    normal = f32_from_bits((h << np.uint32(13)) + np.uint32((112 - 3) << 23))
+    tiny = np.float32(np.int32(h)) * np.float32(2.0**-27)
+    return np.float32(np.inf) if e >= np.uint32(31) else (normal if e > np.uint32(0) else tiny)
+
+
+@cuda.jit(device=True, inline=True)
 def bf16_bits_to_f32(h):
     """The float32 value of bf16 bits ``h``: the bits are the high half of the float32's (exact)."""
     return f32_from_bits(np.uint32(h) << np.uint32(16))

@@ -79,6 +79,24 @@ def test_every_tier_scans_exactly_as_the_host_store():
         np.testing.assert_array_equal(tiered[1], host[1])
 
 
+def test_scan_reads_subnormal_and_zero_scales():
+    """Block scales at every fp16 class the keys make: subnormal (a channel of keys ~1e-7), zero (a block of zero
+    keys) and normal, decoded without branches in the scan, against the reference."""
+    rng = np.random.default_rng(11)
+    max_tokens, kv_heads, d, cap = 320, 1, 8, 2
+    tokens = np.array([300], np.int32)
+    keys = (rng.standard_normal((300, d)) * np.exp(rng.uniform(-2, 2, d))).astype(np.float32)
+    keys[:, 0] *= 1e-7  # fp16 scales below 2^-14
+    keys[:128, 1] = 0  # two blocks of scale 0
+    store = PlaneStore.from_keys(keys, segment_blocks=cap)
+    assert (store.scales()[0] < np.float16(2.0**-14)).all() and (store.scales()[1, :2] == 0).all()
+    depths = np.array([[4, 3, 2, 1, 4, 0, 2, 3]], np.int8)
+    q = rng.standard_normal((kv_heads, 3, d)).astype(np.float32)
+    got, _ = _scan(q, depths, tokens, kv_heads, [store], cap, 1, 0, 0, 2, max_tokens)
+    want = approx_scores(q[0], store.planes(), store.scales(), depths[0])
+    np.testing.assert_allclose(got[0, :, :store.n_sealed], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.skipif(not SIMULATED, reason="steers the CUDA simulator's thread schedule")
 def test_chunks_are_cut_after_every_channel_slot_is_written(monkeypatch):
     """Thread 0 cuts the chunks from every active channel's slot start, those of the last round of channels too:
