@@ -12,16 +12,17 @@ RADIX = 256
 def exclusive_scan(counts, t, n_threads):
     """Exclusive prefix sum of ``counts[:n_threads]`` (shared, int32/int64), in place; returns (thread ``t``'s
     exclusive prefix, total). Every thread of the block must call it; it syncs."""
+    t = np.uint32(t)  # unsigned 32-bit indices: no negative wraparound, no 64-bit arithmetic
     mine = counts[t]
-    offset = 1
+    offset = np.uint32(1)
     while offset < n_threads:
         cuda.syncthreads()
         v = counts[t - offset] if t >= offset else 0
         cuda.syncthreads()
         counts[t] += v
-        offset *= 2
+        offset = np.uint32(offset << np.uint32(1))
     cuda.syncthreads()
-    total = counts[n_threads - 1]
+    total = counts[np.uint32(n_threads - 1)]
     excl = counts[t] - mine
     cuda.syncthreads()
     return excl, total
@@ -41,6 +42,10 @@ def order_key(bits):
 def flush_histogram(hist, top_hist, g, heads, t, n_threads):
     """Add a CTA's shared ``hist [heads, 256]`` into ``top_hist[g]`` (non-zero bins only). Syncs first."""
     cuda.syncthreads()
-    for x in range(t, heads * RADIX, n_threads):
-        if hist[x // RADIX, x % RADIX]:
-            cuda.atomic.add(top_hist, (g, x // RADIX, x % RADIX), hist[x // RADIX, x % RADIX])
+    x = np.uint32(t)  # unsigned 32-bit: the bin's row and column are a shift and a mask
+    while x < heads * RADIX:
+        row = x >> np.uint32(8)
+        col = x & np.uint32(RADIX - 1)
+        if hist[row, col]:
+            cuda.atomic.add(top_hist, (g, row, col), hist[row, col])
+        x = np.uint32(x + n_threads)

@@ -34,6 +34,7 @@ from fathom.quantize import BLOCK
 MAX_THREADS = 1024
 WORDS_PER_THREAD = 4  # bitmap words (64 tokens each) per thread of the row compaction
 SUB_HISTOGRAMS = 8  # per-warp-group histograms of the tie passes
+LANES = 32  # partial sums of a 256-bin histogram walk (8 bins each)
 
 
 @cuda.jit(device=True, inline=True)
@@ -46,8 +47,11 @@ def _bounds(lengths, g, heads_per_session, sink, local):
 
 @cuda.jit(device=True, inline=True)
 def _mark(winners, any_rows, g, j, heads_bits):
+    """Set ``heads_bits`` in token j's head mask and j's bit in the bitmap (j >= 0: unsigned, so the word and bit
+    are a shift and a mask and the index needs no negative wraparound)."""
+    j = np.uint32(j)
     cuda.atomic.or_(winners, (g, j), heads_bits)
-    cuda.atomic.or_(any_rows, (g, j // 64), np.uint64(1) << np.uint64(j % 64))
+    cuda.atomic.or_(any_rows, (g, j >> np.uint32(6)), np.uint64(1) << np.uint64(j & np.uint32(63)))
 
 
 @cuda.jit(device=True, inline=True)
@@ -56,34 +60,38 @@ def _find_digit(hist, wanted, descending, out, t, n_threads):
     else the smallest) reaches ``wanted`` -> out[0], how many of the wanted fall in its bin -> out[1], the bin's count
     -> out[2]; nothing is written if the bins hold fewer. Every thread calls it; it syncs.
 
-    With 32 threads or more, 32 lanes each sum 8 consecutive bins in walking order at once; thread 0 then walks the
-    32 sums and the 8 bins of the one that crosses ``wanted``: 40 dependent shared reads on the critical path
-    instead of 256, for one more barrier. A block of fewer threads walks the 256 bins on thread 0."""
-    lanes = 32 if n_threads >= 32 else 1
-    per = RADIX // lanes
-    sums = cuda.shared.array(32, np.int64)
-    if t < lanes:
-        mine = 0
-        for i in range(per):
-            p = t * per + i
-            mine += hist[RADIX - 1 - p if descending else p]
-        sums[t] = mine
+    32 lanes (threads 0..31, or fewer threads taking several) each sum 8 consecutive bins in walking order; after a
+    barrier each lane adds the sums before its own (independent shared reads, not a dependent walk), and the one
+    lane whose range crosses ``wanted`` walks its 8 bins: 8 dependent shared reads on the critical path instead of
+    256. Counts stay in 32 bits (the bins hold int32)."""
+    sums = cuda.shared.array(LANES, np.int32)
+    step = np.uint32(n_threads)
+    lane = np.uint32(t)
+    while lane < LANES:
+        mine = np.int32(0)
+        for i in range(RADIX // LANES):
+            p = lane * np.uint32(RADIX // LANES) + np.uint32(i)
+            mine = np.int32(mine + hist[np.uint32(RADIX - 1) - p if descending else p])
+        sums[lane] = mine
+        lane = np.uint32(lane + step)
     cuda.syncthreads()
-    if t == 0:
-        passed = 0
-        for lane in range(lanes):
-            if passed + sums[lane] >= wanted:
-                for i in range(per):
-                    p = lane * per + i
-                    digit = RADIX - 1 - p if descending else p
-                    if passed + hist[digit] >= wanted:
-                        out[0] = digit
-                        out[1] = wanted - passed
-                        out[2] = hist[digit]
-                        break
-                    passed += hist[digit]
-                break
-            passed += sums[lane]
+    lane = np.uint32(t)
+    while lane < LANES:
+        passed = np.int32(0)
+        for x in range(lane):
+            passed = np.int32(passed + sums[x])
+        # the first lane whose running count reaches wanted (lane 0 as well when wanted <= 0)
+        if passed + sums[lane] >= wanted and (lane == 0 or passed < wanted):
+            for i in range(RADIX // LANES):
+                p = lane * np.uint32(RADIX // LANES) + np.uint32(i)
+                digit = np.uint32(RADIX - 1) - p if descending else p
+                if passed + hist[digit] >= wanted:
+                    out[0] = digit
+                    out[1] = wanted - passed
+                    out[2] = hist[digit]
+                    break
+                passed = np.int32(passed + hist[digit])
+        lane = np.uint32(lane + step)
     cuda.syncthreads()
 
 
@@ -92,8 +100,11 @@ def _kth_digit(hist_src, g, h, wanted, hist, state, t, n_threads):
     """From a 256-bin histogram (global ``hist_src[g, h]``, staged through shared ``hist``): state[0] = the digit
     of the ``wanted``-th largest, state[1] = how many of the wanted fall in its bin, state[2] = the bin's count.
     Every thread calls it; it syncs."""
-    for i in range(t, RADIX, n_threads):
-        hist[i] = hist_src[g, h, i]
+    src = hist_src[g, h]
+    i = np.uint32(t)
+    while i < RADIX:
+        hist[i] = src[i]
+        i = np.uint32(i + n_threads)
     cuda.syncthreads()
     _find_digit(hist, wanted, True, state, t, n_threads)
 
@@ -102,10 +113,10 @@ def _kth_digit(hist_src, g, h, wanted, hist, state, t, n_threads):
 def _add_run(hist, digit, last, run):
     """Run-length counting: add the finished run of ``last`` when the digit changes; returns (last, run)."""
     if digit == last:
-        return last, run + 1
+        return last, np.int32(run + 1)
     if run:
         cuda.atomic.add(hist, last, run)
-    return digit, 1
+    return digit, np.int32(1)
 
 
 @cuda.jit(cache=True)
@@ -148,13 +159,20 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
             hist[i] = 0
         cuda.syncthreads()
     digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
-    matches = 0
+    # 32-bit unsigned indices and counts in the walks: Numba types int arithmetic and range() as int64, and a signed
+    # index pays for a negative-index wraparound
+    scores = score_bits[g, h]
+    step = np.uint32(n_threads)
+    end = np.uint32(stop)
+    first = np.uint32(start + t)
+    matches = np.int32(0)
     last = np.uint32(RADIX)
-    run = 0
-    for j in range(start + t, stop, n_threads):
-        key = order_key(score_bits[g, h, j])
-        top = key >> np.uint32(24)
-        second = (key >> np.uint32(16)) & np.uint32(0xFF)
+    run = np.int32(0)
+    j = first
+    while j < end:
+        key = order_key(scores[j])
+        top = np.uint32(key >> np.uint32(24))
+        second = np.uint32((key >> np.uint32(16)) & np.uint32(0xFF))
         if level == 0:
             if top > digit1:
                 _mark(winners, any_rows, g, j, bit)
@@ -164,7 +182,8 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
             if second > digit2:
                 _mark(winners, any_rows, g, j, bit)
             elif second == digit2:
-                matches += 1
+                matches = np.int32(matches + 1)
+        j = np.uint32(j + step)
     if level == 0:
         if run:
             cuda.atomic.add(hist, last, run)
@@ -180,35 +199,51 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
     if t == 0:
         state[5] = cuda.atomic.add(cand_count, (g, h), np.int32(total))
     cuda.syncthreads()
-    pos = state[5] + offset
-    if matches:
-        for j in range(start + t, stop, n_threads):
-            key = order_key(score_bits[g, h, j])
-            if key >> np.uint32(16) == (digit1 << np.uint32(8)) | digit2:
-                cand_key[g, h, pos] = key
-                cand_idx[g, h, pos] = j
-                pos += 1
+    pos = np.uint32(state[5] + offset)
+    pos_end = np.uint32(pos + matches)  # the walk stops after this thread's last candidate
+    bin_ = (digit1 << np.uint32(8)) | digit2
+    keys = cand_key[g, h]
+    indices = cand_idx[g, h]
+    j = first
+    while pos < pos_end:
+        key = order_key(scores[j])
+        if key >> np.uint32(16) == bin_:
+            keys[pos] = key
+            indices[pos] = j
+            pos = np.uint32(pos + 1)
+        j = np.uint32(j + step)
 
 
 @cuda.jit(device=True, inline=True)
 def _tie_pass(cand_key, cand_idx, g, h, m, on_index, shift, prefix, mask, threshold, subs, hist, t, n_threads):
     """Histogram of one digit over the candidates matching the prefix (keys, or indices of keys == threshold),
-    counted in per-warp-group sub-histograms, summed into ``hist``. Syncs."""
-    for i in range(t, SUB_HISTOGRAMS * RADIX, n_threads):
-        subs[i // RADIX, i % RADIX] = 0
+    counted in per-warp-group sub-histograms, summed into ``hist``. Syncs. Indices are unsigned 32-bit (no negative
+    wraparound, no 64-bit arithmetic)."""
+    step = np.uint32(n_threads)
+    i = np.uint32(t)
+    while i < SUB_HISTOGRAMS * RADIX:
+        subs[i >> np.uint32(8), i & np.uint32(RADIX - 1)] = 0
+        i = np.uint32(i + step)
     cuda.syncthreads()
-    sub = (t // 32) % SUB_HISTOGRAMS
-    for i in range(t, m, n_threads):
-        key = cand_key[g, h, i]
-        value = np.uint32(cand_idx[g, h, i]) if on_index else key
+    sub = np.uint32(t >> 5) & np.uint32(SUB_HISTOGRAMS - 1)  # the warp's group
+    keys = cand_key[g, h]
+    indices = cand_idx[g, h]
+    end = np.uint32(m)
+    i = np.uint32(t)
+    while i < end:
+        key = keys[i]
+        value = np.uint32(indices[i]) if on_index else key
         if (not on_index or key == threshold) and value & mask == prefix:
-            cuda.atomic.add(subs, (sub, np.int32((value >> shift) & np.uint32(RADIX - 1))), 1)
+            cuda.atomic.add(subs, (sub, np.uint32((value >> shift) & np.uint32(RADIX - 1))), 1)
+        i = np.uint32(i + step)
     cuda.syncthreads()
-    for i in range(t, RADIX, n_threads):
-        total = 0
+    i = np.uint32(t)
+    while i < RADIX:
+        total = np.int32(0)
         for x in range(SUB_HISTOGRAMS):
-            total += subs[x, i]
+            total = np.int32(total + subs[x, i])
         hist[i] = total
+        i = np.uint32(i + step)
     cuda.syncthreads()
 
 
@@ -258,26 +293,35 @@ def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hist2, ca
                 remaining = state[7]
                 cuda.syncthreads()
             last_tie = prefix
-        for i in range(t, m, n_threads):
-            key = cand_key[g, h, i]
-            if key > threshold or (key == threshold and np.uint32(cand_idx[g, h, i]) <= last_tie):
-                _mark(winners, any_rows, g, cand_idx[g, h, i], bit)
+        keys = cand_key[g, h]
+        indices = cand_idx[g, h]
+        i = np.uint32(t)
+        while i < np.uint32(m):
+            key = keys[i]
+            if key > threshold or (key == threshold and np.uint32(indices[i]) <= last_tie):
+                _mark(winners, any_rows, g, indices[i], bit)
+            i = np.uint32(i + n_threads)
     cuda.syncthreads()
-    for i in range(t, RADIX, n_threads):
+    i = np.uint32(t)
+    while i < RADIX:
         top_hist[g, h, i] = 0
         hist2[g, h, i] = 0
+        i = np.uint32(i + n_threads)
     if t == 0:
         cand_count[g, h] = 0
 
 
 @cuda.jit(device=True, inline=True)
 def _thread_words(any_rows, g, n, t):
-    """This thread's bitmap words [first, stop) in its CTA's range, and how many rows they keep."""
-    first = (cuda.blockIdx.x * cuda.blockDim.x + t) * WORDS_PER_THREAD
-    stop = min(first + WORDS_PER_THREAD, (n + 63) // 64)
-    kept = 0
-    for w in range(first, stop):
-        kept += cuda.popc(any_rows[g, w])
+    """This thread's bitmap words [first, stop) in its CTA's range, and how many rows they keep (uint32 word
+    indices: no negative wraparound, 32-bit arithmetic)."""
+    first = np.uint32((cuda.blockIdx.x * cuda.blockDim.x + t) * WORDS_PER_THREAD)
+    stop = min(np.uint32(first + WORDS_PER_THREAD), np.uint32(np.uint32(max(n, 0) + 63) >> np.uint32(6)))
+    kept = np.int32(0)
+    for i in range(WORDS_PER_THREAD):  # a constant trip count: the loads go out together
+        w = np.uint32(first + i)
+        if w < stop:
+            kept = np.int32(kept + cuda.popc(any_rows[g, w]))
     return first, stop, kept
 
 
@@ -303,31 +347,37 @@ def _write_rows_kernel(any_rows, winners, lengths, heads_per_session, block_rows
     counts = cuda.shared.array(MAX_THREADS, np.int32)
     base = cuda.shared.array(1, np.int32)
     if t == 0:
-        before = 0
-        total = 0
-        for x in range(cuda.gridDim.x):
-            if x < cuda.blockIdx.x:
-                before += block_rows[g, x]
-            total += block_rows[g, x]
+        before = np.int32(0)
+        total = np.int32(0)
+        x = np.uint32(0)
+        while x < np.uint32(cuda.gridDim.x):
+            rows = block_rows[g, x]
+            if x < np.uint32(cuda.blockIdx.x):
+                before = np.int32(before + rows)
+            total = np.int32(total + rows)
+            x = np.uint32(x + 1)
         base[0] = before
         if cuda.blockIdx.x == 0:
             n_rows[g] = min(total, max_rows)
     first, stop, kept = _thread_words(any_rows, g, lengths[g // heads_per_session], t)
     counts[t] = kept
     offset, _ = exclusive_scan(counts, t, cuda.blockDim.x)
-    out = base[0] + offset
-    for w in range(first, stop):
-        word = any_rows[g, w]
-        while word:
-            low = word & (~word + np.uint64(1))  # the lowest set bit
-            j = w * 64 + cuda.popc(low - np.uint64(1))
-            if out < max_rows:
-                row_index[g, out] = j
-                head_mask[g, out] = winners[g, j]
-            winners[g, j] = 0
-            out += 1
-            word ^= low
-        any_rows[g, w] = np.uint64(0)
+    out = np.uint32(base[0] + offset)
+    max_out = np.uint32(max_rows)
+    for i in range(WORDS_PER_THREAD):
+        w = np.uint32(first + i)
+        if w < stop:
+            word = any_rows[g, w]
+            while word:
+                low = word & (~word + np.uint64(1))  # the lowest set bit
+                j = np.uint32((w << np.uint32(6)) + np.uint32(cuda.popc(low - np.uint64(1))))
+                if out < max_out:
+                    row_index[g, out] = j
+                    head_mask[g, out] = winners[g, j]
+                winners[g, j] = 0
+                out = np.uint32(out + 1)
+                word ^= low
+            any_rows[g, w] = np.uint64(0)
 
 
 def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hist2, cand_key,

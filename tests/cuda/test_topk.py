@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from fathom.cuda.topk import select, union_blocks, union_rows
+from fathom.cuda.block import exclusive_scan
+from fathom.cuda.topk import _find_digit, select, union_blocks, union_rows
 from fathom.selection import Selection
 from fathom.selection import select as ref_select
 from tests.cuda.helpers import top_byte_histogram
@@ -81,3 +82,63 @@ def test_a_kernel_refuses_streams_and_sessions_that_do_not_agree():
                                                 (4, True, "heads_per_session"), (2, 2, "lengths must hold")):
         with pytest.raises(ValueError, match=message):
             _checks.stream_sessions(streams, heads_per_session, lengths)
+
+
+@cuda.jit
+def _find_digit_kernel(hist_in, wanted, descending, out):
+    t = cuda.threadIdx.x
+    hist = cuda.shared.array(256, np.int32)
+    state = cuda.shared.array(3, np.int64)
+    for i in range(t, 256, cuda.blockDim.x):
+        hist[i] = hist_in[i]
+    if t == 0:
+        for i in range(3):
+            state[i] = -1
+    cuda.syncthreads()
+    _find_digit(hist, wanted, descending, state, t, cuda.blockDim.x)
+    if t == 0:
+        for i in range(3):
+            out[i] = state[i]
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31), threads=st.sampled_from([1, 7, 32, 64]), descending=st.booleans(),
+       sparse=st.booleans())
+def test_find_digit_walks_as_a_running_count(seed, threads, descending, sparse):
+    """The digit where the running count reaches wanted, for blocks under and over 32 threads, wanted <= 0 (the
+    first digit) and wanted past the total (nothing written)."""
+    rng = np.random.default_rng(seed)
+    hist = rng.integers(0, 5, 256).astype(np.int32)
+    if sparse:
+        hist[rng.random(256) < 0.9] = 0
+    order = np.arange(256)[::-1] if descending else np.arange(256)
+    running = np.cumsum(hist[order])
+    for wanted in (0, 1, int(running[-1]) // 2 + 1, int(running[-1]), int(running[-1]) + 1):
+        out = cuda.to_device(np.zeros(3, np.int64))
+        _find_digit_kernel[1, threads](cuda.to_device(hist), wanted, descending, out)
+        if wanted > running[-1]:
+            want = [-1, -1, -1]
+        else:
+            i = int(np.argmax(running >= wanted))
+            want = [order[i], wanted - (running[i] - hist[order[i]]), hist[order[i]]]
+        np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
+@cuda.jit
+def _exclusive_scan_kernel(values, excl, total):
+    t = cuda.threadIdx.x
+    counts = cuda.shared.array(64, np.int64)
+    counts[t] = values[t]
+    excl[t], total[t] = exclusive_scan(counts, t, cuda.blockDim.x)
+
+
+def test_exclusive_scan_matches_cumsum():
+    """fathom.cuda.block.exclusive_scan for block sizes not a power of two as well."""
+    rng = np.random.default_rng(0)
+    for threads in (1, 5, 33, 64):
+        values = rng.integers(0, 1000, threads).astype(np.int64)
+        excl = cuda.to_device(np.zeros(threads, np.int64))
+        total = cuda.to_device(np.zeros(threads, np.int64))
+        _exclusive_scan_kernel[1, threads](cuda.to_device(values), excl, total)
+        np.testing.assert_array_equal(excl.copy_to_host(), np.cumsum(values) - values)
+        assert (total.copy_to_host() == values.sum()).all()
