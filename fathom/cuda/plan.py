@@ -10,9 +10,9 @@ decides ``split_bits`` steps per round: the round evaluates the cost at the
 ``2^split_bits − 1`` midpoints those steps can reach (a complete binary tree,
 each midpoint formed by the same float64 halvings the sequential steps would
 make), one midpoint per lane and the channels split over the warps, then
-thread 0 walks the tree by the costs. The steps taken, and so θ, are the
-sequential bisection's exactly: 6 rounds of 31 midpoints replace 30 dependent
-steps.
+every thread walks the tree by the costs (the bounds stay in registers: one
+barrier a round). The steps taken, and so θ, are the sequential bisection's
+exactly: 6 rounds of 31 midpoints replace 30 dependent steps.
 
 Precision: the bisection runs in float64 like the reference. A float32 θ has a
 relative resolution of 6e-8, coarser than the bisection's final interval
@@ -21,8 +21,8 @@ gains lie within ~1e-7 of each other; float64 leaves only libm-vs-libdevice
 last-ulp differences in ``log``/``exp``, which move a depth only if a gain sits
 within ~1e-15 of a bisection point. The importance ``Σ_h q²`` is summed in
 float32 in head order like NumPy's reduction over axis -2; each square is
-formed in float64 (exact) and rounded to float32 so no multiply-add can be
-contracted into an FMA, which would round differently.
+rounded to float32 on its own (``mul.rn``, which NVVM never contracts into an
+FMA with the sum: an FMA would round differently).
 The bounds are the reference's: log θ between half the smallest positive
 4th-plane gain and twice the largest gain (neither is a gain, so no rounding of
 ``exp(log(x))`` can land on one), each computed as a sum of logs.
@@ -34,6 +34,7 @@ import math
 
 import numpy as np
 from numba import cuda
+from numba.cuda import libdevice
 
 from fathom import _checks
 from fathom.cuda.interop import SIMULATED
@@ -44,6 +45,7 @@ THREADS = 32  # SparQ's top channels: one block per stream
 MAX_D = 512  # shared-memory size of one stream's importances
 MAX_THREADS = 256  # water-filling: 32 lanes (midpoints) × up to 8 warps (channel slices)
 MAX_SPLIT_BITS = 5  # 31 midpoints per round: one per lane
+GAIN_ROWS = MAX_D + 3 * (MAX_THREADS // 32)  # the rounds read 4 channels of a slice a trip: zero rows past d
 # The simulator runs every thread in Python: one step per round and one warp cost it the least.
 WATERFILL_THREADS = 32 if SIMULATED else MAX_THREADS
 SPLIT_BITS = 1 if SIMULATED else MAX_SPLIT_BITS
@@ -57,121 +59,197 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
 
     A stream with ``from_store`` set reads σ² as the mean of the store's squared block scales over its sealed blocks
     (``scale_sq_sum`` / blocks, ``lengths`` on the GPU, as ``fathom.decode.HeadIndex.store_variance`` divides); the
-    others read ``sigma2`` (calibration). The block's threads are ``lanes`` (at most 32) × channel slices."""
+    others read ``sigma2`` (calibration). The block's threads are ``lanes`` (at most 32) × channel slices.
+
+    Integers are int32 (``np.int32(...)``) and strided loops ``while`` loops: Numba types integer arithmetic and
+    ``range`` as int64, and a range's trip count with a runtime step costs a 64-bit division. Every thread keeps
+    the bounds in registers and walks the tree itself, so a round costs one barrier."""
     g = cuda.blockIdx.x
-    blocks = max(lengths[g // heads_per_session] // BLOCK, 1)
     t = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
-    lanes = min(32, n_threads)
-    lane = t % lanes
-    part = t // lanes  # this thread's channel slice
-    parts = n_threads // lanes
-    n_heads = q.shape[1]
-    d = q.shape[2]
-    w = cuda.shared.array(MAX_D, np.float64)
-    part_cost = cuda.shared.array(MAX_THREADS, np.int64)  # [slice, midpoint] in the rounds
+    wide = n_threads >= 32
+    lanes = np.int32(32) if wide else n_threads
+    lane = np.int32(t & 31) if wide else t
+    part = np.int32(t >> 5) if wide else np.int32(0)  # this thread's channel slice
+    parts = np.int32(n_threads >> 5) if wide else np.int32(1)
+    n_heads = np.int32(q.shape[1])
+    d = np.int32(q.shape[2])
+    fit = np.int32(min(budget_quarters, 2.0 ** 30))  # cost <= budget_quarters: costs are integers below 2^30
+    gain = cuda.shared.array((GAIN_ROWS, MAX_DEPTH), np.float64)  # each channel's plane gains, (3/4) w 4^-(t-1)
     part_max = cuda.shared.array(MAX_THREADS, np.float64)
     part_min = cuda.shared.array(MAX_THREADS, np.float64)
-    cost = cuda.shared.array(32, np.int64)  # each midpoint's cost, heap order from the root
+    part_all = cuda.shared.array(MAX_THREADS, np.int32)
+    # each midpoint's cost, heap order from the root; round r adds into buffer r % 3 (at 32 (r % 3)), zeroed in
+    # round r - 1 (before its barrier) and last read by round r - 3's walk (before round r - 2's barrier)
+    cost = cuda.shared.array(3 * 32, np.int32)
     bounds = cuda.shared.array(3, np.float64)  # log_lo, log_hi, all_fit
 
+    # every global load is issued up front, none waits on another (the σ² source is picked after)
+    stored = from_store[g] != 0
+    blocks = np.float64(max(np.int32(lengths[np.uint32(g) // np.uint32(heads_per_session)] // BLOCK), 1))
     my_max = 0.0
     my_min = np.inf
-    my_all = 0
-    for c in range(t, d, n_threads):
+    my_all = np.int32(0)
+    c = t
+    while c < d:
+        from_scales = scale_sq_sum[g, c]
+        calibrated = sigma2[g, c]
         acc = np.float32(0)
         for h in range(n_heads):
-            x = np.float64(q[g, h, c])
-            acc = acc + np.float32(x * x)
-        s2 = scale_sq_sum[g, c] / np.float64(blocks) if from_store[g] else sigma2[g, c]
+            acc = acc + _square(q[g, h, c])
+        s2 = from_scales / blocks if stored else calibrated
         wc = s2 * np.float64(acc)
-        w[c] = wc
+        g1 = 0.75 * wc  # the gains are exact power-of-two scalings of 0.75 w
+        gain[c, 0] = g1
+        gain[c, 1] = g1 * 0.25
+        gain[c, 2] = g1 * 0.0625
+        gain[c, 3] = g1 * 0.015625
         my_max = max(my_max, wc)
         if wc > 0:
             my_min = min(my_min, wc)
             my_all += 4 * MAX_DEPTH + 1
+        c = np.int32(c + n_threads)
     part_max[t] = my_max
     part_min[t] = my_min
-    part_cost[t] = my_all
+    part_all[t] = my_all
+    i = np.int32(n_threads + t)
+    while i < MAX_THREADS:  # identities past the block: the folds read every entry
+        part_max[i] = 0.0
+        part_min[i] = np.inf
+        part_all[i] = 0
+        i = np.int32(i + n_threads)
+    c = np.int32(d + t)
+    while c < d + 3 * parts:
+        for k in range(MAX_DEPTH):
+            gain[c, k] = 0.0
+        c = np.int32(c + n_threads)
+    i = t
+    while i < 32:
+        cost[i] = 0
+        i = np.int32(i + n_threads)
+    # max, min and an integer sum: exact in any order (no NaN enters: max and min keep the first operand on NaN)
     cuda.syncthreads()
-    if t < lanes:  # max, min and an integer sum: exact in any order
-        for i in range(t + lanes, n_threads, lanes):
-            part_max[t] = max(part_max[t], part_max[i])
-            part_min[t] = min(part_min[t], part_min[i])
-            part_cost[t] += part_cost[i]
+    if t < 32:  # entry t folds t + 32 k
+        my_max, my_min, my_all = _combine(_fold(part_max, part_min, part_all, t, 64, 4),
+                                          _fold(part_max, part_min, part_all, np.int32(t + 32), 64, 4))
+        part_max[t] = my_max
+        part_min[t] = my_min
+        part_all[t] = my_all
     cuda.syncthreads()
     if t == 0:
-        w_max = 0.0
-        w_min = np.inf
-        cost_all = 0
-        for i in range(lanes):
-            w_max = max(w_max, part_max[i])
-            w_min = min(w_min, part_min[i])
-            cost_all += part_cost[i]
+        w_max, w_min, cost_all = _combine(_combine(_fold(part_max, part_min, part_all, 0, 4, 8),
+                                                   _fold(part_max, part_min, part_all, 1, 4, 8)),
+                                          _combine(_fold(part_max, part_min, part_all, 2, 4, 8),
+                                                   _fold(part_max, part_min, part_all, 3, 4, 8)))
         if w_max > 0:
             bounds[1] = math.log(2 * 0.75) + math.log(w_max)
             bounds[0] = math.log(0.5 * 0.75 * 0.015625) + math.log(w_min)
         else:
             bounds[1] = 0.0
             bounds[0] = 0.0
-        bounds[2] = 1.0 if cost_all <= budget_quarters else 0.0
+        bounds[2] = 1.0 if cost_all <= fit else 0.0
     cuda.syncthreads()
-
-    midpoints = (1 << split_bits) - 1
-    for _ in range(BISECTION_STEPS // split_bits):
-        for m in range(lane, midpoints, lanes):
-            node = m + 1  # heap index: its bits below the leading one are the path (0: the cost fit)
-            level = 0
-            while (node >> (level + 1)) > 0:
-                level += 1
-            lo = bounds[0]
-            hi = bounds[1]
-            for bit in range(level - 1, -1, -1):
-                mid = 0.5 * (lo + hi)
-                if (node >> bit) & 1:
-                    lo = mid
-                else:
-                    hi = mid
-            theta = math.exp(0.5 * (lo + hi))
-            mine = 0
-            for c in range(part, d, parts):
-                b = _depth_at(w[c], theta)
-                mine += 4 * b + (1 if b > 0 else 0)
-            part_cost[part * 32 + m] = mine
-        cuda.syncthreads()
-        for m in range(t, midpoints, n_threads):
-            total = 0
-            for x in range(parts):
-                total += part_cost[x * 32 + m]
-            cost[m] = total
-        cuda.syncthreads()
-        if t == 0:  # the sequential steps, their costs known
-            node = 1
-            for _ in range(split_bits):
-                mid = 0.5 * (bounds[0] + bounds[1])
-                if cost[node - 1] <= budget_quarters:
-                    bounds[1] = mid
-                    node = 2 * node
-                else:
-                    bounds[0] = mid
-                    node = 2 * node + 1
-        cuda.syncthreads()
-
-    theta = math.exp(bounds[1])
+    lo = bounds[0]
+    hi = bounds[1]
     everything = bounds[2] != 0.0
-    for c in range(t, d, n_threads):
+
+    if not everything:  # (block-uniform) else θ decides nothing
+        steps = np.int32(split_bits)
+        midpoints = np.int32((1 << steps) - 1)
+        buf = np.int32(0)
+        done = np.int32(0)
+        while done < BISECTION_STEPS:
+            after = np.int32(buf + 32) if buf < 64 else np.int32(0)
+            m = lane
+            while m < midpoints:
+                cost[np.uint32(after + m)] = 0
+                node = np.int32(m + 1)  # heap index: its bits below the leading one are the path (0: the cost fit)
+                mlo = lo
+                mhi = hi
+                for bit in range(MAX_SPLIT_BITS - 2, -1, -1):
+                    if node >> np.int32(bit + 1):  # a bit below the leading one
+                        mid = 0.5 * (mlo + mhi)
+                        if (node >> np.int32(bit)) & 1:
+                            mlo = mid
+                        else:
+                            mhi = mid
+                theta = math.exp(0.5 * (mlo + mhi))
+                # this slice's channels whose plane t gain exceeds θ, one count per plane (four independent
+                # chains); four channels a trip, their loads in flight together (the zero rows past d count none)
+                above_1 = above_2 = above_3 = above_4 = np.int32(0)
+                c = part
+                while c < d:
+                    for k in range(4):
+                        row = np.uint32(c + k * parts)  # unsigned: no wraparound of a negative index
+                        above_1 = np.int32(above_1 + (gain[row, 0] > theta))
+                        above_2 = np.int32(above_2 + (gain[row, 1] > theta))
+                        above_3 = np.int32(above_3 + (gain[row, 2] > theta))
+                        above_4 = np.int32(above_4 + (gain[row, 3] > theta))
+                    c = np.int32(c + 4 * parts)
+                # Σ 4 b + (b > 0) quarter bits: the gains fall in t, so b > 0 exactly when plane 1's gain exceeds θ
+                mine = np.int32(5 * above_1 + 4 * (above_2 + above_3 + above_4))
+                cuda.atomic.add(cost, np.uint32(buf + m), mine)
+                m = np.int32(m + lanes)
+            cuda.syncthreads()
+            node = np.int32(1)  # the sequential steps, their costs known
+            for k in range(MAX_SPLIT_BITS):
+                if k < steps:
+                    mid = 0.5 * (lo + hi)
+                    if cost[np.uint32(buf + node - 1)] <= fit:
+                        hi = mid
+                        node = np.int32(2 * node)
+                    else:
+                        lo = mid
+                        node = np.int32(2 * node + 1)
+            buf = after
+            done = np.int32(done + steps)
+
+    theta = math.exp(hi)
+    c = t
+    while c < d:
         if everything:
-            depths[g, c] = MAX_DEPTH if w[c] > 0 else 0
+            depths[g, c] = MAX_DEPTH if gain[c, 0] > 0 else 0  # 0.75 w > 0 exactly when w > 0
         else:
-            depths[g, c] = _depth_at(w[c], theta)
+            depths[g, c] = _depth_at(gain, c, theta)
+        c = np.int32(c + n_threads)
 
 
 @cuda.jit(device=True, inline=True)
-def _depth_at(wc, theta):
-    """``#{t : (3/4) w 4^-(t-1) > θ}``: the gains are exact power-of-two scalings of 0.75 w."""
-    g1 = 0.75 * wc
-    return (1 if g1 > theta else 0) + (1 if g1 * 0.25 > theta else 0) + \
-        (1 if g1 * 0.0625 > theta else 0) + (1 if g1 * 0.015625 > theta else 0)
+def _fold(part_max, part_min, part_all, first, stride, count):
+    """(max, min, sum) of the ``count`` entries ``first + k stride`` (a constant ``count``: their loads go
+    together)."""
+    my_max = part_max[first]
+    my_min = part_min[first]
+    my_all = part_all[first]
+    for k in range(1, count):
+        i = np.uint32(first + k * stride)
+        my_max = max(my_max, part_max[i])
+        my_min = min(my_min, part_min[i])
+        my_all = np.int32(my_all + part_all[i])
+    return my_max, my_min, my_all
+
+
+@cuda.jit(device=True, inline=True)
+def _combine(a, b):
+    return max(a[0], b[0]), min(a[1], b[1]), np.int32(a[2] + b[2])
+
+
+@cuda.jit(device=True, inline=True)
+def _square(x):
+    """float32 ``x²`` rounded on its own (PTX ``mul.rn``): NVVM contracts a plain product and the sum it feeds into
+    an FMA, which rounds once."""
+    if SIMULATED:
+        return x * x
+    return libdevice.fmul_rn(x, x)
+
+
+@cuda.jit(device=True, inline=True)
+def _depth_at(gain, c, theta):
+    """``#{t : g_t > θ}`` of channel ``c``."""
+    c = np.uint32(c)  # no wraparound of a negative index
+    return np.int32((1 if gain[c, 0] > theta else 0) + (1 if gain[c, 1] > theta else 0)
+                    + (1 if gain[c, 2] > theta else 0) + (1 if gain[c, 3] > theta else 0))
+
 
 
 def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, lengths, heads_per_session: int = 1,

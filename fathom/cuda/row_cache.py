@@ -28,60 +28,86 @@ from fathom.cuda.block import RADIX, exclusive_scan
 from fathom.row_cache import AGE_CAP, EMPTY
 
 MAX_THREADS = 1024
+CHUNK = 4  # items of a run per trip: their loads go before any store, so they are in flight together
 
 
 @cuda.jit(device=True, inline=True)
-def _age(position, stamp, g, s, step):
-    if position[g, s] < 0:
-        return AGE_CAP
-    return min(step - stamp[g, s], AGE_CAP)
+def _age(old, stamped, step):
+    """A slot's age from its position (``old``) and stamp: empty slots are the oldest."""
+    return AGE_CAP if old < 0 else np.int32(min(step - stamped, AGE_CAP))
 
 
 @cuda.jit(device=True, inline=True)
 def _run(t, nt, count):
     """Thread ``t``'s contiguous run ``[lo, hi)`` of ``count`` items: one prefix sum per pass, not one per
     ``nt`` items."""
-    per = (count + nt - 1) // nt
-    return min(t * per, count), min((t + 1) * per, count)
+    per = np.int32(np.uint32(np.uint32(count) + np.uint32(nt - 1)) // np.uint32(nt))  # a 32-bit division
+    return np.int32(min(t * per, count)), np.int32(min((t + 1) * per, count))
 
 
 @cuda.jit(cache=True)
 def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters, miss_rows, source):
+    """Indices are int32 (``np.int32(...)``) and strided loops ``while`` loops: Numba types integer arithmetic and
+    ``range`` as int64. The runs go ``CHUNK`` items a trip with every load first: the compiler cannot tell the
+    arrays apart, so a load after a store waits for it, and a row's two dependent loads would each wait a full
+    memory latency."""
     g = cuda.blockIdx.x
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    slots = position.shape[1]
+    slots = np.int32(position.shape[1])
     n = n_rows[g]
-    step = clock[g] + 1
+    step = np.int32(clock[g] + 1)
     counts = cuda.shared.array(MAX_THREADS, np.int64)
     hist = cuda.shared.array(RADIX, np.int32)
     state = cuda.shared.array(3, np.int64)  # threshold age, victims taken at it, victims in all
-    for i in range(t, RADIX, nt):
+    got = cuda.local.array(CHUNK, np.int32)  # a trip's loaded slots / positions (registers: constant indices)
+    held = cuda.local.array(CHUNK, np.int32)
+    ages = cuda.local.array(CHUNK, np.int32)  # then the victims' new positions
+    i = t
+    while i < RADIX:
         hist[i] = 0
+        i = np.int32(i + nt)
     # 1. hits (stamped), and the misses compacted in row order
     lo, hi = _run(t, nt, n)
-    mine = 0
-    for r in range(lo, hi):
-        slot = slot_of[g, row_index[g, r]]
-        if slot >= 0:
-            stamp[g, slot] = step
-            source[g, r] = slot
-        else:
-            mine += 1
+    mine = np.int32(0)
+    r = lo
+    while r < hi:
+        for k in range(CHUNK):  # past hi: the run's last row again (read, not used)
+            got[k] = slot_of[g, row_index[g, min(np.int32(r + k), np.int32(hi - 1))]]
+        for k in range(CHUNK):
+            if r + k < hi:
+                if got[k] >= 0:
+                    stamp[g, got[k]] = step
+                    source[g, r + k] = got[k]
+                else:
+                    mine += 1
+        r = np.int32(r + CHUNK)
     counts[t] = mine
     offset, misses = exclusive_scan(counts, t, nt)  # syncs: the stamps are visible to every thread after it
-    for r in range(lo, hi):
-        if slot_of[g, row_index[g, r]] < 0:
-            miss_rows[g, offset] = r
-            offset += 1
+    offset = np.int32(offset)
+    misses = np.int32(misses)
+    r = lo
+    while r < hi:
+        for k in range(CHUNK):
+            got[k] = slot_of[g, row_index[g, min(np.int32(r + k), np.int32(hi - 1))]]
+        for k in range(CHUNK):
+            if r + k < hi and got[k] < 0:
+                miss_rows[g, offset] = r + k
+                offset = np.int32(offset + 1)
+        r = np.int32(r + CHUNK)
     # 2. the ages of the slots not hit this step; the threshold age from the oldest down
-    for s in range(t, slots, nt):
-        age = _age(position, stamp, g, s, step)
-        if age >= 1:
-            cuda.atomic.add(hist, age, 1)
+    s = t
+    while s < slots:
+        for k in range(CHUNK):
+            last = min(np.int32(s + k * nt), np.int32(slots - 1))
+            ages[k] = _age(position[g, last], stamp[g, last], step)
+        for k in range(CHUNK):
+            if s + k * nt < slots and ages[k] >= 1:
+                cuda.atomic.add(hist, ages[k], 1)
+        s = np.int32(s + CHUNK * nt)
     cuda.syncthreads()
     lo, hi = _run(t, nt, RADIX)  # bins from the oldest (bin j: age AGE_CAP - j): the prefix counts older slots
-    mine = 0
+    mine = np.int32(0)
     for j in range(lo, hi):
         mine += hist[AGE_CAP - j]
     counts[t] = mine
@@ -105,42 +131,65 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
                 state[2] = misses
             older += hist[age]
     cuda.syncthreads()
-    threshold = state[0]
-    at_threshold = state[1]
-    victims = state[2]
+    threshold = np.int32(state[0])
+    at_threshold = np.int32(state[1])
+    victims = np.int32(state[2])
     # 3. victims in slot order (older than the threshold, or at it within the count); the i-th takes the i-th miss
     lo, hi = _run(t, nt, slots)
-    mine = 0
-    for s in range(lo, hi):
-        age = _age(position, stamp, g, s, step)
-        if age > threshold:
-            mine += 1
-        elif age == threshold and threshold >= 1:
-            mine += np.int64(1) << np.int64(32)
+    mine = np.int64(0)
+    s = lo
+    while s < hi:
+        for k in range(CHUNK):
+            last = min(np.int32(s + k), np.int32(hi - 1))
+            ages[k] = _age(position[g, last], stamp[g, last], step)
+        for k in range(CHUNK):
+            if s + k < hi:
+                if ages[k] > threshold:
+                    mine += 1
+                elif ages[k] == threshold and threshold >= 1:
+                    mine += np.int64(1) << np.int64(32)
+        s = np.int32(s + CHUNK)
     counts[t] = mine
     offset, _ = exclusive_scan(counts, t, nt)
-    older_before = offset & 0xFFFFFFFF
-    equal_before = offset >> np.int64(32)
-    for s in range(lo, hi):
-        age = _age(position, stamp, g, s, step)
-        is_older = age > threshold
-        is_equal = threshold >= 1 and age == threshold
-        if is_older or (is_equal and equal_before < at_threshold):
-            r = miss_rows[g, older_before + min(equal_before, at_threshold)]
-            pos = row_index[g, r]
-            old = position[g, s]
-            if old >= 0:
-                slot_of[g, old] = EMPTY
-            slot_of[g, pos] = s
-            position[g, s] = pos
-            stamp[g, s] = step
-            source[g, r] = s + slots
-        if is_older:
-            older_before += 1
-        elif is_equal:
-            equal_before += 1
-    for i in range(victims + t, misses, nt):  # 4. the rest bypass the cache
+    older_before = np.int32(offset & 0xFFFFFFFF)
+    equal_before = np.int32(offset >> np.int64(32))
+    s = lo
+    while s < hi:
+        for k in range(CHUNK):
+            last = min(np.int32(s + k), np.int32(hi - 1))
+            held[k] = position[g, last]
+            ages[k] = _age(held[k], stamp[g, last], step)
+        for k in range(CHUNK):  # the miss each victim takes (-1: not a victim)
+            is_older = s + k < hi and ages[k] > threshold
+            is_equal = s + k < hi and threshold >= 1 and ages[k] == threshold
+            got[k] = -1
+            if is_older or (is_equal and equal_before < at_threshold):
+                got[k] = np.int32(older_before + min(equal_before, at_threshold))
+            if is_older:
+                older_before = np.int32(older_before + 1)
+            elif is_equal:
+                equal_before = np.int32(equal_before + 1)
+        for k in range(CHUNK):  # the misses' rows, then their positions
+            if got[k] >= 0:
+                got[k] = miss_rows[g, got[k]]
+        for k in range(CHUNK):
+            if got[k] >= 0:
+                ages[k] = row_index[g, got[k]]
+        for k in range(CHUNK):
+            if got[k] >= 0:
+                pos = ages[k]
+                if held[k] >= 0:
+                    slot_of[g, held[k]] = EMPTY
+                slot = np.int32(s + k)
+                slot_of[g, pos] = slot
+                position[g, slot] = pos
+                stamp[g, slot] = step
+                source[g, got[k]] = np.int32(slot + slots)
+        s = np.int32(s + CHUNK)
+    i = np.int32(victims + t)
+    while i < misses:  # 4. the rest bypass the cache
         source[g, miss_rows[g, i]] = EMPTY
+        i = np.int32(i + nt)
     if t == 0:
         clock[g] = step
         counters[g, 0] = n - misses

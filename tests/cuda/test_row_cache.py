@@ -15,6 +15,17 @@ from tests.test_row_cache import _past_the_age_cap, _steps
 @given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), slots=st.integers(1, 70), rows=st.integers(1, 48),
        threads=st.sampled_from([32, 64]))
 def test_assign_slots_matches_reference(seed, streams, slots, rows, threads):
+    _check_against_reference(seed, streams, slots, rows, threads)
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**31), slots=st.integers(100, 250), rows=st.integers(100, 250))
+def test_assign_slots_runs_of_several_trips(seed, slots, rows):
+    """Runs of many rows and slots per thread: several trips of ``CHUNK`` items, the last one partial."""
+    _check_against_reference(seed, 1, slots, rows, 32)
+
+
+def _check_against_reference(seed, streams, slots, rows, threads):
     rng = np.random.default_rng(seed)
     tokens, steps = 300, 6
     ref = RowCache(streams, slots, tokens)
