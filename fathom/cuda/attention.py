@@ -42,36 +42,72 @@ def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, sta
     x % (row words) of ROWS_IN_FLIGHT consecutive slots at a time, so the CTAs in flight read a window of about
     one stream's ascending rows: neighbouring host pages (the GPU's reach over host pages is a few hundred MB).
     ``cached``: each row read from its ``source`` (``fathom.cuda.row_cache``): the HBM ``slab`` on a hit, host
-    memory otherwise, and written to the slab on a fill."""
-    row_words = kv.shape[2] * kv.shape[3]  # K and V
-    max_rows = staged.shape[1]
-    slab_slots = slab.shape[1]
-    slots = staged.shape[0] * max_rows
-    per_cta = cuda.blockDim.x // row_words  # row slots a CTA moves at once
-    lane_slot = cuda.threadIdx.x // row_words
+    memory otherwise, and written to the slab on a fill.
+
+    Slot arithmetic is unsigned 32-bit and divides once per thread: a slot's (stream, row) advances with the slot
+    (Numba types integer arithmetic as int64, and a 64-bit division per word moved made the kernel
+    instruction-bound)."""
+    row_words = np.uint32(kv.shape[2] * kv.shape[3])  # K and V
+    half_words = np.uint32(kv.shape[3])
+    max_rows = np.uint32(staged.shape[1])
+    slab_slots = np.int32(slab.shape[1])
+    slots = np.uint32(staged.shape[0]) * max_rows
+    per_cta = np.uint32(cuda.blockDim.x) // row_words  # row slots a CTA moves at once
+    lane_slot = np.uint32(cuda.threadIdx.x) // row_words
     if lane_slot >= per_cta:
         return
-    w = cuda.threadIdx.x % row_words
-    half = w // kv.shape[3]
-    word = w % kv.shape[3]
-    step = cuda.gridDim.x * per_cta * ROWS_IN_FLIGHT
-    for base in range((cuda.blockIdx.x * per_cta + lane_slot) * ROWS_IN_FLIGHT, slots, step):
-        held = cuda.local.array(ROWS_IN_FLIGHT, np.uint64)
-        for u in range(ROWS_IN_FLIGHT):
-            g = (base + u) // max_rows
-            r = base + u - g * max_rows
-            if base + u < slots and r < _row_count(n_rows, lengths, heads_per_session, dense, g):
-                if cached and 0 <= source[g, r] < slab_slots:
-                    held[u] = slab[g, source[g, r], half, word]
+    w = np.uint32(cuda.threadIdx.x) - lane_slot * row_words
+    half = w // half_words
+    word = w - half * half_words
+    step = np.uint32(cuda.gridDim.x) * per_cta * np.uint32(ROWS_IN_FLIGHT)
+    step_g = step // max_rows  # a step's streams and rows: the slot's (g, r) advance without a division
+    step_r = step - step_g * max_rows
+    base = (np.uint32(cuda.blockIdx.x) * per_cta + lane_slot) * np.uint32(ROWS_IN_FLIGHT)
+    g0 = base // max_rows
+    r0 = base - g0 * max_rows
+    held = cuda.local.array(ROWS_IN_FLIGHT, np.uint64)
+    rows = cuda.local.array(ROWS_IN_FLIGHT, np.int32)  # each slot's source row in kv, or -1: nothing to move
+    streams_of = cuda.local.array(ROWS_IN_FLIGHT, np.uint32)
+    from_slab = cuda.local.array(ROWS_IN_FLIGHT, np.int32)  # the slab slot a hit reads, a fill writes, or -1
+    while base < slots:
+        g = g0
+        r = r0
+        for u in range(ROWS_IN_FLIGHT):  # consecutive slots: a row past max_rows is the next stream's
+            while r >= max_rows:
+                r = np.uint32(r - max_rows)
+                g = np.uint32(g + 1)
+            streams_of[u] = g
+            rows[u] = -1
+            from_slab[u] = -1
+            if base + np.uint32(u) < slots:  # past the last slot, g is past the last stream
+                count = lengths[g // np.uint32(heads_per_session)] if dense else n_rows[g]
+                if np.int32(r) < count:
+                    rows[u] = np.int32(r) if dense else row_index[g, r]
+                    if cached:
+                        from_slab[u] = source[g, r]
+            r = np.uint32(r + 1)
+        for u in range(ROWS_IN_FLIGHT):  # every load before any store: the loads fly together
+            held[u] = np.uint64(0)
+            if rows[u] >= 0:
+                g = streams_of[u]
+                if 0 <= from_slab[u] < slab_slots:
+                    held[u] = slab[g, np.uint32(from_slab[u]), half, word]
                 else:
-                    held[u] = kv[g, r if dense else row_index[g, r], half, word]
+                    held[u] = kv[g, np.uint32(rows[u]), half, word]
+        r = r0
         for u in range(ROWS_IN_FLIGHT):
-            g = (base + u) // max_rows
-            r = base + u - g * max_rows
-            if base + u < slots and r < _row_count(n_rows, lengths, heads_per_session, dense, g):
-                staged[g, r, half, word] = held[u]
-                if cached and source[g, r] >= slab_slots:
-                    slab[g, source[g, r] - slab_slots, half, word] = held[u]
+            if rows[u] >= 0:
+                g = streams_of[u]
+                staged[g, r - (g - g0) * max_rows, half, word] = held[u]
+                if from_slab[u] >= slab_slots:
+                    slab[g, np.uint32(from_slab[u] - slab_slots), half, word] = held[u]
+            r = np.uint32(r + 1)
+        base = np.uint32(base + step)
+        g0 = np.uint32(g0 + step_g)
+        r0 = np.uint32(r0 + step_r)
+        if r0 >= max_rows:
+            r0 = np.uint32(r0 - max_rows)
+            g0 = np.uint32(g0 + 1)
 
 
 def _softmax_kernel(heads: int, words: int):
