@@ -490,15 +490,18 @@ class HostKVCache:
     def dry_run(self):
         """Inside, every append launch reads a flag and changes nothing (its rows land past the lengths, unseen), nor
         does an append or a replay change the host's mirror of the lengths: for warming up launches — compiling
-        kernels, preparing cuBLAS on a stream — before a CUDA graph capture. Syncs on exit."""
+        kernels, preparing cuBLAS on a stream — before a CUDA graph capture. Syncs on exit. Nested, the inner one
+        leaves the outer one dry (a graph's first replay captures it inside its own dry run)."""
         self.check()
+        outer = self._dry
         self.status.host[:, DRY_RUN] = 1
         try:
             yield
             if not SIMULATED:
                 torch.cuda.synchronize()
         finally:
-            self.status.host[:, DRY_RUN] = 0
+            if not outer:
+                self.status.host[:, DRY_RUN] = 0
 
     def reset(self, session: int) -> None:
         """Empty ``session`` in every layer (its memory is kept and reused)."""

@@ -291,13 +291,17 @@ def test_reset_empties_a_session_for_reuse():
 
 def test_a_dry_run_changes_neither_the_cache_nor_its_host_mirror():
     """Inside ``dry_run`` an append and a replayed token change nothing, the host's mirror of the lengths included
-    (else it would claim tokens the GPU never took), and a ``clear`` there leaves the run dry."""
+    (else it would claim tokens the GPU never took), a nested dry run leaves the outer one dry (on a GPU the token's
+    first replay captures its graph inside a dry run of its own: its exit had ended the test's), and a ``clear``
+    there leaves the run dry."""
     shape = SHAPES[3]
     k, v, q, *_ = data = _setup(shape)
     with HostKVCache(shape) as cache:
         _append(cache, k, v, 0, 100)
         token = StepGraph(_decoder(cache, methods.fathom(12.0), data), layers=[LAYER], append=True)
         with cache.dry_run():
+            with cache.dry_run():  # nested, as a graph's first replay captures: the outer run stays dry
+                pass
             _append(cache, k, v, 100, 110)
             token(*(torch.from_numpy(x).to(DEVICE) for x in (q, k[:, :, 110:111], v[:, :, 110:111])))
             assert cache.lengths(LAYER).tolist() == cache.layer(LAYER).lengths.tolist() == [100, 100, 100]
