@@ -33,7 +33,9 @@ _KERNELS: dict[tuple, object] = {}
 
 @cuda.jit(device=True, inline=True)
 def _row_count(n_rows, lengths, heads_per_session, dense, g):
-    return lengths[g // heads_per_session] if dense else n_rows[g]
+    """Rows of stream ``g`` (>= 0): its session's context when ``dense``, else its row list's length (a 32-bit
+    division: Numba's int64 one is a subroutine call)."""
+    return lengths[np.uint32(g) // np.uint32(heads_per_session)] if dense else n_rows[g]
 
 
 @cuda.jit(cache=True)
@@ -80,8 +82,7 @@ def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, sta
             rows[u] = -1
             from_slab[u] = -1
             if base + np.uint32(u) < slots:  # past the last slot, g is past the last stream
-                count = lengths[g // np.uint32(heads_per_session)] if dense else n_rows[g]
-                if np.int32(r) < count:
+                if np.int32(r) < _row_count(n_rows, lengths, heads_per_session, dense, g):
                     rows[u] = np.int32(r) if dense else row_index[g, r]
                     if cached:
                         from_slab[u] = source[g, r]

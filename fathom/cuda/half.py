@@ -53,28 +53,28 @@ else:
 
 
 @cuda.jit(device=True, inline=True)
+def _f16_bits_scaled(h, rebias, subnormal_unit):
+    """The float32 value of non-negative fp16 bits ``h`` (uint32) times a power of two, exact, without branches: a
+    normal value's exponent rebiased by adding ``rebias`` to its widened bits, a subnormal one's mantissa times
+    ``subnormal_unit``, every exponent-31 pattern inf."""
+    e = h >> np.uint32(10)
+    normal = f32_from_bits((h << np.uint32(13)) + rebias)
+    tiny = np.float32(np.int32(h)) * subnormal_unit
+    return np.float32(np.inf) if e >= np.uint32(31) else (normal if e > np.uint32(0) else tiny)
+
+
+@cuda.jit(device=True, inline=True)
 def f16_bits_to_f32(h):
     """The float32 value of non-negative fp16 bits ``h`` (exact; inf for 0x7C00 and every other exponent-31
-    pattern)."""
-    e = np.int32((h >> 10) & 0x1F)
-    if e == 0:  # subnormal or zero: m · 2^-24, exact
-        return np.float32(np.int32(h & 0x3FF)) * np.float32(2.0**-24)
-    if e == 31:
-        return np.float32(np.inf)
-    # normal: the exponent rebiased (15 -> 127) and the mantissa widened are the float32's bits (a few integer
-    # operations: the plane scan decodes a scale per block and channel)
-    return f32_from_bits((np.uint32(h) << np.uint32(13)) + np.uint32(112 << 23))
+    pattern): the exponent rebiased 15 -> 127, a subnormal's mantissa times 2^-24."""
+    return _f16_bits_scaled(np.uint32(h), np.uint32(112 << 23), np.float32(2.0**-24))
 
 
 @cuda.jit(device=True, inline=True)
 def f16_bits_to_f32_eighth(h):
-    """``f16_bits_to_f32(h) / 8`` (exact) for non-negative fp16 bits ``h`` (uint32), without branches: the plane
-    scan's Δ = scale / 8 per block and channel. A normal scale's exponent is rebiased 15 -> 127 − 3, a subnormal
-    one's mantissa scaled by 2^-27, every exponent-31 pattern is inf."""
-    e = h >> np.uint32(10)
-    normal = f32_from_bits((h << np.uint32(13)) + np.uint32((112 - 3) << 23))
-    tiny = np.float32(np.int32(h)) * np.float32(2.0**-27)
-    return np.float32(np.inf) if e >= np.uint32(31) else (normal if e > np.uint32(0) else tiny)
+    """``f16_bits_to_f32(h) / 8`` (exact): the plane scan's Δ = scale / 8 per block and channel (the exponent
+    rebiased 15 -> 127 − 3, a subnormal's mantissa times 2^-27)."""
+    return _f16_bits_scaled(np.uint32(h), np.uint32((112 - 3) << 23), np.float32(2.0**-27))
 
 
 @cuda.jit(device=True, inline=True)
