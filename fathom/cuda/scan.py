@@ -19,10 +19,13 @@ the warp's blocks (measured on the H200, with the scales widened in a few intege
 than block by block, the same scores to the bit). Sizes that change per step — each session's sealed blocks — are
 read from the device lengths, so one launch with a fixed grid serves every step.
 
-Integers in the loops are unsigned 32-bit offsets (``np.uint32``), the plane loop has a constant trip count with the
-depth as a predicate, and a scale is widened without branches: Numba types integer arithmetic as int64 and pays a
-negative-index wraparound on signed indices, which made the per-channel loop 1,197 SASS instructions for a warp's
-four blocks at G = 4 (335 now, no spills; the whole chunk loop 2,735 -> 1,419).
+Integers in the loops are unsigned 32-bit offsets (``np.uint32``) and a scale is widened without branches: Numba
+types integer arithmetic as int64 and pays a negative-index wraparound on signed indices, which made the per-channel
+loop 1,197 SASS instructions for a warp's four blocks at G = 4. The plane loop runs exactly the channel's depth (the
+same in every lane: a uniform branch), two blocks per pass, and a thread's chunk words find their slots by walking
+on from the previous word's: the per-channel loop is ~195 + 39·b instructions (336 with the depth a predicate over
+four unrolled planes; the chunk loop without it 1,087 -> 1,004), and the chunk's loads stay in registers (reading
+four blocks per pass spilled them to local memory, whose store waits for the load).
 
 Score of token ``j`` in channel ``c`` read to depth ``b`` (design §2): with ``P`` the ``b``-bit prefix of its code,
 ``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``.
@@ -37,7 +40,7 @@ from numba import cuda
 
 from fathom import _checks
 from fathom.cuda.block import RADIX, exclusive_scan, flush_histogram, order_key
-from fathom.cuda.half import f16_bits_to_f32_eighth, f32_to_bits
+from fathom.cuda.half import f16_bits_to_f32_eighth, f32_from_bits, f32_to_bits
 from fathom.cuda.interop import launch_bounds
 from fathom.cuda.layout import plane_in_near, plane_word, record_offset, scales_in_near
 from fathom.layout import SCALES_PER_WORD
@@ -65,35 +68,29 @@ def launch_shape(heads: int, cap: int, warps: int) -> tuple[int, int]:
 
 
 @cuda.jit(device=True, inline=True)
-def _find_slot(start, lo, hi, f):
-    """The active channel ``i`` in ``lo .. hi`` whose slot holds chunk word ``f`` (``start`` ascending)."""
-    while hi - lo > 1:
-        mid = np.int32((lo + hi) >> 1)
-        if start[mid] <= f:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@cuda.jit(device=True, inline=True)
 def _load_chunk(held, near, far, start, chan, chunk_first, x, near_segment, far_segment, local0, valid, cap,
                 scale_words, near_record_words, far_record_words, hbm_planes, part_scale_words, t, held_words, threads,
                 per_cta):
     """Issue this thread's loads of chunk ``x`` into ``held`` (no use of the values: they stay in flight), each
     word from the tier holding it. ``near_segment`` / ``far_segment``: the record of channel 0 of this CTA's segment
     in each array (``record_offset``; a channel's record is ``channel`` records on). ``held_words``, ``threads``,
-    ``per_cta``: the kernel's constants (inlined). Offsets within a chunk are 32-bit, addresses 64-bit."""
-    lo = chunk_first[x]
-    hi = chunk_first[x + 1]
-    base = start[lo]
-    extent = start[hi] - base
+    ``per_cta``: the kernel's constants (inlined). Offsets within a chunk are 32-bit, addresses 64-bit.
+
+    A thread's words lie ``threads`` apart, in ascending order: the slot holding each is found by walking on from
+    the previous one's (``start`` ascending; a few steps each, where a binary search took ~log2(actives))."""
+    lo = np.uint32(chunk_first[x])
+    hi = np.uint32(chunk_first[x + 1])
+    base = np.uint32(start[lo])
+    extent = np.uint32(start[hi]) - base
+    i = lo
     for r in range(held_words):
-        f = np.int32(t + r * threads)
+        f = np.uint32(t + r * threads)
         held[r] = np.uint64(0)
         if f < extent:
-            i = _find_slot(start, lo, hi, np.int32(base + f))
-            off = np.uint32(base + f - start[i])
+            word = np.uint32(base + f)
+            while np.uint32(start[i + np.uint32(1)]) <= word:  # start[hi] = base + extent > word: stops below hi
+                i = np.uint32(i + 1)
+            off = np.uint32(word - np.uint32(start[i]))
             near_record = near_segment + chan[i] * near_record_words
             far_record = far_segment + chan[i] * far_record_words
             if off < part_scale_words:
@@ -127,6 +124,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
     slots = MAX_D + 1  # shared sizes must be constants, not expressions, for Numba on the GPU
     chunk_slots = MAX_D + 2
     pairs = 2 * per_warp
+    group = 2 if per_warp % 2 == 0 else 1  # blocks whose planes one pass of the plane loop reads
+    group_tokens = 2 * group  # a thread's tokens in them
 
     @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only integers: cached on disk
     def kernel(q, depths, lengths, heads_per_session, near, far, n_seg, cap, scale_words, near_record_words,
@@ -204,6 +203,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
         first_scale = first_b + np.uint32(0 if per_warp % SCALES_PER_WORD == 0 else local0 % SCALES_PER_WORD)
         first_plane = first_b + np.uint32(part_scale_words)
         q_i = cuda.local.array(heads, np.float32)  # channel i's queries, in registers
+        prefix = cuda.local.array(group_tokens, np.uint32)  # code prefixes of a group of blocks' tokens, in registers
         near_segment = record_offset(g, seg, 0, n_seg, d, near_record_words)
         far_segment = record_offset(g, seg, 0, n_seg, d, far_record_words)
         if n_chunks > 0:
@@ -224,33 +224,42 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
             lo = chunk_first[x]
             hi = chunk_first[x + 1]
             # channel by channel, each of this warp's blocks: what depends on the channel alone (its slot, depth,
-            # queries) is read once for the warp's blocks; each token's sum still runs over the channels in order
+            # queries) is read once for the warp's blocks; each token's sum still runs over the channels in order.
+            # A warp's blocks past ``valid`` (the last CTA of a stream) are scored as well, from the zero words the
+            # chunk holds there, and never written: no per-block branch in the loop.
             for i in range(lo, hi):
                 slot = np.uint32(start[i] - start[lo])
-                t_read = depth[i]
+                t_read = np.uint32(depth[i])
                 # k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ = (P · 2^(4-b) + 2^(3-b) − 8) · Δ: the bracket is exact in
                 # float32 either way (small integers and halves), so the product rounds as the reference's does
-                cell = np.float32(np.int32(1) << np.int32(4 - t_read))
+                cell = f32_from_bits((np.uint32(127 + 4) - t_read) << np.uint32(23))  # 2^(4-b), exactly
                 offset = np.float32(0.5) * cell - np.float32(8)
                 for h in range(heads):
                     q_i[h] = q_read[i, h]
-                for jb in range(per_warp):
-                    if first_b + jb < valid:
+                for first in range(0, per_warp, group):
+                    # the b-bit code prefixes of ``group`` blocks' tokens, plane by plane: the depth is the channel's,
+                    # the same in every lane, so the loop runs exactly b times and no unread plane issues an
+                    # instruction (two blocks at a time: four at a time spilled the held chunk words at G = 4)
+                    for x in range(group_tokens):
+                        prefix[x] = np.uint32(0)
+                    plane_at = np.uint32(slot + first_plane + first)
+                    plane_end = np.uint32(plane_at + t_read * per_cta)
+                    while plane_at < plane_end:
+                        for x in range(group):
+                            plane = buffer[np.uint64(plane_at + x)]
+                            prefix[2 * x] = (prefix[2 * x] << np.uint32(1)) \
+                                | ((np.uint32(plane) >> lane) & np.uint32(1))
+                            prefix[2 * x + 1] = (prefix[2 * x + 1] << np.uint32(1)) \
+                                | ((np.uint32(plane >> np.uint64(32)) >> lane) & np.uint32(1))
+                        plane_at = np.uint32(plane_at + per_cta)
+                    for x in range(group):
+                        jb = first + x
                         s_idx = np.uint32(first_scale + jb)
                         word = buffer[np.uint64(slot + s_idx // SCALES_PER_WORD)]
                         shift = np.uint32(16 * (s_idx % SCALES_PER_WORD))
                         delta = f16_bits_to_f32_eighth(np.uint32(word >> shift) & np.uint32(0xFFFF))
-                        plane_at = np.uint32(slot + first_plane + jb)
-                        p_lo = np.int32(0)
-                        p_hi = np.int32(0)
-                        for k in range(PLANES):  # a constant trip count: unrolled, the depth a predicate
-                            if k < t_read:
-                                plane = buffer[np.uint64(plane_at + k * per_cta)]
-                                p_lo = np.int32(2 * p_lo + np.int32((np.uint32(plane) >> lane) & np.uint32(1)))
-                                p_hi = np.int32(2 * p_hi + np.int32((np.uint32(plane >> np.uint64(32)) >> lane)
-                                                                    & np.uint32(1)))
-                        k_lo = (np.float32(p_lo) * cell + offset) * delta
-                        k_hi = (np.float32(p_hi) * cell + offset) * delta
+                        k_lo = (np.float32(np.int32(prefix[2 * x])) * cell + offset) * delta
+                        k_hi = (np.float32(np.int32(prefix[2 * x + 1])) * cell + offset) * delta
                         for h in range(heads):
                             acc[2 * jb, h] += q_i[h] * k_lo
                             acc[2 * jb + 1, h] += q_i[h] * k_hi
