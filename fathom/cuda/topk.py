@@ -35,6 +35,7 @@ MAX_THREADS = 1024
 WORDS_PER_THREAD = 4  # bitmap words (64 tokens each) per thread of the row compaction
 SUB_HISTOGRAMS = 8  # per-warp-group histograms of the tie passes
 LANES = 32  # partial sums of a 256-bin histogram walk (8 bins each)
+SCORES_IN_FLIGHT = 4  # scores each thread of the candidate passes loads before it uses them
 
 
 @cuda.jit(device=True, inline=True)
@@ -168,22 +169,29 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
     matches = np.int32(0)
     last = np.uint32(RADIX)
     run = np.int32(0)
-    j = first
-    while j < end:
-        key = order_key(scores[j])
-        top = np.uint32(key >> np.uint32(24))
-        second = np.uint32((key >> np.uint32(16)) & np.uint32(0xFF))
-        if level == 0:
-            if top > digit1:
-                _mark(winners, any_rows, g, j, bit)
-            elif top == digit1:
-                last, run = _add_run(hist, second, last, run)
-        elif top == digit1:
-            if second > digit2:
-                _mark(winners, any_rows, g, j, bit)
-            elif second == digit2:
-                matches = np.int32(matches + 1)
-        j = np.uint32(j + step)
+    keys = cuda.local.array(SCORES_IN_FLIGHT, np.uint32)
+    j0 = first
+    while j0 < end:
+        for u in range(SCORES_IN_FLIGHT):  # every load before any use: the loads fly together
+            j = np.uint32(j0 + u * step)
+            keys[u] = order_key(scores[j]) if j < end else np.uint32(0)
+        for u in range(SCORES_IN_FLIGHT):
+            j = np.uint32(j0 + u * step)
+            if j < end:
+                key = keys[u]
+                top = np.uint32(key >> np.uint32(24))
+                second = np.uint32((key >> np.uint32(16)) & np.uint32(0xFF))
+                if level == 0:
+                    if top > digit1:
+                        _mark(winners, any_rows, g, j, bit)
+                    elif top == digit1:
+                        last, run = _add_run(hist, second, last, run)
+                elif top == digit1:
+                    if second > digit2:
+                        _mark(winners, any_rows, g, j, bit)
+                    elif second == digit2:
+                        matches = np.int32(matches + 1)
+        j0 = np.uint32(j0 + SCORES_IN_FLIGHT * step)
     if level == 0:
         if run:
             cuda.atomic.add(hist, last, run)
