@@ -11,12 +11,14 @@ walk it three times: 2.1× slower). One CTA per head then finishes the two low k
 ties at the threshold by a radix select on token index, ascending. Sink, local and the unsealed tail are kept by
 every head. Histograms are counted per thread run (a thread's tokens in one bin add once) and per warp group, so
 crowded bins do not serialise on one shared counter; the list is appended at block-scan offsets, one global
-reservation per CTA. (Loading 8 scores per thread before using them was measured 10-20% slower on the H200.)
+reservation per CTA. Each thread loads 4 scores before it uses any (one dependent load per token was the walk's
+chain: 5-7% less candidate time in an A/B on the H200 at 128k; 8 at a time, in an earlier form, was 10-20% slower).
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
 at prefix offsets: it touches ``n / 64`` bitmap words and the selected rows, never every token), clearing both for
-the next step. Every per-step size (context, sealed tokens) is read from the device lengths, so the launches have
+the next step. A thread takes one bitmap word: with four, at 128k × 1 the 24 CTAs walked their rows' head masks
+four dependent loads deep (the writes 561 -> 252 µs a token on the H200, bit-identical). Every per-step size (context, sealed tokens) is read from the device lengths, so the launches have
 grids fixed at construction.
 """
 
@@ -32,7 +34,6 @@ from fathom.cuda.block import RADIX, exclusive_scan, order_key
 from fathom.quantize import BLOCK
 
 MAX_THREADS = 1024
-WORDS_PER_THREAD = 4  # bitmap words (64 tokens each) per thread of the row compaction
 SUB_HISTOGRAMS = 8  # per-warp-group histograms of the tie passes
 LANES = 32  # partial sums of a 256-bin histogram walk (8 bins each)
 SCORES_IN_FLIGHT = 4  # scores each thread of the candidate passes loads before it uses them
@@ -320,17 +321,12 @@ def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hist2, ca
 
 
 @cuda.jit(device=True, inline=True)
-def _thread_words(any_rows, g, n, t):
-    """This thread's bitmap words [first, stop) in its CTA's range, and how many rows they keep (uint32 word
-    indices: no negative wraparound, 32-bit arithmetic)."""
-    first = np.uint32((cuda.blockIdx.x * cuda.blockDim.x + t) * WORDS_PER_THREAD)
-    stop = min(np.uint32(first + WORDS_PER_THREAD), np.uint32(np.uint32(max(n, 0) + 63) >> np.uint32(6)))
-    kept = np.int32(0)
-    for i in range(WORDS_PER_THREAD):  # a constant trip count: the loads go out together
-        w = np.uint32(first + i)
-        if w < stop:
-            kept = np.int32(kept + cuda.popc(any_rows[g, w]))
-    return first, stop, kept
+def _thread_word(any_rows, g, n, t):
+    """This thread's bitmap word index (unsigned 32-bit: no negative wraparound) in its CTA's range, whether it lies
+    within the stream's ``n`` tokens, and how many rows it keeps."""
+    w = np.uint32(cuda.blockIdx.x * cuda.blockDim.x + t)
+    inside = w < np.uint32(np.uint32(max(n, 0) + 63) >> np.uint32(6))
+    return w, inside, np.int32(cuda.popc(any_rows[g, w])) if inside else np.int32(0)
 
 
 @cuda.jit(cache=True)
@@ -339,7 +335,7 @@ def _count_rows_kernel(any_rows, lengths, heads_per_session, block_rows):
     g = cuda.blockIdx.y
     t = cuda.threadIdx.x
     counts = cuda.shared.array(MAX_THREADS, np.int32)
-    _, _, kept = _thread_words(any_rows, g, lengths[g // heads_per_session], t)
+    _, _, kept = _thread_word(any_rows, g, lengths[g // heads_per_session], t)
     counts[t] = kept
     _, total = exclusive_scan(counts, t, cuda.blockDim.x)
     if t == 0:
@@ -348,44 +344,49 @@ def _count_rows_kernel(any_rows, lengths, heads_per_session, block_rows):
 
 @cuda.jit(cache=True)
 def _write_rows_kernel(any_rows, winners, lengths, heads_per_session, block_rows, row_index, head_mask, n_rows):
-    """Compact the kept tokens into row_index / head_mask in ascending order; clear winners and the bitmap."""
+    """Compact the kept tokens into row_index / head_mask in ascending order; clear winners and the bitmap. The
+    rows of the CTAs before this one are summed by every thread (their loads in flight together), not walked by
+    one."""
     g = cuda.blockIdx.y
     t = cuda.threadIdx.x
     max_rows = row_index.shape[1]
     counts = cuda.shared.array(MAX_THREADS, np.int32)
-    base = cuda.shared.array(1, np.int32)
+    sums = cuda.shared.array(2, np.int32)  # rows before this CTA's range, rows of the stream
     if t == 0:
-        before = np.int32(0)
-        total = np.int32(0)
-        x = np.uint32(0)
-        while x < np.uint32(cuda.gridDim.x):
-            rows = block_rows[g, x]
-            if x < np.uint32(cuda.blockIdx.x):
-                before = np.int32(before + rows)
-            total = np.int32(total + rows)
-            x = np.uint32(x + 1)
-        base[0] = before
-        if cuda.blockIdx.x == 0:
-            n_rows[g] = min(total, max_rows)
-    first, stop, kept = _thread_words(any_rows, g, lengths[g // heads_per_session], t)
+        sums[0] = 0
+        sums[1] = 0
+    cuda.syncthreads()
+    before = np.int32(0)
+    total = np.int32(0)
+    x = np.uint32(t)
+    while x < np.uint32(cuda.gridDim.x):
+        rows = block_rows[g, x]
+        if x < np.uint32(cuda.blockIdx.x):
+            before = np.int32(before + rows)
+        total = np.int32(total + rows)
+        x = np.uint32(x + cuda.blockDim.x)
+    if total:
+        cuda.atomic.add(sums, 0, before)
+        cuda.atomic.add(sums, 1, total)
+    w, inside, kept = _thread_word(any_rows, g, lengths[g // heads_per_session], t)
     counts[t] = kept
-    offset, _ = exclusive_scan(counts, t, cuda.blockDim.x)
-    out = np.uint32(base[0] + offset)
+    offset, _ = exclusive_scan(counts, t, cuda.blockDim.x)  # syncs: the sums are complete after it
+    if cuda.blockIdx.x == 0 and t == 0:
+        n_rows[g] = min(sums[1], max_rows)
+    out = np.uint32(sums[0] + offset)
     max_out = np.uint32(max_rows)
-    for i in range(WORDS_PER_THREAD):
-        w = np.uint32(first + i)
-        if w < stop:
-            word = any_rows[g, w]
-            while word:
-                low = word & (~word + np.uint64(1))  # the lowest set bit
-                j = np.uint32((w << np.uint32(6)) + np.uint32(cuda.popc(low - np.uint64(1))))
-                if out < max_out:
-                    row_index[g, out] = j
-                    head_mask[g, out] = winners[g, j]
-                winners[g, j] = 0
-                out = np.uint32(out + 1)
-                word ^= low
-            any_rows[g, w] = np.uint64(0)
+    if inside:
+        word = any_rows[g, w]
+        while word:
+            low = word & (~word + np.uint64(1))  # the lowest set bit
+            j = np.uint32((w << np.uint32(6)) + np.uint32(cuda.popc(low - np.uint64(1))))
+            if out < max_out:
+                row_index[g, out] = j
+                head_mask[g, out] = winners[g, j]
+            winners[g, j] = 0
+            out = np.uint32(out + 1)
+            word ^= low
+        any_rows[g, w] = np.uint64(0)
 
 
 def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hist2, cand_key,
@@ -432,7 +433,7 @@ def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local
 
 def union_blocks(tokens: int, threads: int) -> int:
     """CTAs per stream of the row compaction over ``tokens`` (the ``block_rows`` scratch's width)."""
-    return max(1, math.ceil(tokens / 64 / (threads * WORDS_PER_THREAD)))
+    return max(1, math.ceil(tokens / 64 / threads))
 
 
 def union_rows(any_rows, winners, lengths, heads_per_session: int, block_rows, row_index, head_mask, n_rows,

@@ -142,3 +142,33 @@ def test_exclusive_scan_matches_cumsum():
         _exclusive_scan_kernel[1, threads](cuda.to_device(values), excl, total)
         np.testing.assert_array_equal(excl.copy_to_host(), np.cumsum(values) - values)
         assert (total.copy_to_host() == values.sum()).all()
+
+
+def test_union_spans_several_ctas_per_stream():
+    """One bitmap word per thread: at 2 threads a stream of 5 words is three CTAs, each summing the rows of the CTAs
+    before it; ragged lengths, a short row list (max_rows) and marks cleared."""
+    rng = np.random.default_rng(7)
+    streams, tokens, threads = 4, 320, 2
+    lengths = np.array([320, 130], np.int32)  # two sessions, two KV heads each
+    marks = rng.random((streams, tokens)) < 0.3
+    for g in range(streams):
+        marks[g, lengths[g // 2]:] = False
+    masks = np.where(marks, rng.integers(1, 16, (streams, tokens)), 0).astype(np.uint32)
+    bitmap = np.zeros((streams, tokens // 64), np.uint64)
+    for g, j in zip(*np.nonzero(marks)):
+        bitmap[g, j // 64] |= np.uint64(1) << np.uint64(j % 64)
+    winners, any_rows = cuda.to_device(masks), cuda.to_device(bitmap)
+    max_rows = 90
+    row_index = cuda.device_array((streams, max_rows), np.int32)
+    head_mask = cuda.device_array((streams, max_rows), np.uint32)
+    n_rows = cuda.device_array(streams, np.int32)
+    block_rows = cuda.device_array((streams, union_blocks(tokens, threads)), np.int32)
+    assert block_rows.shape[1] == 3
+    union_rows(any_rows, winners, cuda.to_device(lengths), 2, block_rows, row_index, head_mask, n_rows, threads)
+    assert not winners.copy_to_host().any() and not any_rows.copy_to_host().any()
+    for g in range(streams):
+        rows = np.flatnonzero(marks[g])
+        kept = min(len(rows), max_rows)
+        assert n_rows.copy_to_host()[g] == kept
+        np.testing.assert_array_equal(row_index.copy_to_host()[g, :kept], rows[:kept])
+        np.testing.assert_array_equal(head_mask.copy_to_host()[g, :kept], masks[g, rows[:kept]])
