@@ -292,15 +292,23 @@ def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hist2, ca
         if not all_ties:  # the remaining earliest of the keys == threshold, by radix select on the index
             prefix = np.uint32(0)
             mask = np.uint32(0)
+            # every candidate index is below hi: the bytes above hi - 1's are zero in all of them, their passes
+            # would each find digit 0 with the count unchanged (at 128k one pass of four is skipped, at 32k two)
+            index_bytes = np.uint32(0)
+            above = np.uint32(hi - 1)
+            while above:
+                above >>= np.uint32(8)
+                index_bytes = np.uint32(index_bytes + 1)
             for pass_ in range(4):
                 shift = np.uint32(24 - 8 * pass_)
-                _tie_pass(cand_key, cand_idx, g, h, m, True, shift, prefix, mask, threshold, subs, hist, t,
-                          n_threads)
-                _find_digit(hist, remaining, False, state[6:], t, n_threads)
-                prefix |= np.uint32(state[6]) << shift
-                mask |= np.uint32(RADIX - 1) << shift
-                remaining = state[7]
-                cuda.syncthreads()
+                if shift < np.uint32(8) * index_bytes:
+                    _tie_pass(cand_key, cand_idx, g, h, m, True, shift, prefix, mask, threshold, subs, hist, t,
+                              n_threads)
+                    _find_digit(hist, remaining, False, state[6:], t, n_threads)
+                    prefix |= np.uint32(state[6]) << shift
+                    mask |= np.uint32(RADIX - 1) << shift
+                    remaining = state[7]
+                    cuda.syncthreads()
             last_tie = prefix
         keys = cand_key[g, h]
         indices = cand_idx[g, h]
