@@ -11,7 +11,8 @@ RADIX = 256
 @cuda.jit(device=True, inline=True)
 def exclusive_scan(counts, t, n_threads):
     """Exclusive prefix sum of ``counts[:n_threads]`` (shared, int32/int64), in place; returns (thread ``t``'s
-    exclusive prefix, total). Every thread of the block must call it; it syncs."""
+    exclusive prefix, total). Every thread of the block must call it; it syncs. Threads past ``n_threads`` take part
+    in the barriers only: their slots are scratch (a slot's sum reads slots below it)."""
     t = np.uint32(t)  # unsigned 32-bit indices: no negative wraparound, no 64-bit arithmetic
     mine = counts[t]
     offset = np.uint32(1)

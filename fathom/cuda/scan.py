@@ -163,9 +163,10 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
         words = 0
         for c0 in range(0, d, threads):
             c = c0 + t
+            width = min(threads, d - c0)  # the scans span this round's channels only (d = 128: 7 steps, not 10)
             read = np.int32(depths[g, c]) if c < d else np.int32(0)
             counts[t] = 1 if read > 0 else 0
-            before, total = exclusive_scan(counts, t, threads)
+            before, total = exclusive_scan(counts, t, width)
             if read > 0:
                 i = actives + before
                 chan[i] = c
@@ -173,7 +174,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                 for h in range(heads):
                     q_read[i, h] = q[g, h, c]
             counts[t] = part_scale_words + read * per_cta if read > 0 else 0
-            slot_before, slot_total = exclusive_scan(counts, t, threads)
+            slot_before, slot_total = exclusive_scan(counts, t, width)
             if read > 0:
                 start[actives + before] = words + slot_before
             actives += total

@@ -97,6 +97,21 @@ def test_scan_reads_subnormal_and_zero_scales():
     np.testing.assert_allclose(got[0, :, :store.n_sealed], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def test_more_channels_than_threads():
+    """d = 40 channels over one warp: the active channels are listed in two rounds (32, then 8: each round's scans
+    span its channels only), against the reference."""
+    rng = np.random.default_rng(5)
+    max_tokens, kv_heads, d, cap = 320, 1, 40, 2
+    tokens = np.array([300], np.int32)
+    stores = _store(rng, tokens, kv_heads, d, cap)
+    depths = rng.integers(0, 5, (kv_heads, d)).astype(np.int8)
+    depths[0, 31:34] = [3, 0, 2]  # actives on both sides of the rounds' boundary
+    q = rng.standard_normal((kv_heads, 1, d)).astype(np.float32)
+    got, _ = _scan(q, depths, tokens, kv_heads, stores, cap, 2, 0, 0, 1, max_tokens)
+    want = approx_scores(q[0], stores[0].planes(), stores[0].scales(), depths[0])
+    np.testing.assert_allclose(got[0, :, :stores[0].n_sealed], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.skipif(not SIMULATED, reason="steers the CUDA simulator's thread schedule")
 def test_chunks_are_cut_after_every_channel_slot_is_written(monkeypatch):
     """Thread 0 cuts the chunks from every active channel's slot start, those of the last round of channels too:
