@@ -18,8 +18,8 @@ Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-strea
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
 at prefix offsets: it touches ``n / 64`` bitmap words and the selected rows, never every token), clearing both for
 the next step. A thread takes one bitmap word: with four, at 128k × 1 the 24 CTAs walked their rows' head masks
-four dependent loads deep (the writes 561 -> 252 µs a token on the H200, bit-identical). Every per-step size (context, sealed tokens) is read from the device lengths, so the launches have
-grids fixed at construction.
+four dependent loads deep (the writes 561 -> 252 µs a token on the H200, bit-identical). Every per-step size
+(context, sealed tokens) is read from the device lengths, so the launches have grids fixed at construction.
 """
 
 from __future__ import annotations
