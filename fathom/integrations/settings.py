@@ -27,15 +27,16 @@ class FathomSettings:
 
     ``budget``: bits per token for fathom, fathom-rotated, fathom-mixed and fathom-plan (the plan's mean; None:
     :data:`DEFAULT_BUDGET`); for sparq, double-sparsity and loki it names ``r = budget / 4.25`` channels at 4 bits
-    (68 -> 16, 136 -> 32), and one of ``budget`` and ``r`` must be given; other methods do not read it. ``k``: top-k
-    per query head (None: design §6's k by the longest prompt). ``plan``: fathom-plan's per-layer budgets, one per
-    full-attention layer (None: planned on the prompt). ``max_tokens``: per session, offloaded backend (None: the
-    longest prompt plus :data:`RESERVE_TOKENS`, in a bucket of :func:`~fathom.integrations.sessions.capacity`; grown
-    when needed). ``hbm_gb``: HBM the offloaded store's scales and top bit planes may take (GB; 0: every plane
-    pinned in host memory): the most planes per channel that fit at the cache's capacity when it is made
-    (``fathom.layout``'s tiers; a grown cache keeps its tier). ``row_cache_rows``: HBM row cache slots per (session,
-    layer, KV head), offloaded backend (0: none; ``fathom.row_cache``: the rows a step selected recently stay in HBM
-    and only the misses cross the link; 4× a step's ``G · k + sink + local`` rows hits about 90% on real text).
+    (68 -> 16, 136 -> 32), and one of ``budget`` and ``r`` must be given; the others read none and refuse one (it
+    stays None). ``k``: top-k per query head (None: design §6's k by the longest prompt). ``plan``: fathom-plan's
+    per-layer budgets, one per full-attention layer (None: planned on the prompt). ``max_tokens``: per session,
+    offloaded backend (None: the longest prompt plus :data:`RESERVE_TOKENS`, in a bucket of
+    :func:`~fathom.integrations.sessions.capacity`; grown when needed). ``hbm_gb``: HBM the offloaded store's scales
+    and top bit planes may take (GB; 0: every plane pinned in host memory): the most planes per channel that fit at
+    the cache's capacity when it is made (``fathom.layout``'s tiers; a grown cache keeps its tier).
+    ``row_cache_rows``: HBM row cache slots per (session, layer, KV head), offloaded backend (0: none;
+    ``fathom.row_cache``: the rows a step selected recently stay in HBM and only the misses cross the link; 4× a
+    step's ``G · k + sink + local`` rows hits about 90% on real text).
     ``pool``: offloaded sessions are handed to ``fathom.integrations.sessions.POOL`` when the cache closes.
     """
 
@@ -69,12 +70,16 @@ class FathomSettings:
                 and self.budget != fixed_channel_bits(self.r):
             raise ValueError(f"budget and r disagree for {self.method}: budget = {self.budget:g} bits is r = "
                              f"{self.budget / fixed_channel_bits(1):g} channels, r = {self.r}; pass one of them")
-        if self.budget is None:  # the method's default: no fixed-channel count is a default worth guessing
-            if entry.budget == "channels" and self.r is None:
-                raise ValueError(f"budget must be given for {self.method}: r·4.25 bits (e.g. budget=68 for r = 16), "
-                                 f"or pass r=")
-            object.__setattr__(self, "budget", DEFAULT_BUDGET if self.r is None else fixed_channel_bits(self.r))
-        methods.check_budget(self.method, self.budget, planned=self.plan is not None)
+        if entry.budget == "none":  # the spec parser's rule: a budget it would ignore is refused, not dropped
+            if self.budget is not None:
+                raise ValueError(f"{self.method} reads no budget: leave budget None, got {self.budget!r}")
+        else:
+            if self.budget is None:  # the method's default: no fixed-channel count is a default worth guessing
+                if entry.budget == "channels" and self.r is None:
+                    raise ValueError(f"budget must be given for {self.method}: r·4.25 bits (e.g. budget=68 for "
+                                     f"r = 16), or pass r=")
+                object.__setattr__(self, "budget", DEFAULT_BUDGET if self.r is None else fixed_channel_bits(self.r))
+            methods.check_budget(self.method, self.budget, planned=self.plan is not None)
         if self.r is not None and entry.budget != "channels":
             raise ValueError(f"r is read by {', '.join(methods.names('channels'))} only; method is {self.method!r}")
         if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:

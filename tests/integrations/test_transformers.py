@@ -266,6 +266,7 @@ def test_every_update_call_form_of_transformers_5_is_accepted():
     ({"method": ["fathom"]}, "method must be a method name"),
     ({"method": "sparq", "budget": 68, "r": 4}, "budget and r disagree for sparq: budget = 68 bits is r = 16"),
     ({"method": "dense", "variance": "calibration"}, "variance is read by the water-filled methods only"),
+    ({"method": "oracle", "budget": 48}, "oracle reads no budget: leave budget None"),
     ({"method": "sparq", "budget": 68, "variance": "store"}, "variance is read by the water-filled methods only"),
     ({"method": "fathom-plan", "plan": (True, 16)}, "plan must hold finite budgets >= 0"),
     ({"method": "fathom-plan", "plan": 48}, "plan must be a sequence of budgets"),
