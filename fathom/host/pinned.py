@@ -62,8 +62,16 @@ class MappedBuffer:
             raw = np.frombuffer((ctypes.c_byte * size).from_address(self._ptr), np.uint8)
             torch.from_numpy(raw).zero_()  # faults every page in, in parallel on torch's CPU threads
             flags = driver.CU_MEMHOSTREGISTER_DEVICEMAP | driver.CU_MEMHOSTREGISTER_PORTABLE
-            _check(driver.cuMemHostRegister(self._ptr, size, flags))
-            self._device_ptr = int(_check(driver.cuMemHostGetDevicePointer(self._ptr, 0)))
+            registered = False
+            try:  # a refused registration or mapping leaves nothing behind: no pages locked, no map
+                _check(driver.cuMemHostRegister(self._ptr, size, flags))
+                registered = True
+                self._device_ptr = int(_check(driver.cuMemHostGetDevicePointer(self._ptr, 0)))
+            except BaseException:
+                if registered:
+                    driver.cuMemHostUnregister(self._ptr)
+                self._map.close()
+                raise
             self._host = raw[:self.nbytes].view(self.dtype).reshape(self.shape)
         self.closed = False
 

@@ -92,3 +92,37 @@ def test_a_layer_whose_pinning_fails_partway_releases_what_it_pinned(monkeypatch
         with pytest.raises(RuntimeError, match="out of pinned memory"):
             cache.layer(0)
     assert len(made) == 2 and all(buffer.closed for buffer in made)
+
+
+@pytest.mark.parametrize("refused", ["cuMemHostRegister", "cuMemHostGetDevicePointer"])
+def test_a_refused_registration_leaves_no_pages_locked_and_no_map(monkeypatch, refused):
+    """The GPU path driven through a driver that refuses one call (the simulator's path allocates no pinned
+    memory): the error surfaces, the map is closed, and pages registered before a refused mapping are unregistered."""
+    import mmap
+
+    from cuda.bindings import driver
+
+    from fathom.host import pinned
+
+    maps, calls = [], []
+
+    class Map(mmap.mmap):
+        def __init__(self, *args):
+            maps.append(self)
+
+    def answer(name, *values):
+        def call(*args):
+            calls.append(name)
+            return (driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY if name == refused else driver.CUresult.CUDA_SUCCESS,
+                    *values)
+        return call
+
+    monkeypatch.setattr(pinned, "SIMULATED", False)
+    monkeypatch.setattr(pinned.mmap, "mmap", Map)
+    for name, values in (("cuMemHostRegister", ()), ("cuMemHostGetDevicePointer", (1 << 40,)),
+                         ("cuMemHostUnregister", ())):
+        monkeypatch.setattr(driver, name, answer(name, *values))
+    with pytest.raises(RuntimeError, match="CUDA driver call failed"):
+        MappedBuffer((4, 8), np.uint16)
+    assert len(maps) == 1 and maps[0].closed
+    assert calls[-1] == (refused if refused == "cuMemHostRegister" else "cuMemHostUnregister")
