@@ -546,29 +546,34 @@ class HostKVCache:
         if not (_checks.is_integer(max_tokens) and max_tokens >= s.max_tokens):
             raise ValueError(f"max_tokens must be an integer >= the current {s.max_tokens}, got {max_tokens!r}")
         bigger = HostKVCache(replace(s, max_tokens=int(max_tokens)), rotated=self.rotated)
-        if not SIMULATED:
-            torch.cuda.synchronize()  # host-side copies below: every kernel writing the old memory is done
-        T, segments, layout = s.max_tokens, s.segments, s.layout
-        for old, new in zip(self.layers, bigger.layers):
-            new.kv.host[:, :T] = old.kv.host
-            new.marks.host[:, :old.marks.shape[1]] = old.marks.host
-            new.lengths.copy_(old.lengths)
-            if old.rows is not None:
-                new.rows.copy_from(old.rows)
-            if old.basis is not None:
-                new.basis.copy_(old.basis)
-            for name, store in old.stores.items():
-                target = new.stores[name]
-                for old_tier, new_tier, record_words in ((store.near, target.near, layout.near_record_words),
-                                                         (store.far, target.far, layout.far_record_words)):
-                    if record_words:  # an empty tier has nothing to copy (and no segments to view)
-                        per_segment = s.head_dim * record_words
-                        new_tier.view(s.streams, -1, per_segment)[:, :segments].copy_(
-                            old_tier.view(s.streams, segments, per_segment))
-                target.scale_sq_sum.copy_(store.scale_sq_sum)
-                target.tail.copy_(store.tail)
-        bigger.status.host[...] = self.status.host
-        bigger._lengths[...] = self._lengths
+        try:  # a failed copy frees the bigger cache's pinned memory (never freed by garbage collection); this one
+            # stays as it was
+            if not SIMULATED:
+                torch.cuda.synchronize()  # host-side copies below: every kernel writing the old memory is done
+            T, segments, layout = s.max_tokens, s.segments, s.layout
+            for old, new in zip(self.layers, bigger.layers):
+                new.kv.host[:, :T] = old.kv.host
+                new.marks.host[:, :old.marks.shape[1]] = old.marks.host
+                new.lengths.copy_(old.lengths)
+                if old.rows is not None:
+                    new.rows.copy_from(old.rows)
+                if old.basis is not None:
+                    new.basis.copy_(old.basis)
+                for name, store in old.stores.items():
+                    target = new.stores[name]
+                    for old_tier, new_tier, record_words in ((store.near, target.near, layout.near_record_words),
+                                                             (store.far, target.far, layout.far_record_words)):
+                        if record_words:  # an empty tier has nothing to copy (and no segments to view)
+                            per_segment = s.head_dim * record_words
+                            new_tier.view(s.streams, -1, per_segment)[:, :segments].copy_(
+                                old_tier.view(s.streams, segments, per_segment))
+                    target.scale_sq_sum.copy_(store.scale_sq_sum)
+                    target.tail.copy_(store.tail)
+            bigger.status.host[...] = self.status.host
+            bigger._lengths[...] = self._lengths
+        except BaseException:
+            bigger.close()
+            raise
         self.close()
         return bigger
 

@@ -18,7 +18,7 @@ from fathom import methods
 from fathom.attention import attention
 from fathom.cuda.interop import DEVICE, SIMULATED
 from fathom.decode import HeadIndex, decode_step, method_scores
-from fathom.host.cache import CacheShape, HostKVCache
+from fathom.host.cache import CacheShape, HostKVCache, RowSlab
 from fathom.host.decoder import Decoder, DecoderSettings
 from fathom.host.graph import StepGraph
 from fathom.scoring import landmarks
@@ -522,6 +522,33 @@ def test_a_grown_cache_keeps_its_row_cache():
             np.testing.assert_array_equal(got[:, :want.shape[1]] if name == "slot_of" else got, want, err_msg=name)
         assert (rows.slot_of[:, shape.max_tokens:] == -1).all() and grown.row_cache_counts(LAYER) == counts
         assert counts[1] > 0
+
+
+def test_a_failed_grow_frees_the_bigger_cache_and_keeps_this_one(monkeypatch):
+    """A copy that fails midway (here the row cache's) closes the bigger cache (its pinned memory is never freed by
+    garbage collection) and leaves this one open and as it was."""
+    shape = replace(SHAPES[3], row_cache_rows=64)
+    k, v, *_ = _setup(shape, seed=13)
+    cache = HostKVCache(shape)
+    _fill(cache, k, v)
+    lengths = cache.lengths(LAYER).copy()
+    closed = []
+    close = HostKVCache.close
+
+    def tracked_close(self):
+        closed.append(self)
+        close(self)
+
+    def refuse(self, other):
+        raise RuntimeError("copy refused")
+
+    monkeypatch.setattr(HostKVCache, "close", tracked_close)
+    monkeypatch.setattr(RowSlab, "copy_from", refuse)
+    with pytest.raises(RuntimeError, match="copy refused"):
+        cache.grown(2 * shape.max_tokens)
+    assert len(closed) == 1 and closed[0] is not cache and closed[0].closed
+    assert not cache.closed and np.array_equal(cache.lengths(LAYER), lengths)
+    cache.close()
 
 
 def test_a_refused_calibration_changes_nothing():
