@@ -188,6 +188,9 @@ class PinnedLayer:
             buffer.close()
 
 
+STATE = ("slab", "slot_of", "position", "stamp", "clock", "counters")  # what a row cache holds
+
+
 class RowSlab:
     """One layer's HBM row cache: the slab and the bookkeeping of ``fathom.row_cache.RowCache`` as torch tensors
     (``slot_of`` -1, ``position`` -1, ``stamp``, ``clock``; ``counters`` int64 ``[streams, 3]``: the last step's
@@ -220,6 +223,15 @@ class RowSlab:
         self.clock[at] = 0
         if streams is None:
             self.counters.zero_()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """A copy of everything the row cache holds (:meth:`restore` puts it back)."""
+        return {name: getattr(self, name).clone() for name in STATE}
+
+    def restore(self, state: dict[str, torch.Tensor]) -> None:
+        """Put back what :meth:`state` copied (the same cache's)."""
+        for name in STATE:
+            getattr(self, name).copy_(state[name])
 
     def copy_from(self, old: RowSlab) -> None:
         """What ``old`` (a smaller cache's) holds: rows keep their slots."""

@@ -35,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -260,11 +261,26 @@ class Decoder:
     def _warm_up(self) -> None:
         """Compile every kernel of the step now (the first launch of a Numba kernel compiles it), not in the first
         decode step or inside a CUDA graph capture: run layer 0's launches once (on an empty cache they exit
-        early; on a filled one they compute an output nobody reads). The simulator compiles nothing."""
+        early; on a filled one they compute an output nobody reads, and its row cache is left as it was). The
+        simulator compiles nothing."""
         if SIMULATED:
             return
-        run_launches(self.launches(0), self.cache.stream())
-        torch.cuda.synchronize()
+        with self._row_cache_kept(0):
+            run_launches(self.launches(0), self.cache.stream())
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def _row_cache_kept(self, layer: int):
+        """Inside, steps of ``layer`` leave its row cache (slab, bookkeeping, counters) as it was: a step assigns
+        slots, stamps them and counts its hits, so a warm-up step on a filled cache would evict rows for a query
+        nobody asked."""
+        rows = self.cache.layer(layer).rows if self.row_cached else None
+        state = rows.state() if rows is not None else None
+        try:
+            yield
+        finally:
+            if state is not None:
+                rows.restore(state)
 
     # -- what the last step read (host syncs) ---------------------------------------------------------------
     # The depths and row counts these read are the decoder's, shared by every layer: call them right after

@@ -18,7 +18,7 @@ from fathom import methods
 from fathom.attention import attention
 from fathom.cuda.interop import DEVICE, SIMULATED
 from fathom.decode import HeadIndex, decode_step, method_scores
-from fathom.host.cache import CacheShape, HostKVCache, RowSlab
+from fathom.host.cache import STATE, CacheShape, HostKVCache, RowSlab
 from fathom.host.decoder import Decoder, DecoderSettings
 from fathom.host.graph import StepGraph
 from fathom.scoring import landmarks
@@ -522,6 +522,29 @@ def test_a_grown_cache_keeps_its_row_cache():
             np.testing.assert_array_equal(got[:, :want.shape[1]] if name == "slot_of" else got, want, err_msg=name)
         assert (rows.slot_of[:, shape.max_tokens:] == -1).all() and grown.row_cache_counts(LAYER) == counts
         assert counts[1] > 0
+
+
+def test_a_warm_up_step_leaves_the_row_cache_as_it_was():
+    """A decoder's warm-up runs layer 0's step once (on the GPU): inside ``_row_cache_kept`` a step on a filled cache
+    leaves the slab, the slot bookkeeping and the hit counters as they were, while an ordinary step changes them."""
+    shape = replace(SHAPES[3], row_cache_rows=64)
+    k, v, q, *_ = data = _setup(shape, seed=13)
+    with HostKVCache(shape) as cache:
+        _fill(cache, k, v)
+        decoder = _decoder(cache, methods.fathom(12.0), data)
+        q_t = torch.from_numpy(q).to(DEVICE)
+        decoder.run(LAYER, q_t)
+        rows = cache.layer(LAYER).rows
+
+        def held():
+            return {name: getattr(rows, name).cpu().numpy().copy() for name in STATE}
+
+        before = held()
+        with decoder._row_cache_kept(LAYER):
+            decoder.run(LAYER, q_t)
+            assert held()["clock"].tolist() != before["clock"].tolist()  # the step did count
+        for name, array in held().items():
+            np.testing.assert_array_equal(array, before[name], err_msg=name)
 
 
 def test_a_failed_grow_frees_the_bigger_cache_and_keeps_this_one(monkeypatch):
