@@ -165,7 +165,8 @@ def test_offloaded_sessions_decode_as_the_reference_does(method):
 
     model = tiny_offload_llama()
     ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
-    settings = dict(budget=17 if method == "double-sparsity" else 20, k=6, sink=2, local=4, max_tokens=80)
+    budget = {"dense": None, "double-sparsity": 17}.get(method, 20)  # dense reads no budget
+    settings = dict(budget=budget, k=6, sink=2, local=4, max_tokens=80)
     reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=3)
     offloaded = FathomCache(model, method, backend="offloaded", **settings)
     torch.testing.assert_close(generate(model, ids, mask, offloaded, new=3), reference, rtol=0, atol=0)
@@ -333,8 +334,8 @@ def test_on_a_gpu_the_offloaded_path_generates_the_reference_paths_tokens(method
         ids, mask = batch()
     model = model.to("cuda", torch.bfloat16)
     ids, mask = ids.cuda(), mask.cuda()
-    settings = dict(budget=68 if method in ("sparq", "double-sparsity") else 48, k=16,
-                    max_tokens=ids.shape[1] + 16)
+    budget = None if method in ("dense", "oracle") else 68 if method in ("sparq", "double-sparsity") else 48
+    settings = dict(budget=budget, k=16, max_tokens=ids.shape[1] + 16)
     reference = generate(model, ids, mask, FathomCache(model, method, backend="reference", **settings), new=8)
     offloaded = FathomCache(model, method, backend="offloaded", **settings)
     torch.testing.assert_close(generate(model, ids, mask, offloaded, new=8), reference, rtol=0, atol=0)
