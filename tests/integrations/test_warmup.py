@@ -104,7 +104,8 @@ ids = torch.randint(3, 97, (2, 70), generator=torch.Generator().manual_seed(0)).
 mask = torch.ones_like(ids)
 mask[1, :9] = 0
 for method, extra in (("fathom", {}), ("fathom", {"custom_generate": decode}), ("dense", {})):
-    cache = FathomCache(model, method, backend="offloaded", **OFFLOAD_SETTINGS)
+    settings = dict(OFFLOAD_SETTINGS, budget=None) if method == "dense" else OFFLOAD_SETTINGS  # dense reads none
+    cache = FathomCache(model, method, backend="offloaded", **settings)
     model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0,
                    **extra)
     cache.close()
