@@ -224,14 +224,14 @@ class RowSlab:
         if streams is None:
             self.counters.zero_()
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """A copy of everything the row cache holds (:meth:`restore` puts it back)."""
-        return {name: getattr(self, name).clone() for name in STATE}
+    def state(self, names: tuple[str, ...] = STATE) -> dict[str, torch.Tensor]:
+        """A copy of what the row cache holds, its ``names`` of :data:`STATE` (:meth:`restore` puts it back)."""
+        return {name: getattr(self, name).clone() for name in names}
 
     def restore(self, state: dict[str, torch.Tensor]) -> None:
         """Put back what :meth:`state` copied (the same cache's)."""
-        for name in STATE:
-            getattr(self, name).copy_(state[name])
+        for name, saved in state.items():
+            getattr(self, name).copy_(saved)
 
     def copy_from(self, old: RowSlab) -> None:
         """What ``old`` (a smaller cache's) holds: rows keep their slots."""

@@ -52,7 +52,7 @@ from fathom.cuda.row_cache import assign_slots
 from fathom.cuda.scan import MAX_HEADS as MAX_GROUP_SIZE  # query heads a scan CTA accumulates
 from fathom.cuda.topk import select, union_blocks, union_rows
 from fathom.decode import step_bits
-from fathom.host.cache import FLOAT_DTYPES, HostKVCache
+from fathom.host.cache import FLOAT_DTYPES, STATE, HostKVCache
 from fathom.host.launch import Launch, run_launches
 from fathom.host.strategy import StepBuffers, resolve
 from fathom.quantize import BLOCK
@@ -273,9 +273,11 @@ class Decoder:
     def _row_cache_kept(self, layer: int):
         """Inside, steps of ``layer`` leave its row cache (slab, bookkeeping, counters) as it was: a step assigns
         slots, stamps them and counts its hits, so a warm-up step on a filled cache would evict rows for a query
-        nobody asked."""
+        nobody asked. On an empty layer a step lists no row and only advances the clock and the counters: those two
+        are copied then, not the slab and the slot maps (a new cache's warm-up copies no large array)."""
         rows = self.cache.layer(layer).rows if self.row_cached else None
-        state = rows.state() if rows is not None else None
+        names = STATE if self.cache.lengths(layer).any() else ("clock", "counters")
+        state = rows.state(names) if rows is not None else None
         try:
             yield
         finally:
