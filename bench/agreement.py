@@ -163,12 +163,13 @@ def batched_logits(model, prefix, last: int, teacher: np.ndarray, attention: Tea
 
 
 def step_logits(model, ids: np.ndarray, teacher: np.ndarray, spec: MethodSpec, k: int,
-                calibration: Path | None) -> np.ndarray:
+                calibration: Path | None, **settings) -> np.ndarray:
     """Next-token logits ``[T, vocab]`` of one method at every teacher-forced step through a FathomCache,
-    one token per forward after its own prefill of ``ids[:-1]`` (the step path)."""
+    one token per forward after its own prefill of ``ids[:-1]`` (the step path; ``settings``: FathomCache's, e.g.
+    ``backend``)."""
     import torch
 
-    cache = spec.cache(model, k=k, calibration=calibration)
+    cache = spec.cache(model, k=k, calibration=calibration, **settings)
     inputs = torch.as_tensor(np.concatenate([ids[-1:], teacher[:-1]]), device=model.device)
     logits = []
     with torch.inference_mode():

@@ -2,6 +2,8 @@
 path through FathomCache for every method, dense against dense and methods that read everything agree on every
 step, the crossing is interpolated as documented, and bad arguments are refused before any model is loaded."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -44,6 +46,25 @@ def test_batched_path_equals_the_step_path_through_fathomcache_for_every_method(
         step = agreement.step_logits(model, ids, teacher, spec, K, path)
         np.testing.assert_allclose(batched, step, rtol=1e-4, atol=1e-4, err_msg=text)
         np.testing.assert_array_equal(batched.argmax(-1), step.argmax(-1), err_msg=text)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_step_path_decodes_on_the_offloaded_backend_as_the_reference_does(tiny, tmp_path):
+    """``--device cuda --path step`` (FATHOM_GPU=1): the model in bf16 on the GPU, each method's FathomCache on the
+    offloaded backend (the GPU kernels, bf16 rows in pinned host memory) against the same cache on the reference
+    backend: the same greedy token at every step, logits within bf16 rounding."""
+    model, ids, calibration = tiny
+    path = tmp_path / "tiny.calibration.npz"
+    calibration.save(path)
+    model = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    _, teacher = agreement.dense_continuation(model, ids, STEPS)
+    for text in ("dense", "fathom@24", "fathom-rotated@16", "sparq@17"):
+        spec = MethodSpec.parse(text, head_dim=16)
+        offloaded = agreement.step_logits(model, ids, teacher, spec, K, path)
+        reference = agreement.step_logits(model, ids, teacher, spec, K, path, backend="reference")
+        assert offloaded.shape == (STEPS, VOCAB) and np.isfinite(offloaded).all(), text
+        np.testing.assert_array_equal(offloaded.argmax(-1), reference.argmax(-1), err_msg=text)
+        np.testing.assert_allclose(offloaded, reference, rtol=0, atol=0.05 * np.abs(reference).max(), err_msg=text)
 
 
 def test_sparse_methods_change_the_logits_at_a_small_k(tiny):
