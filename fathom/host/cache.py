@@ -502,16 +502,23 @@ class HostKVCache:
     def dry_run(self):
         """Inside, every append launch reads a flag and changes nothing (its rows land past the lengths, unseen), nor
         does an append or a replay change the host's mirror of the lengths: for warming up launches — compiling
-        kernels, preparing cuBLAS on a stream — before a CUDA graph capture. Syncs on exit. Nested, the inner one
-        leaves the outer one dry (a graph's first replay captures it inside its own dry run)."""
+        kernels, preparing cuBLAS on a stream — before a CUDA graph capture. Nested, the inner one leaves the outer
+        one dry (a graph's first replay captures it inside its own dry run).
+
+        Syncs on entry and on exit (an exception's too): a kernel reads the flag when it runs, not when it is
+        launched, so an append launched before the run that the GPU had not reached yet (a prefill's last layers,
+        the previous layer's step of this token) would be dropped while the host's mirror counted it, and a dry
+        launch still queued at the exit would append for real."""
+        if not SIMULATED:
+            torch.cuda.synchronize()
         self.check()
         outer = self._dry
         self.status.host[:, DRY_RUN] = 1
         try:
             yield
+        finally:
             if not SIMULATED:
                 torch.cuda.synchronize()
-        finally:
             if not outer:
                 self.status.host[:, DRY_RUN] = 0
 

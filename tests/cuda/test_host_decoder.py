@@ -311,6 +311,25 @@ def test_a_dry_run_changes_neither_the_cache_nor_its_host_mirror():
         assert cache.lengths(LAYER).tolist() == cache.layer(LAYER).lengths.tolist() == [0, 0, 0]
 
 
+@pytest.mark.gpu
+def test_an_append_still_queued_when_a_dry_run_begins_lands():
+    """A kernel reads the dry-run flag when it runs: an append launched before a dry run but not yet reached by the
+    GPU (a prefill's last layers when the first decode step captures its graph, with no host sync between) must
+    land, as the host's mirror counts it. A spin kernel holds the GPU back so the append is surely still queued;
+    the dry run's entry sync makes the test pass (without it the append was dropped: lengths 100 on the GPU)."""
+    shape = SHAPES[3]
+    k, v, *_ = _setup(shape)
+    with HostKVCache(shape) as cache:
+        _append(cache, k, v, 0, 100)
+        k_new, v_new = (torch.from_numpy(x[:, :, 100:110]).to(DEVICE) for x in (k, v))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 30)  # about half a second of spinning on the stream, ahead of the append
+        cache.append(LAYER, k_new, v_new)
+        with cache.dry_run():
+            pass
+        assert cache.lengths(LAYER).tolist() == cache.layer(LAYER).lengths.tolist() == [110, 110, 110]
+
+
 def test_bad_keys_are_refused_and_leave_the_cache_unchanged():
     shape = SHAPES[3]
     k, v, q, *_ = data = _setup(shape, seed=6)
