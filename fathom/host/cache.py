@@ -537,7 +537,11 @@ class HostKVCache:
         self._lengths[:, session] = 0
 
     def clear(self) -> None:
-        """Empty every session of every layer, flags included (the memory is kept: a pooled cache's reuse)."""
+        """Empty every session of every layer, flags included (the memory is kept: a pooled cache's reuse). A flag
+        that work launched before it raised is reported first (a sync: else a kernel the GPU had not reached yet would
+        raise it after the flags were zeroed, for the cache's next user)."""
+        if not SIMULATED and not self.closed:
+            torch.cuda.synchronize()
         self.check()
         for cache_layer in self.layers:
             cache_layer.lengths.zero_()

@@ -480,8 +480,13 @@ class SessionPool:
 
     def give(self, sessions: OffloadedSessions) -> None:
         """Keep ``sessions`` for reuse (emptied now); an idle one of the same key, or the oldest beyond the limit,
-        is closed."""
-        sessions.clear()
+        is closed. Sessions that cannot be emptied (a kernel flagged its last work) are closed, not kept, and the
+        error raised: their pinned memory is never freed by garbage collection."""
+        try:
+            sessions.clear()
+        except BaseException:
+            sessions.close()
+            raise
         previous = self._idle.pop(sessions.key, None)
         if previous is not None and previous is not sessions:  # given twice: kept once, not closed
             previous.close()

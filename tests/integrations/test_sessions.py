@@ -38,10 +38,12 @@ def test_capacity_holds_its_tokens_and_wastes_at_most_an_eighth():
 class FakeSessions:
     """What the pool reads of OffloadedSessions: a key, clear() and close()."""
 
-    def __init__(self, key):
-        self.key, self.cleared, self.closed = key, 0, False
+    def __init__(self, key, flagged: bool = False):
+        self.key, self.cleared, self.closed, self.flagged = key, 0, False, flagged
 
     def clear(self):
+        if self.flagged:
+            raise ValueError("a decode step of layer 0 was refused on the GPU")
         self.cleared += 1
 
     def close(self):
@@ -65,6 +67,17 @@ def test_the_pool_keeps_one_idle_sessions_per_key_and_closes_the_oldest_beyond_i
     pool.give(a2)
     pool.give(a2)  # given twice: kept, not closed
     assert not a2.closed and pool.take("a") is a2
+
+
+def test_the_pool_closes_sessions_it_cannot_empty_and_raises():
+    """A kernel's flag reported by clear(): the sessions are closed (their pinned memory freed), not kept, not
+    leaked, and the pool keeps what it held."""
+    pool = SessionPool(limit=2)
+    kept, flagged = FakeSessions("a"), FakeSessions("b", flagged=True)
+    pool.give(kept)
+    with pytest.raises(ValueError, match="refused on the GPU"):
+        pool.give(flagged)
+    assert flagged.closed and len(pool) == 1 and pool.take("b") is None and not kept.closed
 
 
 def test_reference_sessions_refuse_bad_tokens_before_any_session_or_head_takes_them():
