@@ -4,7 +4,9 @@ One dense fp32 prefill (CPU or GPU) over a real text window. The keys, values
 and queries are recorded inside attention through transformers' own
 extension point (a registered attention function that records its inputs and
 then runs the stock SDPA attention), so they are exactly what the model's
-attention sees: after RoPE and after QK-norm where the model has it. Only
+attention sees: after RoPE and after QK-norm where the model has it. On a GPU
+the SDPA runs over chunks of query rows (fp32 with grouped heads has no fused
+kernel there: a 32k prefill's scores were 48 GB at once). Only
 global-attention layers are kept (sliding-window layers never see the long
 context). Captures are cached on disk with the digests of the model build and
 the text they were made from, and are remade when either changes.
@@ -24,6 +26,7 @@ from bench.cli import UsageError
 from fathom.capture import Capture
 
 ATTENTION_NAME = "fathom_capture"
+GPU_QUERY_CHUNK = 4096  # query rows per SDPA call on a GPU: 12 heads x 4k x 32k fp32 scores are 6 GB, not 48
 
 
 def decode_positions(n: int) -> int:
@@ -31,11 +34,38 @@ def decode_positions(n: int) -> int:
     return 64 if n >= 65536 else 128
 
 
-class _Recorder:
-    """An attention function that records each layer's inputs, then attends with SDPA (ticking ``progress``)."""
+def attend_in_chunks(module, query, key, value, attention_mask, chunk: int, **kwargs):
+    """transformers' ``sdpa_attention_forward`` over ``chunk`` query rows at a time: the same output (each row's
+    softmax is its own), at most ``chunk`` × n scores at once. Query row ``p`` of ``n`` sits at key position
+    ``kv - n + p``; with no mask it sees the keys up to it (causal), else the rows ``attention_mask`` gives it (a
+    sliding window's included)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def __init__(self, positions: int, layers: set[int], progress: tqdm):
+    n, kv = query.shape[2], key.shape[2]
+    if n <= chunk:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outputs = []
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        if attention_mask is None:
+            seen = kv - n + stop  # the keys the chunk's last row sees
+            rows = torch.arange(kv - n + start, seen, device=query.device)
+            mask = (torch.arange(seen, device=query.device)[None, :] <= rows[:, None])[None, None]
+            keys, values = key[:, :, :seen], value[:, :, :seen]
+        else:
+            mask, keys, values = attention_mask[:, :, start:stop], key, value
+        outputs.append(sdpa_attention_forward(module, query[:, :, start:stop], keys, values, mask, **kwargs)[0])
+    return torch.cat(outputs, dim=1), None
+
+
+class _Recorder:
+    """An attention function that records each layer's inputs, then attends with SDPA (ticking ``progress``), over
+    ``query_chunk`` query rows at a time (None: all at once)."""
+
+    def __init__(self, positions: int, layers: set[int], progress: tqdm, query_chunk: int | None = None):
         self.positions, self.layers, self.progress = positions, layers, progress
+        self.query_chunk = query_chunk
         self.keys: dict[int, np.ndarray] = {}
         self.values: dict[int, np.ndarray] = {}
         self.queries: dict[int, np.ndarray] = {}
@@ -52,7 +82,9 @@ class _Recorder:
             self.queries[layer] = query[0, :, -self.positions:].float().cpu().numpy().copy()
             self.scales[layer] = float(kwargs.get("scaling") or module.scaling)
         self.progress.update(1)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if self.query_chunk is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return attend_in_chunks(module, query, key, value, attention_mask, self.query_chunk, **kwargs)
 
 
 def global_layers(config) -> list[int]:
@@ -71,11 +103,14 @@ def window(tokenizer, text: str, n: int, name: str = "text"):
     return ids
 
 
-def capture(model, ids, positions: int | None = None, meta: dict | None = None) -> Capture:
+def capture(model, ids, positions: int | None = None, meta: dict | None = None,
+            query_chunk: int | None = None) -> Capture:
     """Run ``model`` densely over token ids ``[1, n]`` (on the model's device) and record every global layer.
 
     Returns keys ``[L, H, n, d]``, values, and the queries of the last ``P``
     positions ``[L, H, P, G, d]`` (query head ``h`` belongs to KV head ``h // G``).
+    ``query_chunk``: query rows per SDPA call (default :data:`GPU_QUERY_CHUNK` on a GPU; all at once on the CPU, as
+    the committed CPU captures were made).
     """
     import torch
 
@@ -86,7 +121,9 @@ def capture(model, ids, positions: int | None = None, meta: dict | None = None) 
     _check_positions(positions, n)
     layers = global_layers(model.config)
     with tqdm(total=model.config.num_hidden_layers, desc=f"prefill {n} tokens", unit="layer") as bar:
-        recorder = _Recorder(positions, set(layers), bar)
+        if query_chunk is None and model.device.type == "cuda":
+            query_chunk = GPU_QUERY_CHUNK
+        recorder = _Recorder(positions, set(layers), bar, query_chunk)
         with attention_implementation(model, ATTENTION_NAME, recorder), torch.inference_mode():
             model(ids.to(model.device), use_cache=False, logits_to_keep=1)
     scales = {recorder.scales[i] for i in layers}

@@ -16,8 +16,10 @@ from fathom.attention import attention  # noqa: E402
 from tests.tiny_models import tiny_gemma3, tiny_llama  # noqa: E402
 
 
+@pytest.mark.parametrize("query_chunk", [None, 16])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
-def test_captured_queries_keys_values_reproduce_the_models_attention(make):
+def test_captured_queries_keys_values_reproduce_the_models_attention(make, query_chunk):
+    """Also with the attention in chunks of query rows (as on a GPU): each output row is exact causal attention."""
     torch.manual_seed(0)
     model = make()
     n, P = 70, 5
@@ -26,7 +28,7 @@ def test_captured_queries_keys_values_reproduce_the_models_attention(make):
     layers = global_layers(model.config)
     hooks = [model.model.layers[i].self_attn.o_proj.register_forward_pre_hook(
         lambda module, args, i=i: outputs.__setitem__(i, args[0][0].detach().numpy().copy())) for i in layers]
-    cap = capture(model, ids, positions=P)
+    cap = capture(model, ids, positions=P, query_chunk=query_chunk)
     for hook in hooks:
         hook.remove()
     L, H, _, d = cap.keys.shape
@@ -41,6 +43,18 @@ def test_captured_queries_keys_values_reproduce_the_models_attention(make):
                 ours = attention(cap.queries[li, kv, p], cap.keys[li, kv][causal], cap.values[li, kv][causal],
                                  scale=cap.scale)
                 np.testing.assert_allclose(ours, model_out[pos, kv * G:(kv + 1) * G], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_a_capture_in_chunks_of_query_rows_equals_the_whole_one(make):
+    """Every layer's attention in chunks (11 rows: the last chunk short) changes no key, value or query, Gemma-3's
+    sliding-window layers (whose mask the chunks slice) included: their outputs feed the global layer."""
+    torch.manual_seed(0)
+    model = make()
+    ids = torch.randint(0, 97, (1, 70))
+    whole, chunked = capture(model, ids, positions=5), capture(model, ids, positions=5, query_chunk=11)
+    for name in ("keys", "values", "queries"):
+        np.testing.assert_allclose(getattr(chunked, name), getattr(whole, name), rtol=1e-5, atol=1e-6)
 
 
 def test_global_layers_skip_sliding_window_layers():
