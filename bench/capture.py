@@ -53,8 +53,9 @@ def attend_in_chunks(module, query, key, value, attention_mask, chunk: int, **kw
             rows = torch.arange(kv - n + start, seen, device=query.device)
             mask = (torch.arange(seen, device=query.device)[None, :] <= rows[:, None])[None, None]
             keys, values = key[:, :, :seen], value[:, :, :seen]
-        else:
-            mask, keys, values = attention_mask[:, :, start:stop], key, value
+        else:  # a mask of one row broadcasts over the queries
+            rows = attention_mask if attention_mask.shape[2] == 1 else attention_mask[:, :, start:stop]
+            mask, keys, values = rows, key, value
         outputs.append(sdpa_attention_forward(module, query[:, :, start:stop], keys, values, mask, **kwargs)[0])
     return torch.cat(outputs, dim=1), None
 

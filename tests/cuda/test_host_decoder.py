@@ -315,8 +315,8 @@ def test_a_dry_run_changes_neither_the_cache_nor_its_host_mirror():
 def test_an_append_still_queued_when_a_dry_run_begins_lands():
     """A kernel reads the dry-run flag when it runs: an append launched before a dry run but not yet reached by the
     GPU (a prefill's last layers when the first decode step captures its graph, with no host sync between) must
-    land, as the host's mirror counts it. A spin kernel holds the GPU back so the append is surely still queued;
-    the dry run's entry sync makes the test pass (without it the append was dropped: lengths 100 on the GPU)."""
+    land, as the host's mirror counts it. A spin kernel holds the GPU back so the append is surely still queued
+    when the flag would go up: the dry run's entry sync is what lets it land (else the GPU keeps 100 tokens)."""
     shape = SHAPES[3]
     k, v, *_ = _setup(shape)
     with HostKVCache(shape) as cache:
