@@ -54,8 +54,8 @@ def attend_in_chunks(module, query, key, value, attention_mask, chunk: int, **kw
             mask = (torch.arange(seen, device=query.device)[None, :] <= rows[:, None])[None, None]
             keys, values = key[:, :, :seen], value[:, :, :seen]
         else:  # a mask of one row broadcasts over the queries
-            rows = attention_mask if attention_mask.shape[2] == 1 else attention_mask[:, :, start:stop]
-            mask, keys, values = rows, key, value
+            mask = attention_mask if attention_mask.shape[2] == 1 else attention_mask[:, :, start:stop]
+            keys, values = key, value
         outputs.append(sdpa_attention_forward(module, query[:, :, start:stop], keys, values, mask, **kwargs)[0])
     return torch.cat(outputs, dim=1), None
 
