@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench import cli
+from bench.capture import decode_positions
 from bench.fidelity import FATHOM_FAMILIES
 from bench.report import RESULTS, context_label, markdown_table
 
@@ -40,13 +41,22 @@ def rows(results: Path) -> list[dict]:
     return out
 
 
+def _setting(payload: dict) -> str:
+    """``model 32k (text)``, with ``P = 512`` when the run used other than the default decode positions (two runs
+    of one setting at different P are two rows that must not read alike)."""
+    shape = payload["capture"]
+    positions = shape.get("positions", decode_positions(shape["tokens"]))  # older results: the default
+    at = "" if positions == decode_positions(shape["tokens"]) else f", P = {positions}"
+    return f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']}{at})"
+
+
 def _row(payload: dict) -> dict:
     """:func:`rows`' row of one fidelity result."""
     s, shape = payload["summary"], payload["capture"]
     d = shape["head_dim"]
     hits = [s.get(k) for k in ("fathom48_overlap", "ds_quarter_overlap", "sparq68_overlap")]
     plan = next(label for label in payload["per_layer_plans"] if label.endswith("@48"))  # on the rule's store
-    return {"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
+    return {"setting": _setting(payload),
             "d": d, "basis": f"{s['basis']}, {s.get('variance', 'store (old run)')}" if s.get(
                 "heads_rotated") is None else f"per head: {s['heads_rotated']} of {s['heads']} rotated",
             "ds_quarter": s["ds_quarter_error"], "fathom48": s["fathom48_error"],
@@ -100,9 +110,9 @@ def _family_row(payload: dict) -> dict | None:
     if payload.get("synthetic") or not payload["summary"].get("families"):
         return None
     families = payload["summary"]["families"]
-    s, shape = payload["summary"], payload["capture"]
-    row = {"setting": f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']})",
-           "sparq68": s["sparq68_error"], "ds_quarter": f"{s['ds_quarter_error']:.4f} ({s['ds_quarter_label']})"}
+    s = payload["summary"]
+    row = {"setting": _setting(payload), "sparq68": s["sparq68_error"],
+           "ds_quarter": f"{s['ds_quarter_error']:.4f} ({s['ds_quarter_label']})"}
     for name in FATHOM_FAMILIES:
         f = families.get(name)
         if f is not None:

@@ -34,6 +34,14 @@ def test_headline_tables_the_real_settings_only(tmp_path):
     table = (tmp_path / "headline.md").read_text()
     assert "| m 32k (t) | 64 | per head: 3 of 8 rotated |" in table
     assert "| m 32k (t) | 0.2500 (double-sparsity@68) | 0.3000 | — | — | — | — | 0.1100 / ≥ 2.00× | — |" in table
+    # a run at other than the default decode positions says its P in both tables (P = 128 below 64k: unsaid)
+    at_512 = {**with_curves, "capture": {**with_curves["capture"], "positions": 512}}
+    (tmp_path / "fidelity-m-32k-t-P512.json").write_text(json.dumps(at_512))
+    main(["headline", "--results", str(tmp_path)])
+    table = (tmp_path / "headline.md").read_text()
+    assert table.count("| m 32k (t, P = 512) | 64 | per head: 3 of 8 rotated |") == 1
+    assert table.count("| m 32k (t, P = 512) | 0.2500 (double-sparsity@68) |") == 1
+    assert table.count("| m 32k (t) |") == 2
 
 
 # --- bad input ------------------------------------------------------------------------------------------------
