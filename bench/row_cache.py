@@ -16,6 +16,14 @@ positions) each step selected:
 Both give one fraction per step from the second on: the first step finds the
 cache cold and has no previous step.
 
+What the misses cost depends on where they lie in pinned host memory: a GPU
+gathering 512-byte rows at random from 8 GB of it reads 17 GB/s, and 49 GB/s
+(the link's rate) when every 4 KiB page it touches gives it 8 rows (an H200
+probe, ``docs/results.md``). :func:`pages_touched` counts the 4 KiB pages one
+layer's gather of one session touches, in the host cache's layout (each KV
+head's rows contiguous, ``stream-major``) and with a token's rows of every KV
+head side by side (``token-major``).
+
 Example (worked by hand in ``tests/bench/test_rowreuse.py``)::
 
     >>> import numpy as np
@@ -25,6 +33,12 @@ Example (worked by hand in ``tests/bench/test_rowreuse.py``)::
     [0.6666666666666666, 0.3333333333333333]
     >>> lru_hits(steps, capacity=3).tolist(), lru_hits(steps, capacity=4).tolist()
     ([2, 1], [2, 2])
+    >>> [m.tolist() for m in lru_misses(steps, capacity=3)]
+    [[1, 2, 3], [4], [1, 5]]
+    >>> pages_touched([np.array([0, 7, 8]), np.array([7])], row_bytes=512, layout="stream-major")
+    3
+    >>> pages_touched([np.array([0, 7, 8]), np.array([7])], row_bytes=512, layout="token-major")
+    3
 """
 
 from __future__ import annotations
@@ -44,20 +58,49 @@ def previous_step_reuse(steps: list[np.ndarray]) -> np.ndarray:
     return reuse
 
 
-def lru_hits(steps: list[np.ndarray], capacity: int) -> np.ndarray:
-    """Hits of an LRU cache of ``capacity`` rows at each step t = 1.. (int64 ``[T − 1]``), the cache empty before
-    step 0 (see the module docstring for the order of eviction)."""
+PAGE = 4096  # bytes: the host page whose translation a GPU read over the link pays for
+LAYOUTS = ("stream-major", "token-major")
+
+
+def lru_misses(steps: list[np.ndarray], capacity: int) -> list[np.ndarray]:
+    """The rows an LRU cache of ``capacity`` rows misses at each step t = 0.. (in the step's order; step 0 finds
+    the cache empty and misses every row), each step's rows distinct (see the module docstring for the order of
+    eviction)."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     cache: OrderedDict[int, None] = OrderedDict()
-    hits = np.zeros(len(steps), np.int64)
-    for t, rows in enumerate(steps):
-        held = [row for row in rows.tolist() if row in cache]
+    misses = []
+    for rows in steps:
+        listed = rows.tolist()
+        held = [row for row in listed if row in cache]
+        misses.append(np.array([row for row in listed if row not in cache], np.int64))
         for row in held:
             cache.move_to_end(row)
-        for row in rows.tolist():
+        for row in listed:
             cache[row] = None  # a miss is inserted last; a hit keeps its refreshed place
-        hits[t] = len(held)
         while len(cache) > capacity:
             cache.popitem(last=False)
-    return hits[1:]
+    return misses
+
+
+def lru_hits(steps: list[np.ndarray], capacity: int) -> np.ndarray:
+    """Hits of an LRU cache of ``capacity`` rows at each step t = 1.. (int64 ``[T − 1]``), the cache empty before
+    step 0: each step's rows less its :func:`lru_misses`."""
+    misses = lru_misses(steps, capacity)
+    return np.array([len(rows) - len(missed) for rows, missed in zip(steps, misses)][1:], np.int64)
+
+
+def pages_touched(rows_per_head: list[np.ndarray], row_bytes: int, layout: str) -> int:
+    """Distinct 4 KiB pages holding the rows one session's step fetches in one layer: ``rows_per_head[h]`` the
+    token positions KV head ``h`` fetches, ``row_bytes`` a token's K and V of one head (4·d in fp16; it divides
+    4 KiB). ``stream-major``: each head's rows contiguous, token ``t`` of head ``h`` at ``(h·C + t)·row_bytes``
+    (``fathom.host.cache``'s rows, C its capacity, whole pages), so heads never share a page; ``token-major``:
+    every head's row of a token side by side, at ``(t·H + h)·row_bytes``."""
+    if layout not in LAYOUTS or PAGE % row_bytes:
+        raise ValueError(f"layout must be one of {LAYOUTS} and row_bytes divide {PAGE}, got {layout!r}, "
+                         f"{row_bytes}")
+    if layout == "stream-major":
+        return sum(len(np.unique(rows // (PAGE // row_bytes))) for rows in rows_per_head)
+    heads = len(rows_per_head)
+    offsets = [(rows * heads + h) * row_bytes // PAGE for h, rows in enumerate(rows_per_head)]
+    return len(np.unique(np.concatenate(offsets))) if offsets else 0

@@ -17,7 +17,11 @@ by the methods (:func:`~fathom.integrations.prefill.prefill`). Per
 of ``c ×`` that head's mean rows per step. Reported per method and context:
 each head's hit rate (mean over steps), then the mean and the 10th percentile
 over heads, and the fraction of the selected rows' bytes that still cross the
-link (all misses / all selected rows).
+link (all misses / all selected rows). And how well the rows that cross share
+4 KiB host pages (a random gather over the link is paid per page,
+:mod:`bench.row_cache`): rows per page touched, per (layer, session) step,
+for all selected rows and for each LRU's misses, in the host cache's layout
+(``stream-major``) and with a token's KV heads side by side (``token-major``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from bench import cli, corpora, decoding, fetch, models
 from bench.cli import UsageError
 from bench.decoding import MethodSpec
 from bench.report import RESULTS, context_label, markdown_table, write_json
-from bench.row_cache import lru_hits, previous_step_reuse
+from bench.row_cache import LAYOUTS, lru_misses, pages_touched, previous_step_reuse
 from fathom import methods
 from fathom.selection import Selection
 
@@ -69,10 +73,24 @@ class RowRecorder:
             self.bar.update()
 
 
-def reuse_summary(rows: dict[tuple[int, int, int], list[np.ndarray]], capacities: list[int]) -> dict:
+def rows_per_page(steps: dict[tuple[int, int, int], list[np.ndarray]], row_bytes: int) -> dict[str, float]:
+    """Per layout: the rows of ``steps`` (per (layer, session, KV head), the rows each step t = 1.. fetches over
+    the link) over the 4 KiB pages they touch, each (layer, session) step's pages counted once (one gather)."""
+    groups: dict[tuple[int, int], list[list[np.ndarray]]] = {}
+    for (layer, session, _), per_step in sorted(steps.items()):
+        groups.setdefault((layer, session), []).append(per_step[1:])
+    rows = sum(len(r) for heads in groups.values() for per_step in heads for r in per_step)
+    pages = {layout: sum(pages_touched(list(step), row_bytes, layout)
+                         for heads in groups.values() for step in zip(*heads)) for layout in LAYOUTS}
+    return {layout: rows / pages[layout] if pages[layout] else float("nan") for layout in LAYOUTS}
+
+
+def reuse_summary(rows: dict[tuple[int, int, int], list[np.ndarray]], capacities: list[int],
+                  row_bytes: int) -> dict:
     """Previous-step reuse and LRU hit rates of every (layer, session, KV head)'s row sets: per policy the mean
     over heads of each head's mean over steps, its 10th percentile and minimum over heads, the per-layer means,
-    the mean over heads at each step and the fraction of selected rows that miss (the link's share)."""
+    the mean over heads at each step and the fraction of selected rows that miss (the link's share); for all
+    selected rows and each LRU's misses, :func:`rows_per_page` (``row_bytes``: a token's K and V of one head)."""
     heads = sorted(rows)
     selected = np.array([[len(r) for r in rows[h][1:]] for h in heads])  # [heads, T - 1]
     mean_rows = np.array([np.mean([len(r) for r in rows[h]]) for h in heads])
@@ -90,10 +108,13 @@ def reuse_summary(rows: dict[tuple[int, int, int], list[np.ndarray]], capacities
     lru = []
     for c in capacities:
         sizes = np.maximum(1, np.rint(c * mean_rows)).astype(int)
-        hits = np.array([lru_hits(rows[h], int(size)) for h, size in zip(heads, sizes)])
-        lru.append({"capacity": c, "rows_held_mean": float(sizes.mean()), **policy(hits)})
+        misses = {h: lru_misses(rows[h], int(size)) for h, size in zip(heads, sizes)}
+        hits = selected - np.array([[len(m) for m in misses[h][1:]] for h in heads])
+        lru.append({"capacity": c, "rows_held_mean": float(sizes.mean()), **policy(hits),
+                    "miss_rows_per_page": rows_per_page(misses, row_bytes)})
     return {"heads": len(heads), "steps": selected.shape[1] + 1, "mean_rows": float(mean_rows.mean()),
-            "previous_step": policy(np.nan_to_num(previous)), "lru": lru}
+            "previous_step": policy(np.nan_to_num(previous)), "lru": lru,
+            "row_bytes": row_bytes, "selected_rows_per_page": rows_per_page(rows, row_bytes)}
 
 
 def generate_rows(model, prompt, ids: np.ndarray, spec: MethodSpec, new_tokens: int, k: int | None,
@@ -217,7 +238,8 @@ def run(args: argparse.Namespace) -> Path:
                     rows, generated, k = generate_rows(model, prompt, ids, spec, args.new_tokens, args.k,
                                                        calibration, args.no_repeat_ngram, bar)
                     runs.append({"model": name, "context": context, "prompt_tokens": len(ids),
-                                 "method": spec.label, "k": k, **reuse_summary(rows, args.capacities),
+                                 "method": spec.label, "k": k,
+                                 **reuse_summary(rows, args.capacities, 4 * models.info(name).head_dim),
                                  "decode_s": round(time.perf_counter() - began, 1),
                                  "generated": tokenizer.decode(generated)})
     name = args.name or (f"rowreuse-{'-'.join(args.models)}-{'-'.join(context_label(c) for c in args.contexts)}"
@@ -245,19 +267,30 @@ def _write_table(path: Path, runs: list[dict], capacities: list[int], title: str
     for r in runs:
         row = {"model": r["model"], "context": context_label(r["context"]), "method": r["method"], "k": r["k"],
                "rows": r["mean_rows"], "previous": _hit(r["previous_step"])}
+        row["pages"] = _per_page(r["selected_rows_per_page"])
         for c in r["lru"]:
             row[f"lru{c['capacity']}"] = _hit(c)
             row[f"link{c['capacity']}"] = c["link_fraction"]
+            row[f"pages{c['capacity']}"] = _per_page(c["miss_rows_per_page"])
         rows.append(row)
     columns = [("model", "model", "s"), ("context", "context", "s"), ("method", "method", "s"), ("k", "k", "d"),
                ("rows", "rows / step", ".0f"), ("previous", "previous step: mean (p10)", "s"),
                *[(f"lru{c}", f"LRU {c}×: mean (p10)", "s") for c in capacities],
-               *[(f"link{c}", f"link {c}×", ".3f") for c in capacities]]
+               *[(f"link{c}", f"link {c}×", ".3f") for c in capacities],
+               ("pages", "rows / page: selected", "s"), *[(f"pages{c}", f"rows / page: LRU {c}× misses", "s")
+                                                          for c in capacities]]
     lines = [f"Row reuse on generated tokens — {title}. Made by `{command}`.", "",
              "Hit rate per (layer, KV head): hits / selected rows, mean over steps; the table gives its mean and "
              "10th percentile over heads. LRU c×: c times the head's mean rows per step. link: misses / selected "
-             "rows, what still crosses the link.", "", markdown_table(rows, columns), ""]
+             "rows, what still crosses the link. rows / page: the rows a (layer, session) step fetches over the "
+             "4 KiB host pages they lie on, in the host cache's layout (each KV head's rows contiguous) / with a "
+             "token's KV heads side by side (a random gather over the link is paid per page: with 8 rows of 512 B a "
+             "page it reads at the link's rate, with one a page over 8 GB at a third of it).", "", markdown_table(rows, columns), ""]
     path.write_text("\n".join(lines))
+
+
+def _per_page(by_layout: dict) -> str:
+    return " / ".join(f"{by_layout[layout]:.2f}" for layout in LAYOUTS)
 
 
 def _hit(policy: dict) -> str:

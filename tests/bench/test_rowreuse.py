@@ -10,7 +10,7 @@ import pytest
 
 from bench import corpora, models, rowreuse
 from bench.__main__ import main
-from bench.row_cache import lru_hits, previous_step_reuse
+from bench.row_cache import lru_hits, lru_misses, pages_touched, previous_step_reuse
 from fathom.selection import Selection
 from tests.cli import refused
 
@@ -38,6 +38,38 @@ def test_lru_by_hand_at_three_sizes():
         lru_hits(STEPS, 0)
 
 
+def test_lru_misses_by_hand_are_each_steps_rows_less_its_hits():
+    # capacity 3 as above: step 0 misses all; then 4; then 1 and 5 (4 held); then nothing (5 held)
+    assert [m.tolist() for m in lru_misses(STEPS, 3)] == [[1, 2, 3], [4], [1, 5], []]
+    assert [m.tolist() for m in lru_misses(STEPS, 2)] == [[1, 2, 3], [4], [1, 5], []]
+    # capacity 1 keeps [3], then [4] (its hit 3 goes first), then [5]
+    assert [m.tolist() for m in lru_misses(STEPS, 1)] == [[1, 2, 3], [2, 4], [1, 5], []]
+
+
+def test_pages_touched_by_hand_in_both_layouts():
+    # d = 64: a token's K and V of one head are 256 B, 16 of them a 4 KiB page
+    rows = [np.array([0, 15, 16, 40]), np.array([15, 16]), np.array([], np.int64)]
+    # stream-major: head 0 pages 0, 1, 2 (rows 0-15, 16-31, 32-47); head 1 pages 0, 1 of its own
+    assert pages_touched(rows, 256, "stream-major") == 5
+    # token-major, 3 heads: token t of head h at (3t + h)·256 B -> page (3t + h) // 16:
+    # head 0: 0, 45 // 16 = 2, 48 // 16 = 3, 120 // 16 = 7; head 1: 46 // 16 = 2, 49 // 16 = 3
+    assert pages_touched(rows, 256, "token-major") == 4
+    with pytest.raises(ValueError, match="layout"):
+        pages_touched(rows, 256, "head-major")
+    with pytest.raises(ValueError, match="row_bytes"):
+        pages_touched(rows, 384, "token-major")
+
+
+def test_rows_per_page_counts_one_gather_per_layer_session_and_step():
+    # two KV heads of layer 0 fetch the same token at step 1 (step 0, the cold one, is left out)
+    steps = {(0, 0, 0): [np.array([0]), np.array([5])], (0, 0, 1): [np.array([0]), np.array([5])],
+             (1, 0, 0): [np.array([0]), np.array([1, 2, 3, 200])]}
+    per_page = rowreuse.rows_per_page(steps, 512)  # 8 rows a page
+    # stream-major: layer 0's two rows on two pages, layer 1's four on two (0-7 and 200 // 8): 6 rows / 4 pages;
+    # token-major: layer 0's two rows share page (5·2 + h)·512 // 4096 = 1; layer 1 (one head) the same two pages
+    assert per_page == {"stream-major": 6 / 4, "token-major": 6 / 3}
+
+
 def test_lru_evicts_the_least_recently_used_not_the_oldest_inserted():
     steps = [np.array([1]), np.array([2]), np.array([1]), np.array([3]), np.array([1]), np.array([2])]
     # capacity 2: 1 refreshed at step 2, so 3 evicts 2, not 1
@@ -47,12 +79,15 @@ def test_lru_evicts_the_least_recently_used_not_the_oldest_inserted():
 def test_the_summary_averages_each_head_over_steps_then_over_heads():
     rows = {(0, 0, 0): [np.array([1, 2]), np.array([1, 2]), np.array([1, 2])],  # reuses everything
             (1, 0, 0): [np.array([1, 2]), np.array([3, 4]), np.array([5, 6])]}  # nothing
-    summary = rowreuse.reuse_summary(rows, [1, 4])
+    summary = rowreuse.reuse_summary(rows, [1, 4], 512)
     assert summary["heads"] == 2 and summary["steps"] == 3 and summary["mean_rows"] == 2
     for policy in (summary["previous_step"], *summary["lru"]):
         assert policy["hit_mean"] == 0.5 and policy["hit_min_heads"] == 0.0 and policy["link_fraction"] == 0.5
         assert policy["per_layer"] == [1.0, 0.0] and policy["per_step"] == [0.5, 0.5]
     assert [c["rows_held_mean"] for c in summary["lru"]] == [2, 8]
+    # rows 1, 2 share a page (8 rows of 512 B a page), rows 3-6 another; one head a layer: both layouts alike
+    assert summary["selected_rows_per_page"] == {"stream-major": 2.0, "token-major": 2.0}
+    assert summary["lru"][0]["miss_rows_per_page"] == {"stream-major": 2.0, "token-major": 2.0}  # layer 1's misses
 
 
 def test_a_step_records_its_fetched_rows_without_sink_local_and_tail():
@@ -118,5 +153,6 @@ def test_a_tiny_run_end_to_end(monkeypatch, tmp_path, capsys):
         hits = [c["hit_mean"] for c in r["lru"]]
         assert all(0 <= h <= 1 for h in hits) and hits == sorted(hits)  # LRU: more room never hits less
         assert len(r["lru"][0]["per_step"]) == 5
+        assert r["row_bytes"] == 4 * 16 and all(v >= 1 for v in r["selected_rows_per_page"].values())
     assert "| tiny | 640 | fathom@24 | 16 |" in (tmp_path / f"{stem}.md").read_text()
     assert f"wrote {tmp_path / stem}.json" in capsys.readouterr().out
