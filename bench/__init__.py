@@ -29,6 +29,8 @@ module                what it holds or does
                       synthetic keys (``bench/data/``)
 ``pinned_probe``      ``python -m bench.pinned_probe``: pinned host memory measured, ``cuMemHostAlloc`` against
                       a registered anonymous map (what ``fathom.host.pinned`` chose rests on it)
+``gather_probe``      ``python -m bench.gather_probe``: a GPU's gather of K/V rows from pinned host memory, by
+                      where the rows lie (the step's row gather is paid per host page touched)
 ``plane_probe``       ``python -m bench.plane_probe``: reconstruction and depth-allocation variants of the raw
                       store measured on a capture (centroids, histogram gains; research for issue 15)
 ``tier_split``        ``python -m bench.tier_split``: the share of each method's scan bits a t-plane HBM tier
