@@ -17,7 +17,7 @@ Both give one fraction per step from the second on: the first step finds the
 cache cold and has no previous step.
 
 What the misses cost depends on where they lie in pinned host memory: a GPU
-gathering 512-byte rows at random from 8 GB of it reads 17 GB/s, and 49 GB/s
+gathering 512-byte rows at random from 8 GiB of it reads 17 GB/s, and 49 GB/s
 (the link's rate) when every 4 KiB page it touches gives it 8 rows (an H200
 probe, ``docs/results.md``). :func:`pages_touched` counts the 4 KiB pages one
 layer's gather of one session touches, in the host cache's layout (each KV

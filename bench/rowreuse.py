@@ -285,7 +285,7 @@ def _write_table(path: Path, runs: list[dict], capacities: list[int], title: str
              "rows, what still crosses the link. rows / page: the rows a (layer, session) step fetches over the "
              "4 KiB host pages they lie on, in the host cache's layout (each KV head's rows contiguous) / with a "
              "token's KV heads side by side (a random gather over the link is paid per page: with 8 rows of 512 B a "
-             "page it reads at the link's rate, with one a page over 8 GB at a third of it).", "",
+             "page it reads at the link's rate, with one a page over 8 GiB at a third of it).", "",
              markdown_table(rows, columns), ""]
     path.write_text("\n".join(lines))
 
