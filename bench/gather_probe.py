@@ -1,7 +1,8 @@
 """A GPU's gather of K/V rows from pinned, device-mapped host memory, measured by where the rows lie: at random over
 growing footprints, in runs of consecutive rows, and at random within a few random 4 KiB pages or 2 MiB regions;
-beside it a long read. The decode step's row gather is such a gather (``fathom.cuda.attention``), and this is what
-sets its rate (docs/results.md: it is paid per host page touched).
+then small gathers the size of a decode step's one layer; beside them a long read. The decode step's row gather
+(``fathom.cuda.attention``) is such a gather: what it pays per host page touched is measured here
+(docs/results.md).
 
 ``python -m bench.gather_probe [--gib 8] [--row-bytes 512] [--rows 131072] [--out bench/results/gather-probe.json]``
 (needs a GPU). The memory is fathom's own (:class:`fathom.host.pinned.MappedBuffer`); the gather is torch's
@@ -20,6 +21,8 @@ from bench.report import command_line, markdown_table
 GIB = 1 << 30
 PAGE, REGION = 4096, 2 << 20
 REPS = 10
+SMALL_GATHERS = (1024, 4096, 16384)  # rows: a decode step's gather of one layer is a few thousand
+LAYER_BYTES = 512 << 20  # one layer's K/V rows at 128k × 8 KV heads × 512 B
 DEVICE = "cuda"  # where the row ids are drawn (the tests draw them on the CPU, under the CUDA simulator)
 
 
@@ -44,6 +47,8 @@ def describe(pattern: str, parameter: int, row_bytes: int) -> str:
         return f"in runs of {parameter} consecutive rows, at random"
     if pattern == "long read":
         return f"a long read (a sum) of {parameter / GIB:g} GiB"
+    if pattern == "small":
+        return f"a small gather: {parameter:,} rows at random"
     return f"at random within {parameter:,} random {'4 KiB pages' if pattern == 'pages' else '2 MiB regions'}"
 
 
@@ -116,6 +121,14 @@ def main(argv=None) -> None:
             index = row_index(pattern, parameter, total_rows, args.row_bytes, args.rows, generator, DEVICE)
             rate = gb_per_s(lambda: torch.index_select(rows, 0, index), index.numel() * args.row_bytes)
             results.append({"pattern": pattern, "parameter": parameter, "footprint_bytes": footprint * args.row_bytes,
+                            "GB_per_s": rate})
+            print(json.dumps(results[-1]), flush=True)
+        # a decode step's gather is small: ~3,000 rows a layer at 128k × 1, from that layer's 512 MiB of rows
+        layer_rows = min(total_rows, LAYER_BYTES // args.row_bytes)
+        for count in SMALL_GATHERS:
+            index = row_index("random", layer_rows, total_rows, args.row_bytes, count, generator, DEVICE)
+            rate = gb_per_s(lambda: torch.index_select(rows, 0, index), count * args.row_bytes)
+            results.append({"pattern": "small", "parameter": count, "footprint_bytes": layer_rows * args.row_bytes,
                             "GB_per_s": rate})
             print(json.dumps(results[-1]), flush=True)
         spans = {min(total_rows, GIB // 4 // args.row_bytes), min(total_rows, 2 * GIB // args.row_bytes)}

@@ -102,11 +102,13 @@ def test_a_run_end_to_end_under_the_simulator(tmp_path, monkeypatch):
     assert result["command"] == f"python -m bench.gather_probe --gib 8 --rows 1024 --out {out}"
     kinds = [(r["pattern"], r["parameter"]) for r in result["results"]]
     assert kinds == [("random", 512), ("random", 4096), ("random", 16384), ("runs", 2), ("runs", 8), ("runs", 32),
-                     ("runs", 128), ("pages", 512), ("long read", 1 << 18), ("long read", 1 << 21)]
+                     ("runs", 128), ("pages", 512), ("small", 1024), ("small", 4096), ("small", 16384),
+                     ("long read", 1 << 18), ("long read", 1 << 21)]
     gathered = {"random": 1024 * 512, "runs": 1024 * 512, "pages": 1024 * 512}
     for r in result["results"]:
-        moved = gathered.get(r["pattern"], r["parameter"])
+        moved = gathered.get(r["pattern"], r["parameter"] * (512 if r["pattern"] == "small" else 1))
         assert r["GB_per_s"] == pytest.approx((10 if r["pattern"] != "long read" else 3) * moved / 1e-3 / 1e9)
     table = out.with_suffix(".md").read_text()
     assert "| in runs of 8 consecutive rows, at random | 8.000 |" in table
     assert "| a long read (a sum) of 2 GiB | 2.000 |" in table
+    assert "| a small gather: 4,096 rows at random | 8.000 |" in table  # a "layer" of 512 MiB > the 8 "GiB" held
