@@ -123,11 +123,14 @@ def main(argv=None) -> None:
             results.append({"pattern": pattern, "parameter": parameter, "footprint_bytes": footprint * args.row_bytes,
                             "GB_per_s": rate})
             print(json.dumps(results[-1]), flush=True)
-        # a decode step's gather is small: ~3,000 rows a layer at 128k × 1, from that layer's 512 MiB of rows
+        # a decode step's gather is small: ~3,000 rows a layer at 128k × 1, from that layer's 512 MiB of rows; each
+        # repetition reads fresh rows of the next "layer" (512 MiB further on), as the step's layers follow each other
         layer_rows = min(total_rows, LAYER_BYTES // args.row_bytes)
+        layers = total_rows // layer_rows
         for count in SMALL_GATHERS:
-            index = row_index("random", layer_rows, total_rows, args.row_bytes, count, generator, DEVICE)
-            rate = gb_per_s(lambda: torch.index_select(rows, 0, index), count * args.row_bytes)
+            indices = iter([row_index("random", layer_rows, total_rows, args.row_bytes, count, generator, DEVICE)
+                            + (rep % layers) * layer_rows for rep in range(REPS + 2)])
+            rate = gb_per_s(lambda: torch.index_select(rows, 0, next(indices)), count * args.row_bytes)
             results.append({"pattern": "small", "parameter": count, "footprint_bytes": layer_rows * args.row_bytes,
                             "GB_per_s": rate})
             print(json.dumps(results[-1]), flush=True)

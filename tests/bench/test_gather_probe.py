@@ -88,6 +88,32 @@ class FakeEvent:
         return 1.0
 
 
+def test_each_small_gather_reads_fresh_rows_of_the_next_layer(tmp_path, monkeypatch):
+    """A small gather repeated on one index would find its translations cached: every repetition (2 untimed, 10
+    timed) draws new rows, 512 MiB further on, as a step's layers follow each other."""
+    monkeypatch.setattr(gather_probe, "GIB", 1 << 20)
+    monkeypatch.setattr(gather_probe, "LAYER_BYTES", 1 << 20)  # a "layer" of 1 MiB: 8 of them in the buffer
+    monkeypatch.setattr(gather_probe, "SMALL_GATHERS", (256,))
+    monkeypatch.setattr(gather_probe, "DEVICE", "cpu")
+    for name, value in (("is_available", lambda: True), ("synchronize", lambda: None),
+                        ("get_device_name", lambda: "fake GPU"), ("Event", FakeEvent)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    seen = []
+    select = torch.index_select
+
+    def recording(rows, dim, index):
+        seen.append(index.clone())
+        return select(rows, dim, index)
+
+    monkeypatch.setattr(torch, "index_select", recording)
+    gather_probe.main(["--gib", "8", "--rows", "1024", "--out", str(tmp_path / "probe.json")])
+    small = [index for index in seen if index.numel() == 256]
+    layer = (1 << 20) // 512
+    assert len(small) == 12 and [int(i.min()) // layer for i in small] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+    assert all(int(i.max()) // layer == rep % 8 for rep, i in enumerate(small))
+    assert not any(torch.equal(small[0], i) for i in small[1:])
+
+
 def test_a_run_end_to_end_under_the_simulator(tmp_path, monkeypatch):
     """Fathom's mapped buffer is host memory under the CUDA simulator, and the row ids are drawn on the CPU: the
     whole probe runs, a "GiB" of 1 MiB, each rate the bytes moved a millisecond."""
