@@ -47,6 +47,19 @@ def require_cuda(command: str) -> None:
         raise UsageError(f"python -m bench {command} needs a CUDA GPU (torch.cuda.is_available() is False)")
 
 
+def probe_ready(parser, out: Path) -> None:
+    """A standalone probe's (``python -m bench.<probe>``) last checks before it pins memory: ``--out`` writable and
+    a CUDA GPU present, either refused through its ``parser`` (``error: …``, exit 2)."""
+    try:
+        writable_file("--out", out)
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("needs a CUDA GPU (torch.cuda.is_available() is False)")
+    except UsageError as error:
+        parser.error(str(error))
+
+
 def writable_folder(name: str, folder: Path) -> Path:
     """Create ``folder`` if needed and prove it writable by writing and removing a probe file; an existing file
     there is refused as such."""

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.cli import UsageError, plain, writable_file
+from bench.cli import plain, probe_ready
 from bench.report import command_line, markdown_table
 
 GIB = 1 << 30
@@ -86,15 +86,10 @@ def main(argv=None) -> None:
     if not 128 <= args.rows <= args.gib * GIB // args.row_bytes:
         parser.error(f"--rows must lie in 128..{args.gib * GIB // args.row_bytes} (the rows --gib holds), "
                      f"got {args.rows}")
-    try:  # before the pinning: the files are the last thing written
-        writable_file("--out", args.out)
-    except UsageError as error:
-        parser.error(str(error))
+    probe_ready(parser, args.out)  # before the pinning: the files are the last thing written
     import numpy as np
     import torch
 
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
     from fathom.host.pinned import MappedBuffer
 
     total_rows = args.gib * GIB // args.row_bytes

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.cli import UsageError, plain, writable_file
+from bench.cli import plain, probe_ready
 from bench.report import command_line
 
 GIB = 1 << 30
@@ -30,14 +30,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.gib < 1:
         parser.error(f"--gib must be >= 1, got {args.gib}")
-    try:  # before the minutes of pinning: the JSON is the last thing written
-        writable_file("--out", args.out)
-    except UsageError as error:
-        parser.error(str(error))
+    probe_ready(parser, args.out)  # before the minutes of pinning: the JSON is the last thing written
     import torch
-
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
     from cuda.bindings import driver
     from numba import cuda
 
