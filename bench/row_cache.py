@@ -83,11 +83,15 @@ def lru_misses(steps: list[np.ndarray], capacity: int) -> list[np.ndarray]:
     return misses
 
 
+def step_hits(steps: list[np.ndarray], misses: list[np.ndarray]) -> np.ndarray:
+    """Each step's rows less its ``misses`` (:func:`lru_misses`), at steps t = 1.. (int64 ``[T − 1]``)."""
+    return np.array([len(rows) - len(missed) for rows, missed in zip(steps, misses)][1:], np.int64)
+
+
 def lru_hits(steps: list[np.ndarray], capacity: int) -> np.ndarray:
     """Hits of an LRU cache of ``capacity`` rows at each step t = 1.. (int64 ``[T − 1]``), the cache empty before
-    step 0: each step's rows less its :func:`lru_misses`."""
-    misses = lru_misses(steps, capacity)
-    return np.array([len(rows) - len(missed) for rows, missed in zip(steps, misses)][1:], np.int64)
+    step 0: :func:`step_hits` of its :func:`lru_misses`."""
+    return step_hits(steps, lru_misses(steps, capacity))
 
 
 def pages_touched(rows_per_head: list[np.ndarray], row_bytes: int, layout: str) -> int:

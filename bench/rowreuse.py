@@ -38,7 +38,7 @@ from bench import cli, corpora, decoding, fetch, models
 from bench.cli import UsageError
 from bench.decoding import MethodSpec
 from bench.report import RESULTS, context_label, markdown_table, write_json
-from bench.row_cache import LAYOUTS, lru_misses, pages_touched, previous_step_reuse
+from bench.row_cache import LAYOUTS, lru_misses, pages_touched, previous_step_reuse, step_hits
 from fathom import methods
 from fathom.selection import Selection
 
@@ -109,7 +109,7 @@ def reuse_summary(rows: dict[tuple[int, int, int], list[np.ndarray]], capacities
     for c in capacities:
         sizes = np.maximum(1, np.rint(c * mean_rows)).astype(int)
         misses = {h: lru_misses(rows[h], int(size)) for h, size in zip(heads, sizes)}
-        hits = selected - np.array([[len(m) for m in misses[h][1:]] for h in heads])
+        hits = np.array([step_hits(rows[h], misses[h]) for h in heads])
         lru.append({"capacity": c, "rows_held_mean": float(sizes.mean()), **policy(hits),
                     "miss_rows_per_page": rows_per_page(misses, row_bytes)})
     return {"heads": len(heads), "steps": selected.shape[1] + 1, "mean_rows": float(mean_rows.mean()),
