@@ -107,6 +107,12 @@ def main(argv=None) -> None:
         return reps * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
 
     results = []
+
+    def record(pattern: str, parameter: int, footprint_rows: int, rate: float) -> None:
+        results.append({"pattern": pattern, "parameter": parameter, "footprint_bytes": footprint_rows * args.row_bytes,
+                        "GB_per_s": rate})
+        print(json.dumps(results[-1]), flush=True)
+
     with MappedBuffer((total_rows, args.row_bytes // 4), np.int32) as buffer:
         rows = buffer.tensor()
         rows.fill_(1)
@@ -114,10 +120,8 @@ def main(argv=None) -> None:
         generator.manual_seed(0)
         for pattern, parameter, footprint in patterns(total_rows, args.row_bytes, args.rows):
             index = row_index(pattern, parameter, total_rows, args.row_bytes, args.rows, generator, DEVICE)
-            rate = gb_per_s(lambda: torch.index_select(rows, 0, index), index.numel() * args.row_bytes)
-            results.append({"pattern": pattern, "parameter": parameter, "footprint_bytes": footprint * args.row_bytes,
-                            "GB_per_s": rate})
-            print(json.dumps(results[-1]), flush=True)
+            record(pattern, parameter, footprint,
+                   gb_per_s(lambda: torch.index_select(rows, 0, index), index.numel() * args.row_bytes))
         # a decode step's gather is small: ~3,000 rows a layer at 128k × 1, from that layer's 512 MiB of rows; each
         # repetition reads fresh rows of the next "layer" (512 MiB further on), as the step's layers follow each other
         layer_rows = min(total_rows, LAYER_BYTES // args.row_bytes)
@@ -125,17 +129,13 @@ def main(argv=None) -> None:
         for count in SMALL_GATHERS:
             indices = iter([row_index("random", layer_rows, total_rows, args.row_bytes, count, generator, DEVICE)
                             + (rep % layers) * layer_rows for rep in range(REPS + 2)])
-            rate = gb_per_s(lambda: torch.index_select(rows, 0, next(indices)), count * args.row_bytes)
-            results.append({"pattern": "small", "parameter": count, "footprint_bytes": layer_rows * args.row_bytes,
-                            "GB_per_s": rate})
-            print(json.dumps(results[-1]), flush=True)
+            record("small", count, layer_rows,
+                   gb_per_s(lambda: torch.index_select(rows, 0, next(indices)), count * args.row_bytes))
         spans = {min(total_rows, GIB // 4 // args.row_bytes), min(total_rows, 2 * GIB // args.row_bytes)}
         for span_rows in sorted(spans):
             span = rows[:span_rows]
-            rate = gb_per_s(lambda: span.sum(dtype=torch.int64), span_rows * args.row_bytes, reps=3)
-            results.append({"pattern": "long read", "parameter": span_rows * args.row_bytes,
-                            "footprint_bytes": span_rows * args.row_bytes, "GB_per_s": rate})
-            print(json.dumps(results[-1]), flush=True)
+            record("long read", span_rows * args.row_bytes, span_rows,
+                   gb_per_s(lambda: span.sum(dtype=torch.int64), span_rows * args.row_bytes, reps=3))
     out = {"command": command_line(argv, "python -m bench.gather_probe"), "device": torch.cuda.get_device_name(),
            "gib": args.gib, "row_bytes": args.row_bytes, "rows": args.rows, "reps": REPS, "results": results}
     args.out.write_text(json.dumps(out, indent=1))
