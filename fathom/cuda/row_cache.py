@@ -2,18 +2,20 @@
 
 One CTA per stream, every size read on the device (no host sync, a grid fixed at construction):
 
-1. each listed row looks up its position's slot: a hit stamps the slot with the step; the misses are compacted
-   in row order;
-2. a 256-bin histogram of the slots' ages (``step - stamp``, capped; empty slots oldest), prefix-summed from the
-   oldest bin, gives the age at which the oldest slots not hit this step number as many as the misses;
+1. each listed row looks up its position's slot: a hit stamps the slot with the step; every row's source is its
+   slot or ``-1``, and the misses are compacted in row order;
+2. a 256-bin histogram of the slots' ages (``step - stamp``, capped; empty slots oldest; counted by runs of one
+   age, since the slots a step fills sit side by side), prefix-summed from the oldest bin, gives the age at which
+   the oldest slots not hit this step number as many as the misses;
 3. a pass over the slots in order ranks the victims (older than that age, or at it within the count) and the
    i-th victim takes the i-th miss: the position's old slot entry is cleared, the new one set, the row's source
-   written (``slot + slots``: the gather fills the slot);
-4. misses beyond the victims bypass the cache (source ``-1``).
+   written (``slot + slots``: the gather fills the slot); misses beyond the victims keep source ``-1`` and bypass
+   the cache.
 
 Each thread walks a contiguous run of the rows and of the slots, so a pass costs one block prefix sum (of per-run
 counts; the victims' two counts packed in one int64), not one per ``blockDim`` items: the kernel's latency is a
-fixed cost of every layer's step.
+fixed cost of every layer's step. A slab of up to :data:`AGE_SLOTS` slots keeps its ages in shared memory from
+pass 2, so pass 3 reads no slot twice from global memory.
 
 ``fathom.cuda.attention.gather_rows`` then reads each row from its source: the slab (a hit), or host memory (and
 writes the slab on a fill).
@@ -29,6 +31,7 @@ from fathom.row_cache import AGE_CAP, EMPTY
 
 MAX_THREADS = 1024
 CHUNK = 4  # items of a run per trip: their loads go before any store, so they are in flight together
+AGE_SLOTS = 32768  # slabs of up to this many slots keep their slots' ages in shared memory (a byte each: capped)
 
 
 @cuda.jit(device=True, inline=True)
@@ -38,11 +41,30 @@ def _age(old, stamped, step):
 
 
 @cuda.jit(device=True, inline=True)
+def _slot_age(age_of, kept, position, stamp, g, s, step):
+    """Slot ``s``'s age as pass 2 found it: from shared memory when the slots fit there, else read again."""
+    if kept:
+        return np.int32(age_of[s])
+    return _age(position[g, s], stamp[g, s], step)
+
+
+@cuda.jit(device=True, inline=True)
 def _run(t, nt, count):
     """Thread ``t``'s contiguous run ``[lo, hi)`` of ``count`` items: one prefix sum per pass, not one per
     ``nt`` items."""
     per = np.int32(np.uint32(np.uint32(count) + np.uint32(nt - 1)) // np.uint32(nt))  # a 32-bit division
     return np.int32(min(t * per, count)), np.int32(min((t + 1) * per, count))
+
+
+@cuda.jit(device=True, inline=True)
+def _add_run(hist, age, last, run):
+    """Run-length counting of the slots' ages: add the finished run of ``last`` when the age changes (slots filled
+    in one step sit side by side and share their age); returns (last, run). Hit slots (age 0) are not counted."""
+    if age == last:
+        return last, np.int32(run + 1)
+    if run and last >= 1:
+        cuda.atomic.add(hist, last, run)
+    return age, np.int32(1)
 
 
 @cuda.jit(cache=True)
@@ -59,7 +81,9 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
     step = np.int32(clock[g] + 1)
     counts = cuda.shared.array(MAX_THREADS, np.int64)
     hist = cuda.shared.array(RADIX, np.int32)
-    state = cuda.shared.array(3, np.int64)  # threshold age, victims taken at it, victims in all
+    state = cuda.shared.array(2, np.int64)  # threshold age, victims taken at it
+    age_of = cuda.shared.array(AGE_SLOTS, np.uint8)  # each slot's age, read once from global memory
+    kept = slots <= AGE_SLOTS
     got = cuda.local.array(CHUNK, np.int32)  # a trip's loaded slots / positions (registers: constant indices)
     held = cuda.local.array(CHUNK, np.int32)
     ages = cuda.local.array(CHUNK, np.int32)  # then the victims' new positions
@@ -67,7 +91,7 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
     while i < RADIX:
         hist[i] = 0
         i = np.int32(i + nt)
-    # 1. hits (stamped), and the misses compacted in row order
+    # 1. hits (stamped), each row's slot or EMPTY in its source; then the misses compacted in row order
     lo, hi = _run(t, nt, n)
     mine = np.int32(0)
     r = lo
@@ -78,37 +102,44 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
             if r + k < hi:
                 if got[k] >= 0:
                     stamp[g, got[k]] = step
-                    source[g, r + k] = got[k]
                 else:
                     mine += 1
+                source[g, r + k] = got[k]  # a miss's EMPTY stays unless it takes a victim below
         r = np.int32(r + CHUNK)
     counts[t] = mine
     offset, misses = exclusive_scan(counts, t, nt)  # syncs: the stamps are visible to every thread after it
     offset = np.int32(offset)
     misses = np.int32(misses)
     r = lo
-    while r < hi:
+    while r < hi:  # the thread's own sources, just written: one load a row, not two dependent ones
         for k in range(CHUNK):
-            got[k] = slot_of[g, row_index[g, min(np.int32(r + k), np.int32(hi - 1))]]
+            got[k] = source[g, min(np.int32(r + k), np.int32(hi - 1))]
         for k in range(CHUNK):
             if r + k < hi and got[k] < 0:
                 miss_rows[g, offset] = r + k
                 offset = np.int32(offset + 1)
         r = np.int32(r + CHUNK)
-    # 2. the ages of the slots not hit this step; the threshold age from the oldest down
-    s = t
-    while s < slots:
+    # 2. the ages of the slots not hit this step, counted by runs of one age; the threshold age from the oldest down
+    lo, hi = _run(t, nt, slots)
+    last = np.int32(-1)
+    run = np.int32(0)
+    s = lo
+    while s < hi:
         for k in range(CHUNK):
-            last = min(np.int32(s + k * nt), np.int32(slots - 1))
-            ages[k] = _age(position[g, last], stamp[g, last], step)
+            at = min(np.int32(s + k), np.int32(hi - 1))
+            ages[k] = _age(position[g, at], stamp[g, at], step)
         for k in range(CHUNK):
-            if s + k * nt < slots and ages[k] >= 1:
-                cuda.atomic.add(hist, ages[k], 1)
-        s = np.int32(s + CHUNK * nt)
+            if s + k < hi:
+                if kept:
+                    age_of[s + k] = ages[k]
+                last, run = _add_run(hist, ages[k], last, run)
+        s = np.int32(s + CHUNK)
+    if run and last >= 1:
+        cuda.atomic.add(hist, last, run)
     cuda.syncthreads()
-    lo, hi = _run(t, nt, RADIX)  # bins from the oldest (bin j: age AGE_CAP - j): the prefix counts older slots
+    blo, bhi = _run(t, nt, RADIX)  # bins from the oldest (bin j: age AGE_CAP - j): the prefix counts older slots
     mine = np.int32(0)
-    for j in range(lo, hi):
+    for j in range(blo, bhi):
         mine += hist[AGE_CAP - j]
     counts[t] = mine
     older, eligible = exclusive_scan(counts, t, nt)
@@ -116,32 +147,27 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
         if t == 0:
             state[0] = AGE_CAP + 1  # no victims
             state[1] = 0
-            state[2] = 0
     elif eligible < misses:
         if t == 0:
             state[0] = 0  # too few slots: every slot not hit is a victim, the rest of the misses bypass
             state[1] = 0
-            state[2] = eligible
     else:
-        for j in range(lo, hi):
+        for j in range(blo, bhi):
             age = AGE_CAP - j
             if age >= 1 and older < misses <= older + hist[age]:
                 state[0] = age
                 state[1] = misses - older
-                state[2] = misses
             older += hist[age]
     cuda.syncthreads()
     threshold = np.int32(state[0])
     at_threshold = np.int32(state[1])
-    victims = np.int32(state[2])
-    # 3. victims in slot order (older than the threshold, or at it within the count); the i-th takes the i-th miss
-    lo, hi = _run(t, nt, slots)
+    # 3. victims in slot order (older than the threshold, or at it within the count); the i-th takes the i-th miss.
+    #    The thread's run of slots is the one it aged in 2.
     mine = np.int64(0)
     s = lo
     while s < hi:
         for k in range(CHUNK):
-            last = min(np.int32(s + k), np.int32(hi - 1))
-            ages[k] = _age(position[g, last], stamp[g, last], step)
+            ages[k] = _slot_age(age_of, kept, position, stamp, g, min(np.int32(s + k), np.int32(hi - 1)), step)
         for k in range(CHUNK):
             if s + k < hi:
                 if ages[k] > threshold:
@@ -156,9 +182,7 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
     s = lo
     while s < hi:
         for k in range(CHUNK):
-            last = min(np.int32(s + k), np.int32(hi - 1))
-            held[k] = position[g, last]
-            ages[k] = _age(held[k], stamp[g, last], step)
+            ages[k] = _slot_age(age_of, kept, position, stamp, g, min(np.int32(s + k), np.int32(hi - 1)), step)
         for k in range(CHUNK):  # the miss each victim takes (-1: not a victim)
             is_older = s + k < hi and ages[k] > threshold
             is_equal = s + k < hi and threshold >= 1 and ages[k] == threshold
@@ -169,8 +193,9 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
                 older_before = np.int32(older_before + 1)
             elif is_equal:
                 equal_before = np.int32(equal_before + 1)
-        for k in range(CHUNK):  # the misses' rows, then their positions
+        for k in range(CHUNK):  # the victims' old positions and the misses' rows, then the misses' positions
             if got[k] >= 0:
+                held[k] = position[g, np.int32(s + k)]
                 got[k] = miss_rows[g, got[k]]
         for k in range(CHUNK):
             if got[k] >= 0:
@@ -186,10 +211,6 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
                 stamp[g, slot] = step
                 source[g, got[k]] = np.int32(slot + slots)
         s = np.int32(s + CHUNK)
-    i = np.int32(victims + t)
-    while i < misses:  # 4. the rest bypass the cache
-        source[g, miss_rows[g, i]] = EMPTY
-        i = np.int32(i + nt)
     if t == 0:
         clock[g] = step
         counters[g, 0] = n - misses

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from fathom.cuda.row_cache import assign_slots
+from fathom.cuda.row_cache import AGE_SLOTS, assign_slots
 from fathom.row_cache import RowCache
 from tests.test_row_cache import _past_the_age_cap, _steps
 
@@ -25,9 +25,15 @@ def test_assign_slots_runs_of_several_trips(seed, slots, rows):
     _check_against_reference(seed, 1, slots, rows, 32)
 
 
-def _check_against_reference(seed, streams, slots, rows, threads):
+def test_assign_slots_past_the_shared_ages_reads_them_again():
+    """A slab larger than :data:`AGE_SLOTS` keeps no ages in shared memory: pass 3 reads the slots again, and agrees
+    with the reference all the same."""
+    _check_against_reference(7, 1, AGE_SLOTS + 40, 40, 32, steps=3)
+
+
+def _check_against_reference(seed, streams, slots, rows, threads, steps=6):
     rng = np.random.default_rng(seed)
-    tokens, steps = 300, 6
+    tokens = 300
     ref = RowCache(streams, slots, tokens)
     lists = [_steps(rng, tokens, steps, rows) for _ in range(streams)]
     d = {name: cuda.to_device(getattr(ref, name)) for name in ("slot_of", "position", "stamp", "clock")}
