@@ -41,6 +41,16 @@ class Synthetic:
         z = self.torch.randn((sessions, KV_HEADS, m, HEAD_DIM), device=self.device, generator=self.gen)
         return mean[None, :, None] + std[None, :, None] * z
 
+    def appended(self, layer_order: list[int], sessions: int):
+        """One decode token's keys and values for the layers ``layer_order``, float32 ``[L, S, H, 1, d]`` each,
+        drawn afresh (one draw for every layer)."""
+        torch = self.torch
+        mean = torch.stack([self._pick("key_mean", layer) for layer in layer_order])[:, None, :, None]
+        std = torch.stack([self._pick("key_std", layer) for layer in layer_order])[:, None, :, None]
+        shape = (len(layer_order), sessions, KV_HEADS, 1, HEAD_DIM)
+        keys = mean + std * torch.randn(shape, device=self.device, generator=self.gen)
+        return keys, torch.randn(shape, device=self.device, generator=self.gen)
+
     def values(self, sessions: int, m: int):
         return self.torch.randn((sessions, KV_HEADS, m, HEAD_DIM), device=self.device, generator=self.gen)
 

@@ -19,8 +19,11 @@ correlation :data:`~bench.synthetic_decode.QUERY_CORRELATION`), so consecutive s
 real decode does.
 
 ``--row-cache-rows N`` gives every (session, layer, KV head) an HBM row cache of N rows (``fathom.row_cache``);
-each method then runs alone on it, from empty, warmed up for :data:`ROW_CACHE_WARMUP` tokens, and its records
-carry the hit rate of its timed tokens (from the GPU's counters) and the rows' bytes over the link. When pinned memory cannot hold every layer (``--host-gb``), the 36
+each method then runs alone on it, from empty, warmed up until :data:`ROW_CACHE_FULL` of its slots hold a row (at
+least :data:`ROW_CACHE_WARMUP` tokens, at most :data:`ROW_CACHE_WARMUP_MAX`: the hit rate of a cache that has not
+yet evicted is not its steady state's; a stream whose rows barely change may never fill its last slots), and its
+records carry the hit rate of its timed tokens (from the GPU's counters), the warm-up tokens, the fraction of slots
+filled by then and the rows' bytes over the link. Every token appends a key and value drawn afresh. When pinned memory cannot hold every layer (``--host-gb``), the 36
 layers are mapped onto fewer physical ones (layer ``l`` uses ``l % P``): the same bytes cross the link per token
 (each physical store is far larger than the GPU's L2), and each record says how many layers were physical.
 
@@ -47,7 +50,9 @@ from bench.timing_settings import (CONTEXTS, GROUP_SIZE, HEAD_DIM, KV_HEADS, LAY
 
 DEFAULT_STATS = Path(__file__).resolve().parent / "data" / "channel-stats-qwen2.5-coder-1.5b-4096-paul-graham.npz"
 HEAVY_MS = 1000.0  # methods whose token takes longer are timed with one repetition (dense, oracle at 1M)
-ROW_CACHE_WARMUP = 8  # untimed tokens per method and mode before a row cache's hit rate is counted
+ROW_CACHE_WARMUP = 8  # untimed tokens per method and mode before a row cache's hit rate is counted, at least
+ROW_CACHE_WARMUP_MAX = 512  # ... and at most, per method, while its row cache is not yet full:
+ROW_CACHE_FULL = 0.99  # the fraction of its slots holding a row
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,9 +197,16 @@ def run(args: argparse.Namespace) -> Path:
                     run_.cache.empty_row_cache()
                 for label in block:  # warm-up tokens of each (method, mode); slow methods get one timed token
                     for mode in args.modes:
-                        for _ in range(warmups):
+                        tokens = 0
+                        while tokens < warmups or cached and tokens < ROW_CACHE_WARMUP_MAX \
+                                and run_.cache.row_cache_filled() < ROW_CACHE_FULL:  # a row cache until full
+                            if tokens >= warmups:
+                                bar.total += 1
                             gpu, *_ = run_.token(label, mode, queued=True)
+                            tokens += 1
                             bar.update()
+                        if cached:
+                            run_.row_cache_warmup[label] += tokens
                         if gpu > HEAVY_MS and reps[label] > 1:
                             bar.total -= (reps[label] - 1) * len(args.modes)
                             reps[label] = 1
@@ -206,6 +218,7 @@ def run(args: argparse.Namespace) -> Path:
                                 run_.measure(label, mode)
                                 bar.update()
                 if cached:
+                    run_.row_cache_filled[block[0]] = run_.cache.row_cache_filled()
                     now_hits, now_lookups = run_.cache.row_cache_counts()
                     run_.row_hit_rate[block[0]] = (now_hits - hits) / max(now_lookups - lookups, 1)
                 for label in block:

@@ -88,10 +88,10 @@ class Run:
                     self.cache.append(layer, data.keys(layer, 1, m), data.values(1, m), sessions=[s])
         torch.cuda.synchronize()
         self.fill_s = time.perf_counter() - started
+        self.data = data
         self.walk = data.query_walk(self.layer_order, setting.sessions)
         self.q = self.walk.step()
-        self.k_new = torch.stack([data.keys(layer, setting.sessions, 1) for layer in self.layer_order])
-        self.v_new = torch.stack([data.values(setting.sessions, 1) for _ in self.layer_order])
+        self.k_new, self.v_new = self.new_token()
         table = method_table()
         sel = Selection(k=setting.k)
         self.decoders, self.graphs = {}, {}
@@ -104,7 +104,14 @@ class Run:
                         for label in labels for mode in args.modes}
         self.nbytes: dict[str, dict] = {}  # per method: what one eager token read (:meth:`read_bytes`)
         self.row_hit_rate: dict[str, float | None] = dict.fromkeys(labels)
+        self.row_cache_warmup = dict.fromkeys(labels, 0)  # untimed tokens before the hit rate was counted
+        self.row_cache_filled: dict[str, float | None] = dict.fromkeys(labels)  # slots holding a row by then
         self.kernels_us: dict[str, dict[str, float]] = {}  # per method, with --kernels (:meth:`kernel_profile`)
+
+    def new_token(self):
+        """The next token's keys and values to append, float32 ``[L, S, H, 1, d]``, drawn afresh every token: a key
+        appended unchanged would fill whole sealed blocks with one score, unlike a decode's keys."""
+        return self.data.appended(self.layer_order, self.setting.sessions)
 
     def eager_token(self, decoder, events=None) -> None:
         """Append + step of every layer, eagerly; with ``events``, a pair of events around each stage."""
@@ -129,6 +136,7 @@ class Run:
         events = [] if (queued and mode == "eager") else None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.q = self.walk.step()
+        self.k_new, self.v_new = self.new_token()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         if queued:
@@ -219,6 +227,8 @@ def records(run: Run, labels: list[str], link_gbps: float, hbm_gbps: float, args
                         "scan_bytes": scan, "row_bytes": rows, "row_link_bytes": read["row_link"],
                         "link_bytes": link_bytes, "row_cache_rows": run.cache.shape.row_cache_rows,
                         "row_hit_rate": run.row_hit_rate[label],
+                        "row_cache_warmup": run.row_cache_warmup[label] if run.cache.shape.row_cache_rows else None,
+                        "row_cache_filled": run.row_cache_filled[label],
                         "hbm_planes": run.cache.shape.layout.hbm_planes,
                         "host_plane_fraction": scan_link / scan if scan else None,
                         "hbm_gb": run.cache.hbm_bytes / 1e9, "pinned_gb": run.cache.pinned_bytes / 1e9,

@@ -353,6 +353,15 @@ class HostKVCache:
         counts = sum(self.layers[i].rows.counters[:, 1:].sum(dim=0) for i in layers).tolist()
         return int(counts[0]), int(counts[1])
 
+    def row_cache_filled(self) -> float:
+        """The fraction of the row caches' slots (every layer's) that hold a row: 1.0 once every slot has been
+        filled (a full cache stays full: a miss then evicts); 0.0 without a row cache. One sync."""
+        self.check()
+        if not self.shape.row_cache_rows:
+            return 0.0
+        held = sum(int((layer.rows.position >= 0).sum()) for layer in self.layers)
+        return held / (self.shape.layers * self.shape.streams * self.shape.row_cache_rows)
+
     def most_held(self) -> int:
         """Tokens of the fullest session of any layer (the host's mirror: no sync)."""
         self.check()

@@ -34,3 +34,18 @@ def test_consecutive_queries_reselect_rows_as_a_real_decode_does():
                 before[h] = rows
     assert 0.59 <= np.mean(previous_step) <= 0.71  # 0.65
     assert 0.82 <= np.mean(lru) <= 0.93  # 0.86
+
+
+def test_each_appended_token_is_drawn_afresh_from_its_layers_statistics():
+    """bench timing appends a new key every token (one key appended unchanged would seal blocks of one score):
+    two draws differ, and the keys of a layer follow that layer's channel statistics."""
+    data = Synthetic(channel_stats.load(DEFAULT_STATS), device="cpu")
+    layers = [3, 20]
+    keys, values = data.appended(layers, 2)
+    again, _ = data.appended(layers, 2)
+    assert keys.shape == values.shape == (2, 2, KV_HEADS, 1, 128) and not torch.equal(keys, again)
+    many = torch.cat([data.appended(layers, 64)[0] for _ in range(16)], dim=3)  # [L, 64, H, 16, d]
+    for i, layer in enumerate(layers):
+        drawn = many[i].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, 128)
+        mean, std = data._pick("key_mean", layer), data._pick("key_std", layer)  # [H, d]
+        assert torch.allclose(drawn.mean(dim=1), mean, atol=float(4 * std.max() / 32))  # 1,024 draws: 4 std errors

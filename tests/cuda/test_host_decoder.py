@@ -498,7 +498,7 @@ def test_the_row_cache_serves_the_listed_rows():
     k_new, v_new, *_ = _setup(shape, seed=12, n=200)
     with HostKVCache(shape) as cache:
         decoder = _decoder(cache, methods.fathom(12.0), data)
-        assert decoder.row_cached
+        assert decoder.row_cached and cache.row_cache_filled() == 0.0
 
         def step(q_step):
             decoder.run(LAYER, torch.from_numpy(q_step.astype(np.float32)).to(DEVICE))
@@ -506,6 +506,8 @@ def test_the_row_cache_serves_the_listed_rows():
 
         _append(cache, k, v, 0, 130)
         step(q + 0.3 * np.random.default_rng(3).standard_normal(q.shape))
+        held = sum(int((layer.rows.position >= 0).sum()) for layer in cache.layers)
+        assert cache.row_cache_filled() == held / (shape.layers * shape.streams * 20) > 0
         step(q)
         hits, lookups = cache.row_cache_counts(LAYER)
         step(q)  # the same rows again: hits
