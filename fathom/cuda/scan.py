@@ -5,10 +5,11 @@ order, with FMAs) that also counts the top byte of every candidate's score for t
 (``fathom.cuda.topk``), so the selection reads the scores once.
 
 One CUDA block (CTA) per (stream, part of a segment), launched stream-fastest so that CTAs start segment by
-segment: the sessions' last segments, part-filled or empty (their CTAs return at once), start last. Launched
-segment-fastest, 8 streams of 17 segments (128k tokens and one sealed block past them) are 136 CTAs of a whole
-SM each on the H200's 132: the four left over were full segments, a second wave of a whole CTA (measured: 2.1 →
-3.5 ms of scan a token, 36 layers). It reads, for every channel ``c`` the depths read (to
+segment and the sessions' last segments start last; the warps of a part-filled segment's CTA that hold no sealed
+block skip the scoring, so that CTA is short. A CTA of 32 warps fills an SM: 8 streams of 128k tokens and a few
+sealed blocks past them are 8 × 17 CTAs on the H200's 132 SMs, and the scan took 3.3–3.5 ms a token (36 layers)
+against 2.1 at 128k exactly (measured), when every CTA, part-filled or not, scored a whole segment and the four left
+over for a second wave were full segments. It reads, for every channel ``c`` the depths read (to
 depth ``b_c``), the channel's run ``[scales | planes 0 .. b_c-1]`` (``fathom.layout``) in chunks of whole runs
 through shared memory, the next chunk's loads in flight (held in registers) while the current one is scored. The
 store is tiered by plane (``t = layout.hbm_planes``): each word is loaded from the tier holding it — scales and
@@ -228,11 +229,13 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                             valid, cap, scale_words, near_record_words, far_record_words, hbm_planes,
                             part_scale_words, t, held_words, threads, per_cta)
             lo = chunk_first[x]
-            hi = chunk_first[x + 1]
+            hi = chunk_first[x + 1] if first_b < valid else lo
             # channel by channel, each of this warp's blocks: what depends on the channel alone (its slot, depth,
             # queries) is read once for the warp's blocks; each token's sum still runs over the channels in order.
-            # A warp's blocks past ``valid`` (the last CTA of a stream) are scored as well, from the zero words the
-            # chunk holds there, and never written: no per-block branch in the loop.
+            # A warp whose blocks all lie past ``valid`` (a session's last, part-filled segment) scores nothing (a
+            # branch uniform in the warp, with no barrier inside), so such a CTA costs its sealed blocks, not a whole
+            # segment's; a warp's blocks past ``valid`` beside sealed ones are scored from the zero words the chunk
+            # holds there, and never written: no per-block branch in the loop.
             for i in range(lo, hi):
                 slot = np.uint32(start[i] - start[lo])
                 t_read = np.uint32(depth[i])

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from fathom.cuda.interop import SIMULATED
-from fathom.cuda.scan import scan_planes
+from fathom.cuda.scan import launch_shape, scan_planes
 from fathom.layout import StoreLayout
 from fathom.scoring import approx_scores
 from fathom.store import PlaneStore
@@ -61,6 +61,25 @@ def test_scan_matches_reference(hbm_planes, seed, sessions, kv_heads, heads, d, 
         assert np.isnan(got[g, :, n_sealed:]).all()  # nothing written past the sealed tokens
         candidates = got[g, :, sink:max(min(n_sealed, n - local), sink)]
         np.testing.assert_array_equal(hist[g], top_byte_histogram(candidates))
+
+
+def test_a_part_filled_segments_idle_warps_leave_its_sealed_blocks_scored_as_the_reference():
+    """Two warps of 2 blocks a CTA (G = 8, 4-block segments): sessions whose last segment holds 1, 2 and 3 sealed
+    blocks, so its second warp holds none (it skips the scoring) or one beside an unsealed one."""
+    rng = np.random.default_rng(5)
+    max_tokens, kv_heads, heads, d, cap, sink, local = 512, 1, 8, 8, 4, 2, 16
+    assert launch_shape(heads, cap, 32) == (2, 2)
+    tokens = np.array([5 * 64 + 7, 6 * 64, 7 * 64 + 63], np.int32)  # 5, 6, 7 sealed blocks
+    stores = _store(rng, tokens, kv_heads, d, cap)
+    depths = rng.integers(1, 5, (len(tokens), d)).astype(np.int8)
+    q = rng.standard_normal((len(tokens), heads, d)).astype(np.float32)
+    got, hist = _scan(q, depths, tokens, kv_heads, stores, cap, 2, sink, local, 32, max_tokens)
+    for g, store in enumerate(stores):
+        n, n_sealed = int(tokens[g]), store.n_sealed
+        want = approx_scores(q[g], store.planes(), store.scales(), depths[g])
+        np.testing.assert_allclose(got[g, :, :n_sealed], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(initial=1))
+        assert np.isnan(got[g, :, n_sealed:]).all()
+        np.testing.assert_array_equal(hist[g], top_byte_histogram(got[g, :, sink:min(n_sealed, n - local)]))
 
 
 def test_every_tier_scans_exactly_as_the_host_store():
