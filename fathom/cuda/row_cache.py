@@ -16,9 +16,9 @@ Each thread walks a contiguous run of the rows and of the slots, so a pass costs
 counts; the victims' two counts packed in one int64), not one per ``blockDim`` items: the kernel's latency is a
 fixed cost of every layer's step. A run read from global memory is uncoalesced (a warp's lanes read 32 runs
 apart), so a slab of up to :data:`AGE_SLOTS` slots first reads its ages coalesced into shared memory, a byte a slot,
-and the passes over runs read them there (measured on the H200 at 128k × 1: 828 µs a token at 8,192 slots with
-every pass over runs in global memory, 732 with only pass 2's, and it grew with the slots: 1,062 at 16,384,
-2,050 at 32,768).
+and the passes over runs read them there (measured on the H200 at 128k × 1, the cache at steady state, µs a token
+at 8,192 / 16,384 / 32,768 slots: 789 / 1,060 / 1,573; with the histogram's pass over runs read from global memory,
+756 / 1,136 / 2,346; before either, every pass over slots in global memory, 828 at 8,192).
 
 ``fathom.cuda.attention.gather_rows`` then reads each row from its source: the slab (a hit), or host memory (and
 writes the slab on a fill).
