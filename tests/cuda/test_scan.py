@@ -43,9 +43,10 @@ def _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, war
 @pytest.mark.parametrize("hbm_planes", range(5))
 @settings(max_examples=2, deadline=None)
 @given(seed=st.integers(0, 2**31), sessions=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]),
-       heads=st.sampled_from([1, 3]), d=st.sampled_from([8, 12]), cap=st.sampled_from([1, 2, 4]),
+       heads=st.sampled_from([1, 3, 8]), d=st.sampled_from([8, 12]), cap=st.sampled_from([1, 2, 4]),
        warps=st.sampled_from([1, 2]), sink=st.integers(0, 4), local=st.integers(0, 40))
 def test_scan_matches_reference(hbm_planes, seed, sessions, kv_heads, heads, d, cap, warps, sink, local):
+    """G = 8 takes 2 blocks a warp, so 4-block segments get CTAs of two warps (G = 1 and 3: one)."""
     rng = np.random.default_rng(seed)
     max_tokens = 320
     tokens = rng.integers(1, 300, sessions).astype(np.int32)  # ragged: each session its own length
