@@ -7,9 +7,9 @@ order, with FMAs) that also counts the top byte of every candidate's score for t
 One CUDA block (CTA) per (stream, part of a segment), launched stream-fastest so that CTAs start segment by
 segment and the sessions' last segments start last; the warps of a part-filled segment's CTA that hold no sealed
 block skip the scoring, so that CTA is short. A CTA of 32 warps fills an SM: 8 streams of 128k tokens and a few
-sealed blocks past them are 8 × 17 CTAs on the H200's 132 SMs, and the scan took 3.3–3.5 ms a token (36 layers)
-against 2.1 at 128k exactly (measured), when every CTA, part-filled or not, scored a whole segment and the four left
-over for a second wave were full segments. It reads, for every channel ``c`` the depths read (to
+sealed blocks past them are 8 × 17 CTAs on the H200's 132 SMs: the scan took 3.3–3.5 ms a token (36 layers)
+against 2.1 at 128k exactly (measured) while every CTA, part-filled or not, scored a whole segment, which fits four
+CTAs of full length left over for a second wave. It reads, for every channel ``c`` the depths read (to
 depth ``b_c``), the channel's run ``[scales | planes 0 .. b_c-1]`` (``fathom.layout``) in chunks of whole runs
 through shared memory, the next chunk's loads in flight (held in registers) while the current one is scored. The
 store is tiered by plane (``t = layout.hbm_planes``): each word is loaded from the tier holding it — scales and
