@@ -89,7 +89,8 @@ COLUMNS = [("label", "method@bits", "s"), ("mode", "mode", "s"), ("gpu_ms", "GPU
            ("gpu_over_floor", "GPU / floor", ".2f"), ("speedup_vs_ds136", "GPU × vs DS-136", ".2f"),
            ("wall_speedup_vs_ds136", "wall × vs DS-136", ".2f"), ("bits_read", "bits read", ".1f"),
            ("scan_mb", "scan MB", ".1f"), ("row_mb", "rows MB", ".1f"), ("row_hit_rate", "row cache hits", ".2f"),
-           ("row_link_mb", "rows over link MB", ".1f")]
+           ("row_link_mb", "rows over link MB", ".1f"), ("row_cache_warmup", "row cache warm-up tokens", "d"),
+           ("timed_from_tokens", "timed from token", ",d")]  # warm-ups append: methods run at their own contexts
 
 
 def markdown(payload: dict) -> str:
