@@ -41,12 +41,15 @@ class Synthetic:
         z = self.torch.randn((sessions, KV_HEADS, m, HEAD_DIM), device=self.device, generator=self.gen)
         return mean[None, :, None] + std[None, :, None] * z
 
+    def _per_layer(self, name: str, layer_order: list[int]):
+        """Statistic ``name`` of each layer of ``layer_order``, ``[L, 1, H, 1, d]`` (sessions and rows broadcast)."""
+        return self.torch.stack([self._pick(name, layer) for layer in layer_order])[:, None, :, None]
+
     def appended(self, layer_order: list[int], sessions: int):
         """One decode token's keys and values for the layers ``layer_order``, float32 ``[L, S, H, 1, d]`` each,
         drawn afresh (one draw for every layer)."""
         torch = self.torch
-        mean = torch.stack([self._pick("key_mean", layer) for layer in layer_order])[:, None, :, None]
-        std = torch.stack([self._pick("key_std", layer) for layer in layer_order])[:, None, :, None]
+        mean, std = self._per_layer("key_mean", layer_order), self._per_layer("key_std", layer_order)
         shape = (len(layer_order), sessions, KV_HEADS, 1, HEAD_DIM)
         keys = mean + std * torch.randn(shape, device=self.device, generator=self.gen)
         return keys, torch.randn(shape, device=self.device, generator=self.gen)
@@ -61,8 +64,7 @@ class Synthetic:
 
     def query_walk(self, layer_order: list[int], sessions: int) -> QueryWalk:
         """Decode queries of the layers ``layer_order`` that drift from token to token (:class:`QueryWalk`)."""
-        mean = self.torch.stack([self._pick("query_mean", layer) for layer in layer_order])[:, None, :, None]
-        std = self.torch.stack([self._pick("query_std", layer) for layer in layer_order])[:, None, :, None]
+        mean, std = self._per_layer("query_mean", layer_order), self._per_layer("query_std", layer_order)
         return QueryWalk(mean, std, sessions, self.gen)
 
     def calibration(self, layers: int) -> tuple[np.ndarray, np.ndarray]:
