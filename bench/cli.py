@@ -47,10 +47,14 @@ def require_cuda(command: str) -> None:
         raise UsageError(f"python -m bench {command} needs a CUDA GPU (torch.cuda.is_available() is False)")
 
 
-def probe_ready(parser, out: Path) -> None:
-    """A standalone probe's (``python -m bench.<probe>``) last checks before it pins memory: ``--out`` writable and
-    a CUDA GPU present, either refused through its ``parser`` (``error: …``, exit 2)."""
+def probe_ready(parser, gib: int, out: Path, check=None) -> None:
+    """A standalone probe's (``python -m bench.<probe>``) checks before it pins memory, in this order: ``--gib``
+    at least 1, the probe's own ``check`` (a callable raising :class:`UsageError`), ``--out`` writable and a CUDA
+    GPU present; each refused through its ``parser`` (``error: …``, exit 2)."""
     try:
+        at_least("--gib", gib, 1)
+        if check is not None:
+            check()
         writable_file("--out", out)
         import torch
 

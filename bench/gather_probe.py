@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.cli import plain, probe_ready
+from bench.cli import UsageError, plain, probe_ready
 from bench.report import command_line, markdown_table
 
 GIB = 1 << 30
@@ -79,14 +79,15 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/gather-probe.json"),
                         help="JSON written here, the table beside it as .md (default bench/results/gather-probe.json)")
     args = parser.parse_args(argv)
-    if args.gib < 1:
-        parser.error(f"--gib must be >= 1, got {args.gib}")
-    if not (args.row_bytes >= 4 and args.row_bytes % 4 == 0 and PAGE % args.row_bytes == 0):
-        parser.error(f"--row-bytes must be a multiple of 4 that divides {PAGE}, got {args.row_bytes}")
-    if not 128 <= args.rows <= args.gib * GIB // args.row_bytes:
-        parser.error(f"--rows must lie in 128..{args.gib * GIB // args.row_bytes} (the rows --gib holds), "
-                     f"got {args.rows}")
-    probe_ready(parser, args.out)  # before the pinning: the files are the last thing written
+
+    def check_rows() -> None:
+        if not (args.row_bytes >= 4 and args.row_bytes % 4 == 0 and PAGE % args.row_bytes == 0):
+            raise UsageError(f"--row-bytes must be a multiple of 4 that divides {PAGE}, got {args.row_bytes}")
+        if not 128 <= args.rows <= args.gib * GIB // args.row_bytes:
+            raise UsageError(f"--rows must lie in 128..{args.gib * GIB // args.row_bytes} (the rows --gib holds), "
+                             f"got {args.rows}")
+
+    probe_ready(parser, args.gib, args.out, check_rows)  # before the pinning: the files are the last thing written
     import numpy as np
     import torch
 

@@ -28,9 +28,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/pinned-probe.json"),
                         help="JSON written here (default bench/results/pinned-probe.json)")
     args = parser.parse_args(argv)
-    if args.gib < 1:
-        parser.error(f"--gib must be >= 1, got {args.gib}")
-    probe_ready(parser, args.out)  # before the minutes of pinning: the JSON is the last thing written
+    probe_ready(parser, args.gib, args.out)  # before the minutes of pinning: the JSON is the last thing written
     import torch
     from cuda.bindings import driver
     from numba import cuda
