@@ -15,10 +15,16 @@ One CTA per stream, every size read on the device (no host sync, a grid fixed at
 Each thread walks a contiguous run of the rows and of the slots, so a pass costs one block prefix sum (of per-run
 counts; the victims' two counts packed in one int64), not one per ``blockDim`` items: the kernel's latency is a
 fixed cost of every layer's step. A run read from global memory is uncoalesced (a warp's lanes read 32 runs
-apart), so a slab of up to :data:`AGE_SLOTS` slots first reads its ages coalesced into shared memory, a byte a slot,
-and the passes over runs read them there (measured on the H200 at 128k × 1, the cache at steady state, µs a token
-at 8,192 / 16,384 / 32,768 slots: 789 / 1,060 / 1,573; with the histogram's pass over runs read from global memory,
-756 / 1,136 / 2,346; before either, every pass over slots in global memory, 828 at 8,192).
+apart), so the slots' ages are first read coalesced, 4 slots a thread, and packed a byte a slot into each run's
+words in shared memory; a run is a multiple of 4 slots and runs lie an odd number of words apart, so a warp reading
+its runs' j-th words hits 32 banks, one load for 4 slots (:func:`age_layout`; up to 36,864 slots at 1,024 threads;
+a larger slab reads its runs from global memory in each pass). Measured on the H200 at 128k × 1, the cache at
+steady state, µs a token at 8,192 / 16,384 / 32,768 slots: 756 / 990 / 1,385 (in one process against the previous
+layout, 740 against 778 at 8,192 and 1,417 against 1,599 at 32,768). The previous layout kept a byte a slot, each
+run's bytes side by side (a warp's lanes 8 to 32 bytes apart: 8-way bank conflicts on every read): 789 / 1,060 /
+1,573; with the histogram's pass over runs read from global memory, 756 / 1,136 / 2,346; every pass over slots in
+global memory, 828 at 8,192. What is left grows with the slots at ~0.7 ns a slot and layer: one SM reads a
+stream's 8 bytes of bookkeeping a slot.
 
 ``fathom.cuda.attention.gather_rows`` then reads each row from its source: the slab (a hit), or host memory (and
 writes the slab on a fill).
@@ -34,7 +40,16 @@ from fathom.row_cache import AGE_CAP, EMPTY
 
 MAX_THREADS = 1024
 CHUNK = 4  # items of a run per trip: their loads go before any store, so they are in flight together
-AGE_SLOTS = 32768  # slabs of up to this many slots keep their slots' ages in shared memory (a byte each: capped)
+AGE_WORDS = 9216  # shared words of packed ages: up to 36,864 slots at 1,024 threads (runs of 9 words)
+
+
+def age_layout(slots: int, threads: int) -> tuple[int, int, bool]:
+    """The slot runs' shape as the kernel computes it: (slots a thread's run, words between two runs in shared
+    memory, whether the slab's ages fit there). A run is a multiple of 4 slots, so its ages pack into whole
+    words (a byte a slot); the stride is odd, so a warp's lanes reading their runs' j-th words hit 32 banks."""
+    per = (-(-slots // threads) + 3) // 4 * 4
+    stride = per // 4 | 1
+    return per, stride, stride * threads <= AGE_WORDS
 
 
 @cuda.jit(device=True, inline=True)
@@ -44,19 +59,38 @@ def _age(old, stamped, step):
 
 
 @cuda.jit(device=True, inline=True)
-def _slot_age(age_of, kept, position, stamp, g, s, step):
-    """Slot ``s``'s age as pass 2 found it: from shared memory when the slots fit there, else read again."""
-    if kept:
-        return np.int32(age_of[s])
-    return _age(position[g, s], stamp[g, s], step)
-
-
-@cuda.jit(device=True, inline=True)
 def _run(t, nt, count):
     """Thread ``t``'s contiguous run ``[lo, hi)`` of ``count`` items: one prefix sum per pass, not one per
     ``nt`` items."""
     per = np.int32(np.uint32(np.uint32(count) + np.uint32(nt - 1)) // np.uint32(nt))  # a 32-bit division
     return np.int32(min(t * per, count)), np.int32(min((t + 1) * per, count))
+
+
+@cuda.jit(device=True, inline=True)
+def _slot_layout(nt, slots):
+    """:func:`age_layout` on the device: (words of a run's packed ages, the stride between two runs' first
+    words, whether the slab's ages fit in shared memory). A run is ``4 · words`` slots."""
+    per = np.uint32(np.uint32(np.uint32(slots) + np.uint32(nt - 1)) // np.uint32(nt))
+    words = np.uint32(np.uint32(per + np.uint32(3)) >> np.uint32(2))
+    stride = np.uint32(words | np.uint32(1))
+    return words, stride, stride * np.uint32(nt) <= np.uint32(AGE_WORDS)
+
+
+@cuda.jit(device=True, inline=True)
+def _four_ages(ages, held, age_words, kept, word, position, stamp, g, s, hi, step):
+    """The ages of slots ``s .. s + 3`` of a thread's run into ``ages`` (those at or past ``hi``: not used): one
+    shared word when the slab's ages are kept there, else read again (``held``: scratch)."""
+    if kept:
+        packed = age_words[word]
+        for k in range(CHUNK):
+            ages[k] = np.int32((packed >> np.uint32(8 * k)) & np.uint32(0xFF))
+    else:
+        for k in range(CHUNK):
+            at = min(np.int32(s + k), np.int32(hi - 1))
+            held[k] = position[g, at]
+            ages[k] = stamp[g, at]
+        for k in range(CHUNK):
+            ages[k] = _age(held[k], ages[k], step)
 
 
 @cuda.jit(device=True, inline=True)
@@ -85,8 +119,7 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
     counts = cuda.shared.array(MAX_THREADS, np.int64)
     hist = cuda.shared.array(RADIX, np.int32)
     state = cuda.shared.array(2, np.int64)  # threshold age, victims taken at it
-    age_of = cuda.shared.array(AGE_SLOTS, np.uint8)  # each slot's age, read once from global memory
-    kept = slots <= AGE_SLOTS
+    age_words = cuda.shared.array(AGE_WORDS, np.uint32)  # each run's ages, 4 a word, read once from global memory
     got = cuda.local.array(CHUNK, np.int32)  # a trip's loaded slots / positions (registers: constant indices)
     held = cuda.local.array(CHUNK, np.int32)
     ages = cuda.local.array(CHUNK, np.int32)  # then the victims' new positions
@@ -122,30 +155,39 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
                 miss_rows[g, offset] = r + k
                 offset = np.int32(offset + 1)
         r = np.int32(r + CHUNK)
-    # 2. the ages of the slots not hit this step: read once, coalesced, into shared memory (when they fit there),
-    #    then counted over the thread's run by runs of one age; the threshold age from the oldest down
+    # 2. the ages of the slots not hit this step: read once, coalesced (4 slots a thread, 16 bytes a lane), into
+    #    each run's packed words in shared memory when they fit there; then counted over the thread's run by runs
+    #    of one age; the threshold age from the oldest down
+    run_words, stride, kept = _slot_layout(nt, slots)
+    lo = np.int32(min(np.uint32(t) * run_words * np.uint32(CHUNK), np.uint32(slots)))
+    hi = np.int32(min(np.uint32(t + 1) * run_words * np.uint32(CHUNK), np.uint32(slots)))
+    word0 = np.int32(np.uint32(t) * stride)
     if kept:
-        s = t
-        while s < slots:
+        groups = np.uint32(np.uint32(slots) + np.uint32(CHUNK - 1)) // np.uint32(CHUNK)
+        q = np.uint32(t)
+        while q < groups:
             for k in range(CHUNK):
-                at = min(np.int32(s + k * nt), np.int32(slots - 1))
-                ages[k] = _age(position[g, at], stamp[g, at], step)
+                at = min(np.int32(q * np.uint32(CHUNK) + np.uint32(k)), np.int32(slots - 1))
+                held[k] = position[g, at]
+                ages[k] = stamp[g, at]
+            packed = np.uint32(0)
             for k in range(CHUNK):
-                if s + k * nt < slots:
-                    age_of[s + k * nt] = ages[k]
-            s = np.int32(s + CHUNK * nt)
+                packed |= np.uint32(_age(held[k], ages[k], step)) << np.uint32(8 * k)
+            owner = np.uint32(q // run_words)  # the thread whose run holds these 4 slots
+            age_words[owner * stride + (q - owner * run_words)] = packed
+            q = np.uint32(q + np.uint32(nt))
         cuda.syncthreads()
-    lo, hi = _run(t, nt, slots)
     last = np.int32(-1)
     run = np.int32(0)
     s = lo
+    word = word0
     while s < hi:
-        for k in range(CHUNK):
-            ages[k] = _slot_age(age_of, kept, position, stamp, g, min(np.int32(s + k), np.int32(hi - 1)), step)
+        _four_ages(ages, held, age_words, kept, word, position, stamp, g, s, hi, step)
         for k in range(CHUNK):
             if s + k < hi:
                 last, run = _add_run(hist, ages[k], last, run)
         s = np.int32(s + CHUNK)
+        word = np.int32(word + 1)
     if run and last >= 1:
         cuda.atomic.add(hist, last, run)
     cuda.syncthreads()
@@ -177,9 +219,9 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
     #    The thread's run of slots is the one it aged in 2.
     mine = np.int64(0)
     s = lo
+    word = word0
     while s < hi:
-        for k in range(CHUNK):
-            ages[k] = _slot_age(age_of, kept, position, stamp, g, min(np.int32(s + k), np.int32(hi - 1)), step)
+        _four_ages(ages, held, age_words, kept, word, position, stamp, g, s, hi, step)
         for k in range(CHUNK):
             if s + k < hi:
                 if ages[k] > threshold:
@@ -187,14 +229,15 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
                 elif ages[k] == threshold and threshold >= 1:
                     mine += np.int64(1) << np.int64(32)
         s = np.int32(s + CHUNK)
+        word = np.int32(word + 1)
     counts[t] = mine
     offset, _ = exclusive_scan(counts, t, nt)
     older_before = np.int32(offset & 0xFFFFFFFF)
     equal_before = np.int32(offset >> np.int64(32))
     s = lo
+    word = word0
     while s < hi:
-        for k in range(CHUNK):
-            ages[k] = _slot_age(age_of, kept, position, stamp, g, min(np.int32(s + k), np.int32(hi - 1)), step)
+        _four_ages(ages, held, age_words, kept, word, position, stamp, g, s, hi, step)
         for k in range(CHUNK):  # the miss each victim takes (-1: not a victim)
             is_older = s + k < hi and ages[k] > threshold
             is_equal = s + k < hi and threshold >= 1 and ages[k] == threshold
@@ -223,6 +266,7 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
                 stamp[g, slot] = step
                 source[g, got[k]] = np.int32(slot + slots)
         s = np.int32(s + CHUNK)
+        word = np.int32(word + 1)
     if t == 0:
         clock[g] = step
         counters[g, 0] = n - misses

@@ -2,11 +2,12 @@
 drifting row lists (a stream per CTA, sizes read on the device)."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from fathom.cuda.row_cache import AGE_SLOTS, assign_slots
+from fathom.cuda.row_cache import age_layout, assign_slots
 from fathom.row_cache import RowCache
 from tests.test_row_cache import _past_the_age_cap, _steps
 
@@ -26,9 +27,18 @@ def test_assign_slots_runs_of_several_trips(seed, slots, rows):
 
 
 def test_assign_slots_past_the_shared_ages_reads_them_again():
-    """A slab larger than :data:`AGE_SLOTS` keeps no ages in shared memory: pass 3 reads the slots again, and agrees
-    with the reference all the same."""
-    _check_against_reference(7, 1, AGE_SLOTS + 40, 40, 32, steps=3)
+    """The smallest slab whose ages do not fit in shared memory at 32 threads: every pass reads its run of slots
+    again from global memory, and agrees with the reference all the same."""
+    slots = next(s for s in range(30000, 40000, 4) if not age_layout(s, 32)[2])
+    assert age_layout(slots - 4, 32)[2]
+    _check_against_reference(7, 1, slots, 40, 32, steps=3)
+
+
+@pytest.mark.parametrize("slots, threads, per, stride", [(1, 32, 4, 1), (70, 32, 4, 1), (8192, 1024, 8, 3),
+                                                         (32768, 1024, 32, 9), (200, 32, 8, 3), (100, 32, 4, 1)])
+def test_age_layout_packs_whole_words_an_odd_stride_apart(slots, threads, per, stride):
+    assert age_layout(slots, threads)[:2] == (per, stride)
+    assert age_layout(36864, 1024)[2] and not age_layout(36865, 1024)[2]
 
 
 def _check_against_reference(seed, streams, slots, rows, threads, steps=6):
