@@ -20,7 +20,8 @@ real decode does.
 
 ``--row-cache-rows N`` gives every (session, layer, KV head) an HBM row cache of N rows (``fathom.row_cache``);
 each method then runs alone on it, from empty, warmed up until :data:`ROW_CACHE_FULL` of its slots hold a row (at
-least :data:`ROW_CACHE_WARMUP` tokens, at most :data:`ROW_CACHE_WARMUP_MAX`: the hit rate of a cache that has not
+least :data:`ROW_CACHE_WARMUP` tokens, at most :data:`ROW_CACHE_WARMUP_MAX` and its share of the tokens the cache
+can still append, which is less where layers share a physical one (see below): the hit rate of a cache that has not
 yet evicted is not its steady state's; a stream whose rows barely change may never fill its last slots), and its
 records carry the hit rate of its timed tokens (from the GPU's counters), the warm-up tokens, the fraction of slots
 filled by then and the rows' bytes over the link. Every token appends a key and value drawn afresh. When pinned memory cannot hold every layer (``--host-gb``), the 36
@@ -44,7 +45,7 @@ from bench import timing_report
 from bench.cli import UsageError, file_stem, int_list, name_list, require_cuda, result_json, writable_folder
 from bench.report import RESULTS
 from bench.synthetic_decode import Synthetic
-from bench.timing_run import Run, copy_rate, hbm_rate, records
+from bench.timing_run import PROFILED_TOKENS, Run, copy_rate, hbm_rate, records
 from bench.timing_settings import (CONTEXTS, GROUP_SIZE, HEAD_DIM, KV_HEADS, LAYERS, MANY_SESSIONS_UP_TO, SESSIONS,
                                    method_table, settings_for)
 
@@ -53,6 +54,14 @@ HEAVY_MS = 1000.0  # methods whose token takes longer are timed with one repetit
 ROW_CACHE_WARMUP = 8  # untimed tokens per method and mode before a row cache's hit rate is counted, at least
 ROW_CACHE_WARMUP_MAX = 512  # ... and at most, per method, while its row cache is not yet full:
 ROW_CACHE_FULL = 0.99  # the fraction of its slots holding a row
+
+
+def warmup_most(tokens_left: int, methods_left: int, timed_tokens: int) -> int:
+    """The most warm-up tokens a method's row cache gets: :data:`ROW_CACHE_WARMUP_MAX`, or its share of the tokens
+    the cache can still append (``Run.tokens_left``, shared by the methods still to run) less what its timed tokens
+    append (``timed_tokens``). Where layers share a physical one, each token appends to it once a layer: 16
+    sessions of 128k on 6 physical layers leave ~340 tokens a method, one session on 36 leaves 2,048."""
+    return min(ROW_CACHE_WARMUP_MAX, tokens_left // methods_left - timed_tokens)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,18 +197,20 @@ def run(args: argparse.Namespace) -> Path:
         reps = {label: args.reps for label in timed}
         cached = bool(args.row_cache_rows)
         warmups = ROW_CACHE_WARMUP if cached else 1
+        timed_tokens = (2 * args.reps + warmups) * len(args.modes) + (PROFILED_TOKENS + 1 if args.kernels else 0)
         # interleaved (A B A B) against drifting clocks; with a row cache each method alone on it, from empty
         blocks = [[label] for label in timed] if cached else [timed]
         with tqdm(total=(args.reps + warmups) * len(args.modes) * len(timed),
                   desc=f"{setting.label} {setting.regime} ({run_.physical} physical layers)", unit="token") as bar:
-            for block in blocks:
+            for i, block in enumerate(blocks):
                 if cached:
                     run_.cache.empty_row_cache()
+                most = warmup_most(run_.tokens_left(), len(blocks) - i, timed_tokens)
                 for label in block:  # warm-up tokens of each (method, mode); slow methods get one timed token
                     for mode in args.modes:
                         tokens = 0
-                        while tokens < warmups or cached and tokens < ROW_CACHE_WARMUP_MAX \
-                                and run_.cache.row_cache_filled() < ROW_CACHE_FULL:  # a row cache until full
+                        while tokens < warmups or cached and tokens < most \
+                                and run_.cache.row_cache_filled() < ROW_CACHE_FULL:
                             if tokens >= warmups:
                                 bar.total += 1
                             gpu, *_ = run_.token(label, mode, queued=True)

@@ -109,6 +109,11 @@ class Run:
         self.timed_from = dict.fromkeys(labels, 0)  # the longest session's tokens when the timed tokens began
         self.kernels_us: dict[str, dict[str, float]] = {}  # per method, with --kernels (:meth:`kernel_profile`)
 
+    def tokens_left(self) -> int:
+        """Decode tokens the cache can still append: a token appends to a physical layer once for each of the
+        ``ceil(LAYERS / physical)`` layers mapped onto it."""
+        return (self.cache.shape.max_tokens - self.cache.most_held()) // -(-LAYERS // self.physical)
+
     def new_token(self):
         """The next token's keys and values to append, float32 ``[L, S, H, 1, d]``, drawn afresh every token: a key
         appended unchanged would fill whole sealed blocks with one score, unlike a decode's keys."""
