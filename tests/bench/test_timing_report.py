@@ -19,15 +19,3 @@ def test_the_kernel_table_puts_the_largest_first_and_sums_every_kernel():
                                                            "| all kernels"]
     assert table[3] == "| topk._ties_kernel | 2172 | — |" and table[-1] == "| all kernels | 6561 | 9381 |"
 
-
-def test_a_row_cache_warms_within_the_tokens_the_cache_can_still_append():
-    """Two methods, 16 sessions on 6 physical layers (4,096 tokens of headroom, 6 appends a token): each method's
-    warm-up and timed tokens fit what is left, where 512 warm-up tokens each would not."""
-    from bench.timing import ROW_CACHE_WARMUP_MAX, warmup_most
-
-    left, timed = 4096 // 6, 14
-    first = warmup_most(left, 2, timed)
-    assert first < ROW_CACHE_WARMUP_MAX and (first + timed) * 2 <= left
-    second = warmup_most(left - first - timed, 1, timed)
-    assert first + timed + second + timed <= left
-    assert warmup_most(4096, 2, timed) == ROW_CACHE_WARMUP_MAX
