@@ -56,12 +56,13 @@ ROW_CACHE_WARMUP_MAX = 512  # ... and at most, per method, while its row cache i
 ROW_CACHE_FULL = 0.99  # the fraction of its slots holding a row
 
 
-def warmup_most(tokens_left: int, methods_left: int, timed_tokens: int) -> int:
-    """The most warm-up tokens a method's row cache gets: :data:`ROW_CACHE_WARMUP_MAX`, or its share of the tokens
-    the cache can still append (``Run.tokens_left``, shared by the methods still to run) less what its timed tokens
-    append (``timed_tokens``). Where layers share a physical one, each token appends to it once a layer: 16
-    sessions of 128k on 6 physical layers leave ~340 tokens a method, one session on 36 leaves 2,048."""
-    return min(ROW_CACHE_WARMUP_MAX, tokens_left // methods_left - timed_tokens)
+def warmup_most(tokens_left: int, methods_left: int, modes: int, timed_tokens: int) -> int:
+    """The most warm-up tokens a method's row cache gets in each of its ``modes``: :data:`ROW_CACHE_WARMUP_MAX`, or
+    its share of the tokens the cache can still append (``Run.tokens_left``, shared by the methods still to run)
+    less what its timed tokens append (``timed_tokens``), split between its modes. Where layers share a physical
+    one, each token appends to it once a layer: 16 sessions of 128k on 6 physical layers leave ~340 tokens a
+    method, one session on 36 leaves 2,048."""
+    return min(ROW_CACHE_WARMUP_MAX, (tokens_left // methods_left - timed_tokens) // modes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -197,6 +198,7 @@ def run(args: argparse.Namespace) -> Path:
         reps = {label: args.reps for label in timed}
         cached = bool(args.row_cache_rows)
         warmups = ROW_CACHE_WARMUP if cached else 1
+        # what a method appends besides its warm-ups past the first few (those are counted again: a margin)
         timed_tokens = (2 * args.reps + warmups) * len(args.modes) + (PROFILED_TOKENS + 1 if args.kernels else 0)
         # interleaved (A B A B) against drifting clocks; with a row cache each method alone on it, from empty
         blocks = [[label] for label in timed] if cached else [timed]
@@ -205,7 +207,7 @@ def run(args: argparse.Namespace) -> Path:
             for i, block in enumerate(blocks):
                 if cached:
                     run_.cache.empty_row_cache()
-                most = warmup_most(run_.tokens_left(), len(blocks) - i, timed_tokens)
+                most = warmup_most(run_.tokens_left(), len(blocks) - i, len(args.modes), timed_tokens)
                 for label in block:  # warm-up tokens of each (method, mode); slow methods get one timed token
                     for mode in args.modes:
                         tokens = 0
