@@ -18,4 +18,3 @@ def test_the_kernel_table_puts_the_largest_first_and_sums_every_kernel():
     assert [line.split(" | ")[0] for line in table[2:]] == ["| scan._scan_kernel", "| topk._ties_kernel", "| copy",
                                                            "| all kernels"]
     assert table[3] == "| topk._ties_kernel | 2172 | — |" and table[-1] == "| all kernels | 6561 | 9381 |"
-

@@ -38,6 +38,9 @@ def test_assign_slots_past_the_shared_ages_reads_them_again():
                                                          (32768, 1024, 32, 9), (200, 32, 8, 3), (100, 32, 4, 1)])
 def test_age_layout_packs_whole_words_an_odd_stride_apart(slots, threads, per, stride):
     assert age_layout(slots, threads)[:2] == (per, stride)
+
+
+def test_age_layout_keeps_up_to_36864_slots_at_1024_threads():
     assert age_layout(36864, 1024)[2] and not age_layout(36865, 1024)[2]
 
 
