@@ -48,7 +48,7 @@ from fathom.bits import row_bytes, tier_scan_bits
 from fathom.cuda.attention import CHUNK_ROWS, attend, gather_rows
 from fathom.cuda.block import RADIX
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
-from fathom.cuda.row_cache import assign_slots
+from fathom.cuda.row_cache import assign_slots, parts_pay, scratch_shapes
 from fathom.cuda.scan import MAX_HEADS as MAX_GROUP_SIZE  # query heads a scan CTA accumulates
 from fathom.cuda.topk import select, union_blocks, union_rows
 from fathom.decode import step_bits
@@ -141,12 +141,19 @@ class Decoder:
         cached_rows = self.max_rows if self.row_cached else 0
         self.row_source = zeros((streams, cached_rows), torch.int32)  # each row's slot (hit / fill) or -1
         self.miss_rows = zeros((streams, cached_rows), torch.int32)
+        multiprocessors = 1 if SIMULATED else torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        # the slot assignment in parts where a layer's streams leave most multiprocessors idle (on a GPU; the
+        # simulator's one runs a CTA a stream); its scratch (age histogram, victims a part, threshold age) is shared
+        # by the layers' steps
+        self.slot_scratch = [zeros(shape, getattr(torch, np.dtype(dtype).name))
+                             for shape, dtype in scratch_shapes(streams, s.row_cache_rows).values()] \
+            if self.row_cached and parts_pay(streams, multiprocessors) else None
         chunks = -(-self.max_rows // CHUNK_ROWS)
         self.part_m = zeros((streams, chunks, self.group_size), torch.float32)
         self.part_l = zeros((streams, chunks, self.group_size), torch.float32)
         self.part_o = zeros((streams, chunks, self.group_size, d), torch.float32)
         # the row gather's grid: two CTAs per multiprocessor keep enough rows in flight in a narrow window of pages
-        self.gather_ctas = 2 if SIMULATED else 2 * torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        self.gather_ctas = 2 * multiprocessors
         # built at a layer's first step: building reads the layer's pinned memory, which may still be allocating
         self._steps: list[list[tuple[str, list[Launch]]] | None] = [None] * s.layers
         self._warm_up()
@@ -241,11 +248,12 @@ class Decoder:
         ctas = self.gather_ctas
         if self.row_cached:
             slab, source, miss_rows = cache_layer.rows.arrays, as_array(self.row_source), as_array(self.miss_rows)
+            scratch = None if self.slot_scratch is None else [as_array(x) for x in self.slot_scratch]
             assign_threads = min(1024, 4 * threads)
             steps += [("slots", [lambda stream: assign_slots(a["row_index"], a["n_rows"], slab["slot_of"],
                                                              slab["position"], slab["stamp"], slab["clock"],
                                                              slab["counters"], miss_rows, source, assign_threads,
-                                                             stream)]),
+                                                             stream, scratch)]),
                       ("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
                                                            cache_layer.arrays["kv"], a["staged"], ctas, threads, stream,
                                                            source, slab["slab"])])]

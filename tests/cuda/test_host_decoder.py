@@ -479,13 +479,18 @@ def test_a_store_in_hbm_runs_the_same_step(tier):
 
 
 def _assert_staged_rows_are_the_listed_ones(decoder: Decoder) -> None:
-    """The rows the last step staged (from the row cache's slab or from host memory) are the listed rows' K/V."""
+    """The rows the last step staged (a hit from the row cache's slab, a miss from host memory) are the listed rows'
+    K/V, and each slot the step filled holds its row."""
     if not SIMULATED:
         torch.cuda.synchronize()
     kv = decoder.cache.layer(LAYER).kv.host
-    staged, rows, counts = (x.cpu().numpy() for x in (decoder.staged, decoder.row_index, decoder.n_rows))
+    slab = decoder.cache.layer(LAYER).rows.slab.view(torch.int64).cpu().numpy().view(np.uint64)
+    staged, rows, counts, source = (x.cpu().numpy() for x in (decoder.staged, decoder.row_index, decoder.n_rows,
+                                                               decoder.row_source))
     for g, n in enumerate(counts):
         np.testing.assert_array_equal(staged[g, :n].view(np.uint64), kv[g, rows[g, :n]])
+        filled = source[g, :n] >= slab.shape[1]
+        np.testing.assert_array_equal(slab[g, source[g, :n][filled] - slab.shape[1]], kv[g, rows[g, :n][filled]])
 
 
 def test_the_row_cache_serves_the_listed_rows():
