@@ -29,7 +29,7 @@ stream's 8 bytes of bookkeeping a slot.
 When a layer's streams leave most multiprocessors idle (:func:`parts_pay`: a batch of one or a few sessions), the
 same step runs as four short kernels instead, the slab cut in parts of :data:`PART_SLOTS` slots: the rows' pass (a
 CTA a stream); each part's age histogram added into the stream's; in each part the threshold from that histogram
-and the part's victim counts; in each part its victims ranked after the parts' before it, and assigned. The victims
+and the part's victim counts; in each part its victims ranked after the parts before it, and assigned. The victims
 keep their slot order, so the result is the same to the bit. Measured on the H200 at 32,768 slots, µs a token of
 36 layers (one CTA a stream / parts): 8 streams (128k × 1) 1,385 / 855; 32 streams 1,408 / 1,223; 128 streams
 1,753 / 3,158 (three passes over the bookkeeping in global memory, not one, where every SM already has a stream).
@@ -108,6 +108,18 @@ def _slot_layout(nt, slots):
 
 
 @cuda.jit(device=True, inline=True)
+def _read_ages(ages, held, position, stamp, g, s, hi, step):
+    """The ages of slots ``s .. s + 3`` (those at or past ``hi``: the run's last again, not used); ``held``:
+    scratch."""
+    for k in range(CHUNK):
+        at = min(np.int32(s + k), np.int32(hi - 1))
+        held[k] = position[g, at]
+        ages[k] = stamp[g, at]
+    for k in range(CHUNK):
+        ages[k] = _age(held[k], ages[k], step)
+
+
+@cuda.jit(device=True, inline=True)
 def _four_ages(ages, held, age_words, kept, word, position, stamp, g, s, hi, step):
     """The ages of slots ``s .. s + 3`` of a thread's run into ``ages`` (those at or past ``hi``: not used): one
     shared word when the slab's ages are kept there, else read again (``held``: scratch)."""
@@ -116,12 +128,7 @@ def _four_ages(ages, held, age_words, kept, word, position, stamp, g, s, hi, ste
         for k in range(CHUNK):
             ages[k] = np.int32((packed >> np.uint32(8 * k)) & np.uint32(0xFF))
     else:
-        for k in range(CHUNK):
-            at = min(np.int32(s + k), np.int32(hi - 1))
-            held[k] = position[g, at]
-            ages[k] = stamp[g, at]
-        for k in range(CHUNK):
-            ages[k] = _age(held[k], ages[k], step)
+        _read_ages(ages, held, position, stamp, g, s, hi, step)
 
 
 @cuda.jit(device=True, inline=True)
@@ -200,6 +207,57 @@ def _threshold(bins, misses, counts, state, t, nt):
     cuda.syncthreads()
 
 
+@cuda.jit(device=True, inline=True)
+def _victims_of_four(ages, s, hi, threshold):
+    """Victims among slots ``s .. s + 3`` of a run (those at or past ``hi``: not counted): older than the threshold
+    in the low 32 bits, at it in the high 32, packed for one prefix sum."""
+    mine = np.int64(0)
+    for k in range(CHUNK):
+        if s + k < hi:
+            if ages[k] > threshold:
+                mine += 1
+            elif ages[k] == threshold and threshold >= 1:
+                mine += np.int64(1) << np.int64(32)
+    return mine
+
+
+@cuda.jit(device=True, inline=True)
+def _take_four(ages, held, got, row_index, slot_of, position, stamp, miss_rows, source, g, s, hi, step, slots,
+               threshold, at_threshold, older_before, equal_before):
+    """Slots ``s .. s + 3`` of a run, their ages in ``ages`` (those at or past ``hi``: not used), with
+    ``older_before`` / ``equal_before`` victims before them: each victim (older than the threshold, or at it within
+    the count) takes the miss of its rank — the position's old slot entry cleared, the new one set, the row's
+    source ``slot + slots``. Returns the two counts past them. ``held``, ``got``: scratch."""
+    for k in range(CHUNK):  # the miss each victim takes (-1: not a victim)
+        is_older = s + k < hi and ages[k] > threshold
+        is_equal = s + k < hi and threshold >= 1 and ages[k] == threshold
+        got[k] = -1
+        if is_older or (is_equal and equal_before < at_threshold):
+            got[k] = np.int32(older_before + min(equal_before, at_threshold))
+        if is_older:
+            older_before = np.int32(older_before + 1)
+        elif is_equal:
+            equal_before = np.int32(equal_before + 1)
+    for k in range(CHUNK):  # the victims' old positions and the misses' rows, then the misses' positions
+        if got[k] >= 0:
+            held[k] = position[g, np.int32(s + k)]
+            got[k] = miss_rows[g, got[k]]
+    for k in range(CHUNK):
+        if got[k] >= 0:
+            ages[k] = row_index[g, got[k]]
+    for k in range(CHUNK):
+        if got[k] >= 0:
+            pos = ages[k]
+            if held[k] >= 0:
+                slot_of[g, held[k]] = EMPTY
+            slot = np.int32(s + k)
+            slot_of[g, pos] = slot
+            position[g, slot] = pos
+            stamp[g, slot] = step
+            source[g, got[k]] = np.int32(slot + slots)
+    return older_before, equal_before
+
+
 @cuda.jit(cache=True)
 def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters, miss_rows, source):
     """Indices are int32 (``np.int32(...)``) and strided loops ``while`` loops: Numba types integer arithmetic and
@@ -271,12 +329,7 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
     word = word0
     while s < hi:
         _four_ages(ages, held, age_words, kept, word, position, stamp, g, s, hi, step)
-        for k in range(CHUNK):
-            if s + k < hi:
-                if ages[k] > threshold:
-                    mine += 1
-                elif ages[k] == threshold and threshold >= 1:
-                    mine += np.int64(1) << np.int64(32)
+        mine += _victims_of_four(ages, s, hi, threshold)
         s = np.int32(s + CHUNK)
         word = np.int32(word + 1)
     counts[t] = mine
@@ -287,33 +340,9 @@ def _assign_kernel(row_index, n_rows, slot_of, position, stamp, clock, counters,
     word = word0
     while s < hi:
         _four_ages(ages, held, age_words, kept, word, position, stamp, g, s, hi, step)
-        for k in range(CHUNK):  # the miss each victim takes (-1: not a victim)
-            is_older = s + k < hi and ages[k] > threshold
-            is_equal = s + k < hi and threshold >= 1 and ages[k] == threshold
-            got[k] = -1
-            if is_older or (is_equal and equal_before < at_threshold):
-                got[k] = np.int32(older_before + min(equal_before, at_threshold))
-            if is_older:
-                older_before = np.int32(older_before + 1)
-            elif is_equal:
-                equal_before = np.int32(equal_before + 1)
-        for k in range(CHUNK):  # the victims' old positions and the misses' rows, then the misses' positions
-            if got[k] >= 0:
-                held[k] = position[g, np.int32(s + k)]
-                got[k] = miss_rows[g, got[k]]
-        for k in range(CHUNK):
-            if got[k] >= 0:
-                ages[k] = row_index[g, got[k]]
-        for k in range(CHUNK):
-            if got[k] >= 0:
-                pos = ages[k]
-                if held[k] >= 0:
-                    slot_of[g, held[k]] = EMPTY
-                slot = np.int32(s + k)
-                slot_of[g, pos] = slot
-                position[g, slot] = pos
-                stamp[g, slot] = step
-                source[g, got[k]] = np.int32(slot + slots)
+        older_before, equal_before = _take_four(ages, held, got, row_index, slot_of, position, stamp, miss_rows,
+                                                source, g, s, hi, step, slots, threshold, at_threshold, older_before,
+                                                equal_before)
         s = np.int32(s + CHUNK)
         word = np.int32(word + 1)
     if t == 0:
@@ -331,28 +360,11 @@ def _part_run(g, part_slots, slots, t, nt):
     return np.int32(first + lo), np.int32(first + hi)
 
 
-@cuda.jit(device=True, inline=True)
-def _read_ages(ages, held, position, stamp, g, s, hi, step):
-    """The ages of slots ``s .. s + 3`` (those at or past ``hi``: the run's last again, not used); ``held``:
-    scratch."""
-    for k in range(CHUNK):
-        at = min(np.int32(s + k), np.int32(hi - 1))
-        held[k] = position[g, at]
-        ages[k] = stamp[g, at]
-    for k in range(CHUNK):
-        ages[k] = _age(held[k], ages[k], step)
-
-
 @cuda.jit(cache=True)
 def _rows_kernel(row_index, n_rows, slot_of, stamp, clock, counters, miss_rows, source, age_hist):
     """CTA per stream: each listed row looks up its position's slot; a hit stamps it with the step; every row's
     source is its slot or EMPTY; the misses are compacted in row order; the clock and counters advance and the
-    stream's age histogram is cleared for the next kernel.
-
-    Indices are int32 (``np.int32(...)``) and strided loops ``while`` loops: Numba types integer arithmetic and
-    ``range`` as int64. A run goes ``CHUNK`` items a trip with every load first: the compiler cannot tell the
-    arrays apart, so a load after a store waits for it, and a row's two dependent loads would each wait a full
-    memory latency."""
+    stream's age histogram is cleared for the next kernel (integers and runs as in :func:`_assign_kernel`)."""
     g = cuda.blockIdx.x
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -414,18 +426,12 @@ def _age_hist_kernel(n_rows, counters, position, stamp, clock, part_slots, age_h
 
 @cuda.jit(device=True, inline=True)
 def _victim_counts(ages, held, position, stamp, g, lo, hi, step, threshold):
-    """This thread's victims in ``[lo, hi)``: those older than the threshold (low 32 bits) and those at it (high
-    32 bits), packed for one prefix sum."""
+    """This thread's victims in ``[lo, hi)``, packed as :func:`_victims_of_four`'s."""
     mine = np.int64(0)
     s = lo
     while s < hi:
         _read_ages(ages, held, position, stamp, g, s, hi, step)
-        for k in range(CHUNK):
-            if s + k < hi:
-                if ages[k] > threshold:
-                    mine += 1
-                elif ages[k] == threshold and threshold >= 1:
-                    mine += np.int64(1) << np.int64(32)
+        mine += _victims_of_four(ages, s, hi, threshold)
         s = np.int32(s + CHUNK)
     return mine
 
@@ -496,33 +502,9 @@ def _take_kernel(row_index, slot_of, position, stamp, clock, miss_rows, source, 
     s = lo
     while s < hi:
         _read_ages(ages, held, position, stamp, g, s, hi, step)
-        for k in range(CHUNK):  # the miss each victim takes (-1: not a victim)
-            is_older = s + k < hi and ages[k] > threshold
-            is_equal = s + k < hi and threshold >= 1 and ages[k] == threshold
-            got[k] = -1
-            if is_older or (is_equal and equal_before < at_threshold):
-                got[k] = np.int32(older_before + min(equal_before, at_threshold))
-            if is_older:
-                older_before = np.int32(older_before + 1)
-            elif is_equal:
-                equal_before = np.int32(equal_before + 1)
-        for k in range(CHUNK):  # the victims' old positions and the misses' rows, then the misses' positions
-            if got[k] >= 0:
-                held[k] = position[g, np.int32(s + k)]
-                got[k] = miss_rows[g, got[k]]
-        for k in range(CHUNK):
-            if got[k] >= 0:
-                ages[k] = row_index[g, got[k]]
-        for k in range(CHUNK):
-            if got[k] >= 0:
-                pos = ages[k]
-                if held[k] >= 0:
-                    slot_of[g, held[k]] = EMPTY
-                slot = np.int32(s + k)
-                slot_of[g, pos] = slot
-                position[g, slot] = pos
-                stamp[g, slot] = step
-                source[g, got[k]] = np.int32(slot + slots)
+        older_before, equal_before = _take_four(ages, held, got, row_index, slot_of, position, stamp, miss_rows,
+                                                source, g, s, hi, step, slots, threshold, at_threshold, older_before,
+                                                equal_before)
         s = np.int32(s + CHUNK)
 
 
