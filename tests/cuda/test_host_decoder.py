@@ -375,7 +375,9 @@ def test_bad_input_raises_before_any_kernel():
         decoder.run(LAYER, q)
     q_nan = q_dev.clone()
     q_nan[0, 0, 0] = float("nan")
-    decoder.run(LAYER, q_nan)  # flagged on the GPU, reported at the next call
+    decoder.run(LAYER, q_nan)  # flagged on the GPU, reported at the next call after the GPU ran the step
+    if not SIMULATED:
+        torch.cuda.synchronize()  # the flag is read from mapped memory without a sync: the step must have run
     with pytest.raises(ValueError, match="query that is NaN or inf"):
         decoder.run(LAYER, q_dev)
     out = decoder.run(LAYER, q_dev).cpu().numpy()  # reported once; the cache is fine
