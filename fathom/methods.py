@@ -118,14 +118,23 @@ def _waterfill_depths(q: np.ndarray, stats: HeadStats, budget: float, variance: 
     sigma2 = stats.sigma2 if variance == "calibration" else stats.sigma2_store
     if sigma2 is None:
         raise ValueError("stats.sigma2_store is needed for variance='store'")
-    table = None
-    if gains == "calibrated":
-        if stats.plane_drops is None or (variance == "store" and stats.scale2 is None):
-            raise ValueError("gains='calibrated' needs a calibration with plane drops (fathom.calibration)")
-        then = stats.sigma2 if variance == "calibration" else stats.scale2
-        with np.errstate(divide="ignore", invalid="ignore"):
-            table = np.where(then[:, None] > 0, stats.plane_drops / then[:, None], 0.0)
+    table = gain_table(stats, variance) if gains == "calibrated" else None
     return waterfill_batched(importance(q, sigma2), budget, table)
+
+
+def gain_table(stats: HeadStats, variance: str) -> np.ndarray:
+    """The calibrated relative plane gains γ ``float64 [d, 4]`` of one KV head for σ² from ``variance``
+    ("calibration" or "store"): the measured drops over the σ² statistic of calibration time (σ² itself, or the
+    mean squared block scale for the store's σ²), so that ``w_c · γ_{c,t}`` with today's σ² is the drop times σ²'s
+    drift. What the GPU planner takes (``fathom.host.decoder.Decoder``'s ``gains``) as the reference planner uses
+    it."""
+    if variance not in VARIANCE_SOURCES:
+        raise ValueError(f"variance must be one of {VARIANCE_SOURCES}, got {variance!r}")
+    if stats.plane_drops is None or (variance == "store" and stats.scale2 is None):
+        raise ValueError("gains='calibrated' needs a calibration with plane drops (fathom.calibration)")
+    then = stats.sigma2 if variance == "calibration" else stats.scale2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(then[:, None] > 0, stats.plane_drops / then[:, None], 0.0)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Reverse water-filling for every stream of a layer in one launch (design §5).
 
-The twin of ``fathom.waterfill.waterfill_batched(importance(q, sigma2), budget)``,
-bit-for-bit away from exact ties: one CUDA block per stream, the 30 bisection
+The twin of ``fathom.waterfill.waterfill_batched(importance(q, sigma2), budget, gains)``
+(design §5's gains, or a per-stream table of calibrated relative gains γ: the
+gains ``w · γ`` and the bounds from the largest and smallest positive gain, as
+the reference takes them), bit-for-bit away from exact ties: one CUDA block per stream, the 30 bisection
 steps in log θ with the reference's bounds and all-fit rule, the cost summed in
 quarter bits (integers, so exact in any order).
 
@@ -53,9 +55,10 @@ SPLIT_BITS = 1 if SIMULATED else MAX_SPLIT_BITS
 
 @cuda.jit(cache=True)
 def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_session, budget_quarters, split_bits,
-                      depths):
+                      tabled, gamma, depths):
     """q float32 [streams, G, d], sigma2 / scale_sq_sum float64 [streams, d], from_store uint8 [streams] -> depths
-    int8 [streams, d].
+    int8 [streams, d]. ``tabled``: the plane gains are ``w · gamma[stream, c, t]`` (float64 [streams, d, 4]), else
+    design §5's ``(3/4) w 4^-(t-1)`` (``gamma`` not read).
 
     A stream with ``from_store`` set reads σ² as the mean of the store's squared block scales over its sealed blocks
     (``scale_sq_sum`` / blocks, ``lengths`` on the GPU, as ``fathom.decode.HeadIndex.store_variance`` divides); the
@@ -75,7 +78,7 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
     n_heads = np.int32(q.shape[1])
     d = np.int32(q.shape[2])
     fit = np.int32(min(budget_quarters, 2.0 ** 30))  # cost <= budget_quarters: costs are integers below 2^30
-    gain = cuda.shared.array((GAIN_ROWS, MAX_DEPTH), np.float64)  # each channel's plane gains, (3/4) w 4^-(t-1)
+    gain = cuda.shared.array((GAIN_ROWS, MAX_DEPTH), np.float64)  # each channel's plane gains (design or w · γ)
     part_max = cuda.shared.array(MAX_THREADS, np.float64)
     part_min = cuda.shared.array(MAX_THREADS, np.float64)
     part_all = cuda.shared.array(MAX_THREADS, np.int32)
@@ -99,15 +102,26 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
             acc = acc + _square(q[g, h, c])
         s2 = from_scales / blocks if stored else calibrated
         wc = s2 * np.float64(acc)
-        g1 = 0.75 * wc  # the gains are exact power-of-two scalings of 0.75 w
-        gain[c, 0] = g1
-        gain[c, 1] = g1 * 0.25
-        gain[c, 2] = g1 * 0.0625
-        gain[c, 3] = g1 * 0.015625
-        my_max = max(my_max, wc)
-        if wc > 0:
-            my_min = min(my_min, wc)
-            my_all += 4 * MAX_DEPTH + 1
+        if tabled:  # w · γ, the reference's product; the bounds come from the gains themselves
+            read = np.int32(0)
+            for k in range(MAX_DEPTH):
+                gk = wc * gamma[g, c, k]
+                gain[c, k] = gk
+                my_max = max(my_max, gk)
+                if gk > 0:
+                    my_min = min(my_min, gk)
+                    read = np.int32(read + 1)
+            my_all += 4 * read + (1 if read > 0 else 0)  # every plane of positive gain: γ falls in t, a prefix
+        else:
+            g1 = 0.75 * wc  # the gains are exact power-of-two scalings of 0.75 w
+            gain[c, 0] = g1
+            gain[c, 1] = g1 * 0.25
+            gain[c, 2] = g1 * 0.0625
+            gain[c, 3] = g1 * 0.015625
+            my_max = max(my_max, wc)
+            if wc > 0:
+                my_min = min(my_min, wc)
+                my_all += 4 * MAX_DEPTH + 1
         c = np.int32(c + n_threads)
     part_max[t] = my_max
     part_min[t] = my_min
@@ -141,7 +155,10 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
                                                    _fold(part_max, part_min, part_all, 1, 4, 8)),
                                           _combine(_fold(part_max, part_min, part_all, 2, 4, 8),
                                                    _fold(part_max, part_min, part_all, 3, 4, 8)))
-        if w_max > 0:
+        if w_max > 0 and tabled:  # (the largest and smallest positive gain)
+            bounds[1] = math.log(2.0) + math.log(w_max)
+            bounds[0] = math.log(0.5) + math.log(w_min)
+        elif w_max > 0:
             bounds[1] = math.log(2 * 0.75) + math.log(w_max)
             bounds[0] = math.log(0.5 * 0.75 * 0.015625) + math.log(w_min)
         else:
@@ -208,7 +225,7 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
     c = t
     while c < d:
         if everything:
-            depths[g, c] = MAX_DEPTH if gain[c, 0] > 0 else 0  # 0.75 w > 0 exactly when w > 0
+            depths[g, c] = _depth_at(gain, c, 0.0)  # every plane of positive gain
         else:
             depths[g, c] = _depth_at(gain, c, theta)
         c = np.int32(c + n_threads)
@@ -253,9 +270,10 @@ def _depth_at(gain, c, theta):
 
 
 def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, lengths, heads_per_session: int = 1,
-              threads: int = WATERFILL_THREADS, split_bits: int = SPLIT_BITS, stream=0) -> None:
+              threads: int = WATERFILL_THREADS, split_bits: int = SPLIT_BITS, stream=0, gains=None) -> None:
     """Depths of every stream under ``budget`` bits per token, one block of ``threads`` per stream (at most 32, or a
     multiple of 32 up to 256), ``split_bits`` bisection steps decided per round (1, 2, 3 or 5: a divisor of 30).
+    The twin of ``waterfill_batched(importance(q, σ²), budget, gains)``.
 
     Args:
         q: float32 device array ``[streams, G, d]`` (the G query heads of each KV head, in the store's basis).
@@ -268,8 +286,13 @@ def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, length
         from_store: uint8 ``[streams]``: each stream's σ² source (the per-head store mixes them).
         budget: bits per token (finite, >= 0).
         depths: int8 ``[streams, d]``, written.
+        gains: None (design §5's plane gains) or float64 ``[streams, d, 4]``, each stream's relative plane gains γ
+            (non-negative and non-increasing in the plane, as ``fathom.waterfill.waterfill_batched`` takes them;
+            ``fathom.methods.gain_table`` makes them from a calibration).
     """
     streams, _, d = q.shape
+    if gains is not None and (gains.dtype != np.float64 or gains.shape != (streams, d, MAX_DEPTH)):
+        raise ValueError(f"gains must be float64 [{streams}, {d}, {MAX_DEPTH}], got {gains.dtype} {gains.shape}")
     for name, x in (("sigma2", sigma2), ("scale_sq_sum", scale_sq_sum)):
         if q.dtype != np.float32 or x.dtype != np.float64 or x.shape != (streams, d):
             raise ValueError(f"q must be float32 [streams, G, d] and {name} float64 [streams, d], "
@@ -288,8 +311,10 @@ def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, length
         raise ValueError(f"budget must be finite and >= 0 bits per token, got {budget}")
     if streams:
         # cost <= budget  <=>  4 * cost <= 4 * budget: quarter bits are integers, 4 * budget is exact
+        # without a table the kernel reads none: σ² stands in for it (float64, never indexed)
+        gamma = sigma2.reshape((streams, d, 1)) if gains is None else gains
         _waterfill_kernel[streams, threads, stream](q, sigma2, scale_sq_sum, from_store, lengths, heads_per_session,
-                                                   4.0 * float(budget), split_bits, depths)
+                                                   4.0 * float(budget), split_bits, gains is not None, gamma, depths)
 
 
 @cuda.jit(cache=True)

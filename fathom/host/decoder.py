@@ -98,10 +98,14 @@ class Decoder:
         group_size: query heads per KV head (G), 1..8.
         sigma2: calibration variances ``[L, H, d]`` in the store's basis (fathom with ``variance='calibration'``).
         ds_rank: Double Sparsity's offline channel order ``[L, H, d]`` (double-sparsity).
+        gains: the calibrated relative plane gains ``[L, H, d, 4]`` of each (layer, KV head), in the basis its store
+            holds, for the σ² source the method reads (fathom with ``gains='calibrated'``;
+            ``fathom.methods.gain_table`` of the head's stats, as the reference planner uses them).
     """
 
     def __init__(self, cache: HostKVCache, settings: DecoderSettings, group_size: int,
-                 sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None):
+                 sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None,
+                 gains: np.ndarray | None = None):
         if not isinstance(cache, HostKVCache):
             raise ValueError(f"cache must be a HostKVCache, got {type(cache).__name__}")
         cache.check()
@@ -112,7 +116,7 @@ class Decoder:
             raise ValueError(f"settings must be DecoderSettings, got {type(settings).__name__}")
         self.cache, self.settings, self.group_size = cache, settings, int(group_size)
         s, method, sel = cache.shape, settings.method, settings.selection
-        self.strategy = resolve(method, cache, self.group_size, sigma2, ds_rank, settings.scan_warps)
+        self.strategy = resolve(method, cache, self.group_size, sigma2, ds_rank, settings.scan_warps, gains)
         self.dense = self.strategy is None
         self.scale = settings.scale if settings.scale is not None else 1.0 / math.sqrt(s.head_dim)
         streams, d, tokens = s.streams, s.head_dim, s.max_tokens
@@ -193,13 +197,13 @@ class Decoder:
         return [lambda stream: q_in.copy_(q)] + self.launches(layer) + [lambda stream: out.copy_(layer_out)]
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None,
-                        head_basis: np.ndarray | None = None) -> None:
+                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None) -> None:
         """Replace ``layer``'s calibration (``sigma2``, ``ds_rank`` ``[H, d]``, the per-head store's ``head_basis
-        [H]``, where the method reads them) in the tensors the step reads, so steps already captured in a CUDA graph
-        read the new values."""
+        [H]``, the plane ``gains [H, d, 4]``, where the method reads them) in the tensors the step reads, so steps
+        already captured in a CUDA graph read the new values."""
         self.cache.check(layer)
         if self.strategy is not None:
-            self.strategy.set_calibration(layer, sigma2, ds_rank, head_basis)
+            self.strategy.set_calibration(layer, sigma2, ds_rank, head_basis, gains)
 
     def check(self, layer: int, q: torch.Tensor | None = None) -> None:
         """Validate a step's input before any kernel runs (no sync): the cache open, no error flagged since the

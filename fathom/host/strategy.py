@@ -30,7 +30,10 @@ from fathom.cuda.plan import THREADS as PLAN_THREADS
 from fathom.cuda.plan import top_channels, waterfill
 from fathom.cuda.scan import scan_planes
 from fathom.host.launch import Launch
+from fathom.quantize import MAX_DEPTH
 from fathom.scoring import LANDMARK_TOKENS
+
+GAIN_TAIL = (MAX_DEPTH,)  # a gain table's trailing dimension: one relative gain a plane
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,12 @@ class WaterfillDepths:
     each head's basis' default (the store on raw heads, calibration on rotated ones)."""
 
     def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
-                 ds_rank: np.ndarray | None):
+                 ds_rank: np.ndarray | None, gains: np.ndarray | None = None):
         self.cache, policy, shape = cache, method.policy, cache.shape
-        if policy.gains != "design":  # never silently plan with other gains than the method's
-            raise ValueError(f"method {method.name!r} water-fills with the calibrated gain table, which only the "
-                             "reference planner and its torch twin read (the GPU planner uses design §5's gains)")
+        # the calibrated relative plane gains γ per stream (fathom.methods.gain_table), else design §5's model
+        self.gamma = _per_stream(shape, "gains", gains, torch.float64, GAIN_TAIL) if policy.gains == "calibrated" \
+            else None
+        self._gamma_uploads = None if self.gamma is None else LayerUploads(self.gamma)
         budgets = policy.layer_budgets(shape.layers)
         if len(budgets) != shape.layers:
             raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "
@@ -69,7 +73,7 @@ class WaterfillDepths:
         self._from_store_uploads = LayerUploads(self.from_store) if self.per_head else None
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
-                        head_basis: np.ndarray | None = None) -> None:
+                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None) -> None:
         one_layer = replace(self.cache.shape, layers=1)
         writes = []  # every argument checked before anything is written: a refused call changes nothing
         if self.sigma2 is not None and sigma2 is not None:
@@ -82,6 +86,9 @@ class WaterfillDepths:
                 raise ValueError(f"head_basis must be [{H}] of 'raw' / 'rotated', got {head_basis.tolist()}")
             raw = np.broadcast_to((head_basis == "raw")[None, :, None], (1, H, d))  # raw heads read the store's σ²
             writes.append((self._from_store_uploads, _per_stream_host(one_layer, "head_basis", raw)[0, :, 0]))
+        if self.gamma is not None and gains is not None:
+            writes.append((self._gamma_uploads, _per_stream_host(one_layer, "gains", np.asarray(gains)[None],
+                                                                 GAIN_TAIL)[0]))
         for uploads, host in writes:
             uploads.write(layer, host)
 
@@ -91,20 +98,20 @@ class WaterfillDepths:
         sigma2 = sums if self.sigma2 is None else as_array(self.sigma2[layer])
         from_store = as_array(self.from_store[layer])
         budget, lengths, depths = self.budgets[layer], cache_layer.arrays["lengths"], as_array(buf.depths)
-        heads = shape.kv_heads
+        heads, gains = shape.kv_heads, None if self.gamma is None else as_array(self.gamma[layer])
         return lambda stream: waterfill(q_store, sigma2, sums, from_store, budget, depths, lengths, heads,
-                                        stream=stream)
+                                        stream=stream, gains=gains)
 
 
 class TopChannelDepths:
     """SparQ's depth 4 on the r channels with the largest ``Σ_h |q[h, c]|``, chosen on the GPU per step."""
 
     def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
-                 ds_rank: np.ndarray | None):
+                 ds_rank: np.ndarray | None, gains: np.ndarray | None = None):
         self.cache, self.r = cache, method.policy.r
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
-                        head_basis: np.ndarray | None = None) -> None:
+                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None) -> None:
         """Reads no calibration."""
 
     def launch(self, layer: int, basis: str, q_store, buf: StepBuffers) -> Launch:
@@ -117,7 +124,7 @@ class FixedDepths:
     uniform depth) computed once per (layer, KV head) and copied into the step's depths."""
 
     def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
-                 ds_rank: np.ndarray | None):
+                 ds_rank: np.ndarray | None, gains: np.ndarray | None = None):
         self.cache, self.policy, self.group_size, shape = cache, method.policy, group_size, cache.shape
         self.fixed = torch.as_tensor(np.repeat(_fixed_depths(self.policy, shape, group_size, ds_rank)[:, None],
                                                shape.sessions, 1).reshape(shape.layers, shape.streams, -1),
@@ -125,7 +132,7 @@ class FixedDepths:
         self._uploads = LayerUploads(self.fixed)
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
-                        head_basis: np.ndarray | None = None) -> None:
+                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None) -> None:
         if ds_rank is not None:
             one_layer = replace(self.cache.shape, layers=1)
             depths = _fixed_depths(self.policy, one_layer, self.group_size, np.asarray(ds_rank)[None])[0]
@@ -147,7 +154,7 @@ class PlaneScan:
     store."""
 
     def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
-                 ds_rank: np.ndarray | None, warps: int):
+                 ds_rank: np.ndarray | None, warps: int, gains: np.ndarray | None = None):
         if type(method.policy) not in DEPTH_PLANS:
             raise ValueError(f"no plane scan for the policy of {method.name!r}")
         d = cache.shape.head_dim
@@ -157,13 +164,13 @@ class PlaneScan:
                              f"got {method.policy.r}")
         # the per-head store is the rotated store with each raw head's basis the identity
         self.cache, self.basis, self.warps = cache, "rotated" if method.scans_rotated else "raw", warps
-        self.depth_plan = DEPTH_PLANS[type(method.policy)](method, cache, group_size, sigma2, ds_rank)
+        self.depth_plan = DEPTH_PLANS[type(method.policy)](method, cache, group_size, sigma2, ds_rank, gains)
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
-                        head_basis: np.ndarray | None = None) -> None:
+                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None) -> None:
         """Copy one layer's calibration (``[H, d]`` each, ``head_basis [H]``; what the policy reads of it) into the
         tensors the captured launches read: a CUDA graph of the step stays valid."""
-        self.depth_plan.set_calibration(layer, sigma2, ds_rank, head_basis)
+        self.depth_plan.set_calibration(layer, sigma2, ds_rank, head_basis, gains)
 
     def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
         """The query into the store's basis, then the depths."""
@@ -192,7 +199,7 @@ class RowScan:
         self.cache, self.rows = cache, rows
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
-                        head_basis: np.ndarray | None = None) -> None:
+                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None) -> None:
         """Reads no calibration."""
 
     def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
@@ -209,11 +216,11 @@ class RowScan:
 
 
 def _plane_scan(method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
-                ds_rank: np.ndarray | None, warps: int) -> PlaneScan:
+                ds_rank: np.ndarray | None, warps: int, gains: np.ndarray | None) -> PlaneScan:
     if method.scans_rotated and not cache.rotated:
         raise ValueError(f"method {method.name!r} scans the rotated store but the cache holds only the raw store "
                          f"(make the cache with a basis)")
-    return PlaneScan(method, cache, group_size, sigma2, ds_rank, warps)
+    return PlaneScan(method, cache, group_size, sigma2, ds_rank, warps, gains)
 
 
 # The scan of each scorer of fathom.methods (dense: none, every row is attended).
@@ -224,24 +231,29 @@ SCANS = {"planes": _plane_scan,
 
 
 def resolve(method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
-            warps: int) -> PlaneScan | RowScan | None:
+            warps: int, gains: np.ndarray | None = None) -> PlaneScan | RowScan | None:
     """The scan of ``method`` on ``cache`` (None: dense, nothing scanned)."""
-    return SCANS[method.scorer](method, cache, group_size, sigma2, ds_rank, warps)
+    return SCANS[method.scorer](method, cache, group_size, sigma2, ds_rank, warps, gains)
 
 
-def _per_stream(s, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
-    """``x [L, H, d]`` repeated per session of the cache shape ``s`` -> ``[L, streams, d]`` on the device."""
-    return torch.as_tensor(_per_stream_host(s, name, x), dtype=dtype, device=DEVICE)
+def _per_stream(s, name: str, x: np.ndarray | None, dtype, tail: tuple = ()) -> torch.Tensor:
+    """``x [L, H, d, *tail]`` repeated per session of the cache shape ``s`` -> ``[L, streams, d, *tail]`` on the
+    device."""
+    return torch.as_tensor(_per_stream_host(s, name, x, tail), dtype=dtype, device=DEVICE)
 
 
-def _per_stream_host(s, name: str, x: np.ndarray | None) -> np.ndarray:
-    """``x [L, H, d]`` checked and repeated per session of the cache shape ``s`` -> float64 ``[L, streams, d]``."""
-    if x is None or np.shape(x) != (s.layers, s.kv_heads, s.head_dim):
-        raise ValueError(f"{name} must have shape {(s.layers, s.kv_heads, s.head_dim)} for this method")
+def _per_stream_host(s, name: str, x: np.ndarray | None, tail: tuple = ()) -> np.ndarray:
+    """``x [L, H, d, *tail]`` checked and repeated per session of the cache shape ``s`` -> float64
+    ``[L, streams, d, *tail]``; a gain table (``tail`` = :data:`GAIN_TAIL`) must also fall in the plane."""
+    want = (s.layers, s.kv_heads, s.head_dim) + tail
+    if x is None or np.shape(x) != want:
+        raise ValueError(f"{name} must have shape {want} for this method")
     x = np.asarray(x, np.float64)
     if not np.all(np.isfinite(x)) or x.min() < 0:
         raise ValueError(f"{name} must be finite and >= 0")
-    return np.repeat(x[:, None], s.sessions, 1).reshape(s.layers, s.streams, -1)
+    if tail == GAIN_TAIL and np.any(np.diff(x, axis=-1) > 0):
+        raise ValueError(f"{name} must be non-increasing in the plane (a depth reads a prefix of planes)")
+    return np.repeat(x[:, None], s.sessions, 1).reshape((s.layers, s.streams, s.head_dim) + tail)
 
 
 class LayerUploads:

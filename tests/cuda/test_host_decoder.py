@@ -25,6 +25,7 @@ from fathom.host.launch import run_launches
 from fathom.scoring import landmarks
 from fathom.selection import Selection
 from fathom.store import PlaneStore
+from fathom.waterfill import calibrated_gains
 from tests.cuda.helpers import sealed_landmarks, sealed_planes, selected
 
 LAYER = 1  # layer 0 stays empty
@@ -92,8 +93,9 @@ def _decoder(cache, method, data, sel=SEL) -> Decoder:
 
 
 def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis, sigma2, ds_rank,
-                              lengths: np.ndarray, sel=SEL):
-    """Every (session, KV head) of a step against ``decode_step`` on that session's first ``lengths[s]`` tokens."""
+                              lengths: np.ndarray, sel=SEL, drops=None, scale2=None):
+    """Every (session, KV head) of a step against ``decode_step`` on that session's first ``lengths[s]`` tokens
+    (``drops [L, H, d, 4]``, ``scale2 [L, H, d]``: the calibration's plane drops, for calibrated gains)."""
     method, shape = decoder.settings.method, decoder.cache.shape
     got_masks = selected(decoder, LAYER)
     want_scan_bytes = 0.0
@@ -102,7 +104,7 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
         for h in range(shape.kv_heads):
             g, heads = s * shape.kv_heads + h, slice(h * GROUP_SIZE, (h + 1) * GROUP_SIZE)
             keys, values, qg = k[s, h, :n], v[s, h, :n], q[s, heads]
-            stats = {b: methods.HeadStats(sigma2[LAYER, h], ds_rank[LAYER, h], layer=LAYER) for b in ("raw", "rotated")}
+            stats = {b: _head_stats(sigma2, ds_rank, LAYER, h, drops, scale2) for b in ("raw", "rotated")}
             index = HeadIndex.build(keys, stats, basis=basis[LAYER, h])
             want = decode_step(qg, keys, values, index, method, sel, layer=LAYER)
             want_scan_bytes += want.scan_bytes
@@ -116,6 +118,12 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
             if (got == want.mask).all():
                 np.testing.assert_allclose(out[s, heads], want.output, rtol=1e-4, atol=1e-5)
     assert decoder.scan_nbytes(LAYER) == want_scan_bytes  # the same bit accounting as the reference
+
+
+def _head_stats(sigma2, ds_rank, layer: int, head: int, drops=None, scale2=None) -> methods.HeadStats:
+    return methods.HeadStats(sigma2[layer, head], ds_rank[layer, head], layer=layer,
+                             plane_drops=None if drops is None else drops[layer, head],
+                             scale2=None if scale2 is None else scale2[layer, head])
 
 
 def _assert_same_selection(got: np.ndarray, want: np.ndarray, scores: np.ndarray | None):
@@ -146,6 +154,35 @@ def test_run_matches_reference_decode(filled, method, sessions):
     decoder = _decoder(cache, method, data)
     out = decoder.run(LAYER, torch.from_numpy(data[2]).to(DEVICE)).cpu().numpy()
     _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER))
+
+
+@pytest.mark.parametrize("variance", ["store", "calibration"])
+def test_calibrated_plane_gains_plan_as_the_reference(filled, variance):
+    """fathom[gains]: the GPU planner reads each head's table (``fathom.methods.gain_table``: the drops over the
+    calibration's mean squared scale for the store's σ², over the calibration σ² for its own), with the reference's
+    depths and selection; a table set later (``set_calibration``) is the one the next step reads."""
+    cache, data = filled(3, False)
+    sigma2, ds_rank = data[4], data[5]
+    rng = np.random.default_rng(9)
+    tables = []
+    for _ in range(2):
+        drops = calibrated_gains(rng.uniform(0, 1, sigma2.shape + (4,)) * sigma2[..., None])
+        scale2 = sigma2 * np.exp(rng.uniform(-0.5, 0.5, sigma2.shape))
+        table = np.array([[methods.gain_table(_head_stats(sigma2, ds_rank, layer, h, drops, scale2), variance)
+                           for h in range(sigma2.shape[1])] for layer in range(sigma2.shape[0])])
+        tables.append((drops, scale2, table))
+    method = methods.fathom(12.0, variance, gains="calibrated")
+    drops, scale2, table = tables[0]
+    decoder = Decoder(cache, DecoderSettings(method, SEL), GROUP_SIZE, sigma2=sigma2, ds_rank=ds_rank, gains=table)
+    q = torch.from_numpy(data[2]).to(DEVICE)
+    _assert_matches_reference(decoder, decoder.run(LAYER, q).cpu().numpy(), *data, cache.lengths(LAYER),
+                              drops=drops, scale2=scale2)
+    drops, scale2, table = tables[1]
+    decoder.set_calibration(LAYER, gains=table[LAYER])
+    _assert_matches_reference(decoder, decoder.run(LAYER, q).cpu().numpy(), *data, cache.lengths(LAYER),
+                              drops=drops, scale2=scale2)
+    with pytest.raises(ValueError, match="non-increasing in the plane"):
+        decoder.set_calibration(LAYER, gains=table[LAYER][..., ::-1] + np.arange(4))
 
 
 @pytest.mark.parametrize("method", [methods.fathom(12.0), methods.oracle(), methods.dense()], ids=lambda m: m.name)
@@ -359,7 +396,7 @@ def test_bad_input_raises_before_any_kernel():
     cache = HostKVCache(shape)
     _append(cache, k, v, 0, 100)
     decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0), Selection(k=20)), GROUP_SIZE)
-    with pytest.raises(ValueError, match="calibrated gain table"):  # the GPU planner reads design §5's gains only
+    with pytest.raises(ValueError, match="gains must have shape"):  # calibrated plane gains need their table
         Decoder(cache, DecoderSettings(methods.fathom(12.0, gains="calibrated"), Selection(k=20)), GROUP_SIZE)
     q_dev = torch.from_numpy(q).to(DEVICE)
     for bad_layer in (-1, 2, 1.0):

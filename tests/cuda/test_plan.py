@@ -8,7 +8,7 @@ from numba import cuda
 
 from fathom import methods
 from fathom.cuda.plan import top_channels, waterfill
-from fathom.waterfill import importance, waterfill_batched
+from fathom.waterfill import calibrated_gains, importance, waterfill_batched
 
 
 def _gaps_ok(w: np.ndarray) -> bool:
@@ -39,6 +39,44 @@ def test_waterfill_matches_reference(seed, streams, heads, d, budget, zeros, lau
     waterfill(cuda.to_device(q), sigma2_gpu, sigma2_gpu, _sources(streams, 0), budget, depths, _lengths(streams),
               threads=threads, split_bits=split_bits)
     np.testing.assert_array_equal(depths.copy_to_host(), waterfill_batched(w, budget))
+
+
+def _table_gaps_ok(w: np.ndarray, gamma: np.ndarray) -> bool:
+    """No two plane gains ``w · γ`` of a stream between 1e-12 and 1e-9 apart, relative: planes the majorant merged
+    share a slope to the last ulps (a θ between them, as near as a last-ulp difference of log / exp, is as likely
+    as never), other gains are far enough apart for the bisection to split them."""
+    for row, table in zip(w, gamma):
+        gains = row[:, None] * table
+        gaps = np.diff(np.log(np.unique(gains[gains > 0])))
+        if np.any((gaps >= 1e-12) & (gaps < 1e-9)):
+            return False
+    return True
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), d=st.sampled_from([8, 16, 40]),
+       budget=st.floats(0, 80), zeros=st.integers(0, 3), flat=st.integers(0, 3),
+       launch=st.sampled_from([(32, 1), (8, 3), (64, 5)]))
+def test_waterfill_with_a_gain_table_matches_reference(seed, streams, d, budget, zeros, flat, launch):
+    """Per-stream relative gains γ (measured drops made non-increasing by ``calibrated_gains``, some planes of gain
+    0, some channels of no gain at all): the reference's depths, its all-fit rule counting only the planes of
+    positive gain."""
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((streams, 2, d)) * np.exp(rng.uniform(-3, 3, d))).astype(np.float32)
+    q[:, :, :zeros] = 0
+    sigma2 = np.exp(rng.uniform(-4, 4, (streams, d)))
+    drops = rng.uniform(0, 1, (streams, d, 4)) * np.exp(rng.uniform(-3, 3, (streams, d, 1)))
+    drops[:, :flat, 2:] = 0  # planes that remove nothing more
+    drops[:, d - flat:] = 0  # channels whose planes remove nothing
+    gamma = calibrated_gains(drops)
+    w = importance(q, sigma2)
+    assume(_table_gaps_ok(w, gamma))
+    depths = cuda.to_device(np.full((streams, d), -1, np.int8))
+    sigma2_gpu = cuda.to_device(sigma2)
+    threads, split_bits = launch
+    waterfill(cuda.to_device(q), sigma2_gpu, sigma2_gpu, _sources(streams, 0), budget, depths, _lengths(streams),
+              threads=threads, split_bits=split_bits, gains=cuda.to_device(gamma))
+    np.testing.assert_array_equal(depths.copy_to_host(), waterfill_batched(w, budget, gamma))
 
 
 def _lengths(streams: int, tokens: int = 0) -> object:
@@ -102,6 +140,15 @@ def test_waterfill_refuses_launch_shapes_it_cannot_split():
         with pytest.raises(ValueError, match="threads|split_bits"):
             waterfill(q, sigma2, sigma2, _sources(1, 0), 10.0, depths, _lengths(1), threads=threads,
                       split_bits=split_bits)
+
+
+def test_waterfill_refuses_a_gain_table_of_another_shape():
+    q = cuda.to_device(np.ones((1, 1, 8), np.float32))
+    sigma2 = cuda.to_device(np.ones((1, 8)))
+    depths = cuda.to_device(np.zeros((1, 8), np.int8))
+    for table in (np.ones((1, 8, 3)), np.ones((2, 8, 4)), np.ones((1, 8, 4), np.float32)):
+        with pytest.raises(ValueError, match=r"gains must be float64 \[1, 8, 4\]"):
+            waterfill(q, sigma2, sigma2, _sources(1, 0), 10.0, depths, _lengths(1), gains=cuda.to_device(table))
 
 
 def test_top_channels_refuses_an_r_or_depths_it_cannot_write():
