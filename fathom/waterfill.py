@@ -71,10 +71,16 @@ def _check_gains(gains: np.ndarray | None, w: np.ndarray) -> np.ndarray | None:
     gains = np.asarray(gains, np.float64)
     if gains.shape[-1:] != (MAX_DEPTH,) or gains.ndim < 2 or gains.shape[-2] != w.shape[-1]:
         raise ValueError(f"gains must be [..., d = {w.shape[-1]}, {MAX_DEPTH}], got shape {gains.shape}")
+    check_gain_values(gains)
+    return gains
+
+
+def check_gain_values(gains: np.ndarray) -> None:
+    """Refuse relative plane gains ``[..., 4]`` that are not finite, >= 0 and non-increasing in the plane (what
+    every planner, the reference's and the GPU's, takes)."""
     _checks.nonnegative("gains", gains)
     if np.any(np.diff(gains, axis=-1) > 0):
         raise ValueError("gains must be non-increasing in the plane (a depth reads a prefix of planes)")
-    return gains
 
 
 def waterfill_batched(w: np.ndarray, budget: float, gains: np.ndarray | None = None) -> np.ndarray:

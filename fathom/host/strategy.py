@@ -32,6 +32,7 @@ from fathom.cuda.scan import scan_planes
 from fathom.host.launch import Launch
 from fathom.quantize import MAX_DEPTH
 from fathom.scoring import LANDMARK_TOKENS
+from fathom.waterfill import check_gain_values
 
 GAIN_TAIL = (MAX_DEPTH,)  # a gain table's trailing dimension: one relative gain a plane
 
@@ -57,8 +58,8 @@ class WaterfillDepths:
                  ds_rank: np.ndarray | None, gains: np.ndarray | None = None):
         self.cache, policy, shape = cache, method.policy, cache.shape
         # the calibrated relative plane gains γ per stream (fathom.methods.gain_table), else design §5's model
-        self.gamma = _per_stream(shape, "gains", gains, torch.float64, GAIN_TAIL) if policy.gains == "calibrated" \
-            else None
+        self.gamma = torch.as_tensor(_gain_table_host(shape, gains), device=DEVICE) \
+            if policy.gains == "calibrated" else None
         self._gamma_uploads = None if self.gamma is None else LayerUploads(self.gamma)
         budgets = policy.layer_budgets(shape.layers)
         if len(budgets) != shape.layers:
@@ -87,8 +88,7 @@ class WaterfillDepths:
             raw = np.broadcast_to((head_basis == "raw")[None, :, None], (1, H, d))  # raw heads read the store's σ²
             writes.append((self._from_store_uploads, _per_stream_host(one_layer, "head_basis", raw)[0, :, 0]))
         if self.gamma is not None and gains is not None:
-            writes.append((self._gamma_uploads, _per_stream_host(one_layer, "gains", np.asarray(gains)[None],
-                                                                 GAIN_TAIL)[0]))
+            writes.append((self._gamma_uploads, _gain_table_host(one_layer, np.asarray(gains)[None])[0]))
         for uploads, host in writes:
             uploads.write(layer, host)
 
@@ -236,24 +236,29 @@ def resolve(method: methods.Method, cache, group_size: int, sigma2: np.ndarray |
     return SCANS[method.scorer](method, cache, group_size, sigma2, ds_rank, warps, gains)
 
 
-def _per_stream(s, name: str, x: np.ndarray | None, dtype, tail: tuple = ()) -> torch.Tensor:
-    """``x [L, H, d, *tail]`` repeated per session of the cache shape ``s`` -> ``[L, streams, d, *tail]`` on the
-    device."""
-    return torch.as_tensor(_per_stream_host(s, name, x, tail), dtype=dtype, device=DEVICE)
+def _per_stream(s, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
+    """``x [L, H, d]`` repeated per session of the cache shape ``s`` -> ``[L, streams, d]`` on the device."""
+    return torch.as_tensor(_per_stream_host(s, name, x), dtype=dtype, device=DEVICE)
 
 
 def _per_stream_host(s, name: str, x: np.ndarray | None, tail: tuple = ()) -> np.ndarray:
     """``x [L, H, d, *tail]`` checked and repeated per session of the cache shape ``s`` -> float64
-    ``[L, streams, d, *tail]``; a gain table (``tail`` = :data:`GAIN_TAIL`) must also fall in the plane."""
+    ``[L, streams, d, *tail]``."""
     want = (s.layers, s.kv_heads, s.head_dim) + tail
     if x is None or np.shape(x) != want:
         raise ValueError(f"{name} must have shape {want} for this method")
     x = np.asarray(x, np.float64)
     if not np.all(np.isfinite(x)) or x.min() < 0:
         raise ValueError(f"{name} must be finite and >= 0")
-    if tail == GAIN_TAIL and np.any(np.diff(x, axis=-1) > 0):
-        raise ValueError(f"{name} must be non-increasing in the plane (a depth reads a prefix of planes)")
     return np.repeat(x[:, None], s.sessions, 1).reshape((s.layers, s.streams, s.head_dim) + tail)
+
+
+def _gain_table_host(s, gains: np.ndarray | None) -> np.ndarray:
+    """A gain table ``[L, H, d, 4]`` checked as every planner takes one (``fathom.waterfill.check_gain_values``)
+    and repeated per session -> float64 ``[L, streams, d, 4]``."""
+    table = _per_stream_host(s, "gains", gains, GAIN_TAIL)
+    check_gain_values(table)
+    return table
 
 
 class LayerUploads:
