@@ -23,6 +23,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from fathom.cuda.half import f32_to_bf16_bits
 from fathom.quantize import BLOCK
 
 FP16_LIMIT = np.float32(65520.0)  # the smallest |x| whose float16 rounding is inf
@@ -40,8 +41,18 @@ def _bad_key(x):
     return not (abs(x) < FP16_LIMIT)  # NaN compares false
 
 
+@cuda.jit(device=True, inline=True)
+def _bf16_word(x, gi, i, c):
+    """Channels c..c+3 of token i of stream gi as bf16, 4 to a word, channel c lowest (a key or value that is not
+    finite is flagged anyway)."""
+    word = np.uint64(0)
+    for u in range(4):
+        word |= np.uint64(f32_to_bf16_bits(x[gi, i, c + u])) << np.uint64(16 * u)
+    return word
+
+
 @cuda.jit(cache=True)
-def _append_rows_kernel(k, k_store, v, k_words, v_words, lengths, sessions, heads, status, kv):
+def _append_rows_kernel(k, k_store, v, lengths, sessions, heads, status, kv):
     x = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     streams, m, d = k.shape
     words = d // 4
@@ -59,8 +70,8 @@ def _append_rows_kernel(k, k_store, v, k_words, v_words, lengths, sessions, head
     g = s * heads + gi % heads
     p = lengths[s] + i
     if p < kv.shape[1]:  # the host checked the capacity; never write past it
-        kv[g, p, 0, w] = k_words[gi, i, w]
-        kv[g, p, 1, w] = v_words[gi, i, w]
+        kv[g, p, 0, w] = _bf16_word(k, gi, i, 4 * w)
+        kv[g, p, 1, w] = _bf16_word(v, gi, i, 4 * w)
 
 
 @cuda.jit(cache=True)
@@ -85,23 +96,21 @@ def _finish_kernel(new, new_store, tail, tail_store, lengths, sessions, heads, s
         lengths[s] = n0 + m
 
 
-def append_rows(k, k_store, v, k_words, v_words, lengths, sessions, heads: int, status, kv, stream=0,
-                threads: int = THREADS) -> None:
-    """Check and write the K/V rows of ``m`` appended tokens.
+def append_rows(k, k_store, v, lengths, sessions, heads: int, status, kv, stream=0, threads: int = THREADS) -> None:
+    """Check and write the K/V rows of ``m`` appended tokens, as bf16 (rounded here: no cast launch before).
 
     Args:
         k, k_store, v: float32 ``[S'·H, m, d]``: keys (raw and in the store's basis; the same array when the
             store is raw) and values of sessions ``sessions``, KV head fastest.
-        k_words, v_words: uint64 ``[S'·H, m, d / 4]``: the same keys and values as bf16 bits, 4 per word.
         lengths: int32 ``[S]``; sessions: int32 ``[S']``; status: int32 flags ``[0]`` bad key, ``[1]`` bad value.
-        kv: uint64 ``[S·H, T, 2, d / 4]``: the rows (host-mapped), K then V of each token.
+        kv: uint64 ``[S·H, T, 2, d / 4]``: the rows (host-mapped), K then V of each token, bf16 4 to a word.
     """
     streams, m, d = k.shape
     total = streams * m * (d // 4)
     if total:
         threads = min(threads, total)
-        _append_rows_kernel[math.ceil(total / threads), threads, stream](k, k_store, v, k_words, v_words, lengths,
-                                                                        sessions, heads, status, kv)
+        _append_rows_kernel[math.ceil(total / threads), threads, stream](k, k_store, v, lengths, sessions, heads,
+                                                                        status, kv)
 
 
 def finish_append(new, new_store, tail, tail_store, lengths, sessions, heads: int, status, stream=0,

@@ -1,10 +1,11 @@
-"""float32 <-> float16 conversion done with integer operations, and bf16 -> float32 (device functions).
+"""float32 <-> float16 and float32 <-> bf16 conversion done with integer operations (device functions).
 
 The store's block scale is ``float16(max |k|)`` with NumPy's round-to-nearest-even.
 Rounding in integers makes the kernels bit-identical to ``astype(np.float16)``
 without depending on how the compiler lowers fp16 conversions, and works the
 same under the CUDA simulator. Scales travel as their ``uint16`` bit patterns.
-K/V rows are bf16 bit patterns; ``bf16_bits_to_f32`` widens them exactly.
+K/V rows are bf16 bit patterns: ``f32_to_bf16_bits`` rounds to them as torch's ``.to(torch.bfloat16)`` does,
+``bf16_bits_to_f32`` widens them exactly.
 """
 
 from __future__ import annotations
@@ -102,3 +103,11 @@ def f32_to_f16_bits(x):
     if bits >> np.uint32(31):
         h = np.uint16(h | np.uint16(0x8000))
     return h
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_bf16_bits(x):
+    """bf16 bits of non-NaN float32 ``x``, round to nearest even (torch's ``.to(torch.bfloat16)``; past the largest
+    bf16 it rounds to inf, as torch does)."""
+    bits = f32_to_bits(x)
+    return np.uint16(np.uint32(bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))

@@ -488,16 +488,13 @@ class HostKVCache:
         k32 = k.float().contiguous()
         v32 = v.float().contiguous()
         basis = cache_layer.basis
-        k_store = k32 if basis is None else torch.bmm(k32, basis[_stream_index(sessions, heads)])
-        words = self.shape.head_dim // 4
-        k_words = as_array(k.to(torch.bfloat16).contiguous().view(torch.int64)).view(np.uint64)
-        v_words = as_array(v.to(torch.bfloat16).contiguous().view(torch.int64)).view(np.uint64)
-        streams, m = k32.shape[:2]
+        if basis is not None and sessions is not self._all_sessions:  # every session's streams in order: as stored
+            basis = basis[_stream_index(sessions, heads)]
+        k_store = k32 if basis is None else torch.bmm(k32, basis)
         lengths = cache_layer.arrays["lengths"]
         index = as_array(sessions)
         k_arr, v_arr, ks_arr = as_array(k32), as_array(v32), as_array(k_store)
-        append_rows(k_arr, ks_arr, v_arr, k_words.reshape(streams, m, words), v_words.reshape(streams, m, words),
-                    lengths, index, heads, status, cache_layer.arrays["kv"], stream)
+        append_rows(k_arr, ks_arr, v_arr, lengths, index, heads, status, cache_layer.arrays["kv"], stream)
         for name, store in cache_layer.stores.items():
             source = k_arr if name == "raw" else ks_arr
             seal_blocks(source, store.arrays["tail"], lengths, index, heads, status, store.arrays["near"],
