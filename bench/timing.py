@@ -104,8 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replot", type=Path, nargs="+", default=None,
                         help="merge these timing JSONs and remake the table and plot (no GPU)")
     parser.add_argument("--readme", type=Path, default=None,
-                        help="with --replot: rewrite this file's section between the timing markers "
-                             "(docs/results.md)")
+                        help="with --replot: rewrite this file's sections between the timing markers "
+                             "(every method's table, docs/results.md) and the throughput markers (fathom@48 against "
+                             "DS-136 with the peers' figures, README.md)")
 
 
 def validate(args) -> list[dict] | None:
@@ -141,9 +142,10 @@ def validate(args) -> list[dict] | None:
         raise UsageError(f"--host-gb must lie in 1..1000, got {args.host_gb}")
     if args.readme is not None:
         text = timing_report.read(args.readme) if args.replot is not None else ""
-        start, end = timing_report.README_START, timing_report.README_END
-        if start not in text or end not in text.split(start, 1)[1]:
-            raise UsageError(f"--readme needs --replot and a file with the section {start!r} ... {end!r}")
+        if not timing_report.readme_sections(text):
+            raise UsageError(f"--readme needs --replot and a file with the section {timing_report.README_START!r} ... "
+                             f"{timing_report.README_END!r} or {timing_report.THROUGHPUT_START!r} ... "
+                             f"{timing_report.THROUGHPUT_END!r}")
     if args.replot is None and not args.stats.is_file():
         raise UsageError(f"--stats: no file {args.stats} (make it with python -m bench channel-stats)")
     writable_folder("--out", args.out)

@@ -18,3 +18,28 @@ def test_the_kernel_table_puts_the_largest_first_and_sums_every_kernel():
     assert [line.split(" | ")[0] for line in table[2:]] == ["| scan._scan_kernel", "| topk._ties_kernel", "| copy",
                                                            "| all kernels"]
     assert table[3] == "| topk._ties_kernel | 2172 | — |" and table[-1] == "| all kernels | 6561 | 9381 |"
+
+
+def test_the_readme_throughput_section_is_the_committed_runs_table_with_the_peers(tmp_path):
+    """--readme rewrites each section its file holds, the rest untouched; the README's throughput table is the one
+    the committed runs make (so a new run that is not replotted into it shows here)."""
+    import json
+
+    from bench.__main__ import main
+    from bench.report import RESULTS
+    from bench.timing_report import PEERS, throughput_table
+
+    runs = [str(RESULTS / f"timing-{name}.json") for name in ("kernels-128k-append", "batch-128k-append", "1m-append")]
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- throughput:start -->\nold\n<!-- throughput:end -->\nbetween\n"
+                      "<!-- timing:start -->\nold\n<!-- timing:end -->\nafter\n")
+    main(["timing", "--replot", *runs, "--readme", str(readme), "--out", str(tmp_path), "--name", "x"])
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("before\n<!-- throughput:start -->\n`python -m bench timing")
+    assert "\n<!-- throughput:end -->\nbetween\n<!-- timing:start -->\n" in text
+    assert text.endswith("<!-- timing:end -->\nafter\n")
+    assert "| 128k × 16 ragged, t = 2, row cache 32768 | 6 | 45.99 | **348** | 79.80 | 201 | 1.73× | 0.973 / 0.983 " \
+           "| 8.0 |" in text
+    assert all(f"| {name} | {setting} | {hardware} | {rate:g} |" in text for name, setting, hardware, rate in PEERS)
+    merged = json.loads((tmp_path / "timing-x.json").read_text())
+    assert throughput_table(merged) in (RESULTS.parents[1] / "README.md").read_text()
