@@ -1,6 +1,11 @@
-"""bench timing's kernel profile, as reported: profiler names made short, one table of kernels × methods."""
+"""bench timing's reports: profiler names made short, one table of kernels × methods, the README's throughput
+section made from the committed runs."""
 
-from bench.timing_report import kernel_table
+import json
+
+from bench.__main__ import main
+from bench.report import RESULTS
+from bench.timing_report import PEERS, kernel_table, throughput_table
 from bench.timing_run import kernel_name
 
 
@@ -23,12 +28,6 @@ def test_the_kernel_table_puts_the_largest_first_and_sums_every_kernel():
 def test_the_readme_throughput_section_is_the_committed_runs_table_with_the_peers(tmp_path):
     """--readme rewrites each section its file holds, the rest untouched; the README's throughput table is the one
     the committed runs make (so a new run that is not replotted into it shows here)."""
-    import json
-
-    from bench.__main__ import main
-    from bench.report import RESULTS
-    from bench.timing_report import PEERS, throughput_table
-
     runs = [str(RESULTS / f"timing-{name}.json") for name in ("kernels-128k-append", "batch-128k-append", "1m-append")]
     readme = tmp_path / "README.md"
     readme.write_text("before\n<!-- throughput:start -->\nold\n<!-- throughput:end -->\nbetween\n"
