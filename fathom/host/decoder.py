@@ -190,11 +190,16 @@ class Decoder:
             self._steps[layer] = self._build(layer)
         return self._steps[layer]
 
-    def launches_between(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> list[Launch]:
-        """:meth:`launches` of ``layer`` bracketed by copies: its query from ``q [S, H·G, d]`` into the decoder's
-        buffer first, its output into ``out`` (float32, same shape) last (what a captured token replays)."""
-        q_in, layer_out = self.q_in[layer], self.out[layer]
-        return [lambda stream: q_in.copy_(q)] + self.launches(layer) + [lambda stream: out.copy_(layer_out)]
+    def launches_on(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> list[Launch]:
+        """The launches of ``layer``'s step built to read its query from ``q`` and write its output to ``out``
+        (float32 ``[S, H·G, d]`` on the GPU, contiguous) instead of the decoder's buffers: what a captured token
+        replays, with no copy in or out. The step's scratch is the decoder's, as every step's."""
+        shape = (self.cache.shape.sessions, self.cache.shape.kv_heads * self.group_size, self.cache.shape.head_dim)
+        for name, x in (("q", q), ("out", out)):
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or tuple(x.shape) != shape \
+                    or x.device.type != DEVICE.type or not x.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous float32 tensor on {DEVICE.type} of shape {shape}")
+        return [launch for _, stage in self._build(layer, q, out) for launch in stage]
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None,
                         head_basis: np.ndarray | None = None, gains: np.ndarray | None = None) -> None:
@@ -222,12 +227,14 @@ class Decoder:
         if len(empty):
             raise ValueError(f"session {int(empty[0])} of layer {layer} holds no tokens: nothing to attend to")
 
-    def _build(self, layer: int) -> list[tuple[str, list[Launch]]]:
+    def _build(self, layer: int, q_in: torch.Tensor | None = None, out: torch.Tensor | None = None
+               ) -> list[tuple[str, list[Launch]]]:
+        """The stages of ``layer``'s step, reading ``q_in`` and writing ``out`` (default: the decoder's buffers)."""
         s, sel = self.cache.shape, self.settings.selection
         cache_layer = self.cache.layers[layer]
         heads, lengths, status = s.kv_heads, cache_layer.arrays["lengths"], self.cache.status_flags(layer)
-        q = self.q_in[layer].view(s.streams, self.group_size, s.head_dim)
-        out = as_array(self.out[layer].view(s.streams, self.group_size, s.head_dim))
+        q = (self.q_in[layer] if q_in is None else q_in).view(s.streams, self.group_size, s.head_dim)
+        out = as_array((self.out[layer] if out is None else out).view(s.streams, self.group_size, s.head_dim))
         a = {name: as_array(getattr(self, name)) for name in
              ("top_hist", "hist2", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "staged",
               "part_m", "part_l", "part_o")}

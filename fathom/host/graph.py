@@ -146,11 +146,12 @@ def _token_launches(decoder: Decoder, layers: list[int], q_in, k_in, v_in, out) 
     cache = decoder.cache
     sessions = cache.all_sessions
     launches: list[Launch] = []
-    for i, layer in enumerate(layers):  # one host copy per input at replay: the per-layer copies are inside
+    # one copy per input at replay; each layer's step reads and writes the graph's own buffers (no copy a layer)
+    for i, layer in enumerate(layers):
         if k_in is not None:
             launches.append(lambda stream, i=i, layer=layer: cache.enqueue_append(layer, k_in[i], v_in[i], sessions,
                                                                                    stream))
-        launches += decoder.launches_between(layer, q_in[i], out[i])
+        launches += decoder.launches_on(layer, q_in[i], out[i])
     return launches
 
 

@@ -240,6 +240,30 @@ def test_graph_replay_equals_eager():
             np.testing.assert_array_equal(sealed_planes(graph_cache, LAYER, g)[0], sealed_planes(eager_cache, LAYER, g)[0])
 
 
+def test_a_step_built_on_other_buffers_reads_and_writes_them_only():
+    """``launches_on`` (what a token graph replays: no copy in or out a layer) gives the eager step's output in the
+    buffer it was given, leaves the decoder's own output buffer alone, and refuses a buffer it could not read."""
+    shape = SHAPES[3]
+    k, v, q, *_ = data = _setup(shape, seed=5, n=150)
+    with HostKVCache(shape) as cache:
+        _append(cache, k, v, 0, 150)
+        decoder = _decoder(cache, methods.fathom(12.0), data)
+        q_t = torch.from_numpy(q).to(DEVICE)
+        want = decoder.run(LAYER, q_t).cpu().numpy().copy()  # the decoder's buffer (shared memory on the CPU)
+        decoder.out[LAYER].zero_()
+        q_own, out_own = q_t.float().clone(), torch.full_like(q_t, float("nan"), dtype=torch.float32)
+        run_launches(decoder.launches_on(LAYER, q_own, out_own), cache.stream())
+        np.testing.assert_array_equal(out_own.cpu().numpy(), want)
+        assert not decoder.out[LAYER].any()
+        for bad in (q_own.double(), q_own[:, :-1], q_own.transpose(0, 1).contiguous().transpose(0, 1), q_own.cpu()):
+            if tuple(bad.shape) == tuple(q_own.shape) and bad.is_contiguous() and bad.dtype == torch.float32 \
+                    and bad.device == q_own.device:
+                continue  # a transpose that stays contiguous (one session): nothing to refuse
+            for args in ((bad, out_own), (q_own, bad)):
+                with pytest.raises(ValueError, match="must be a contiguous float32 tensor"):
+                    decoder.launches_on(LAYER, *args)
+
+
 @pytest.mark.parametrize("method", [methods.double_sparsity(2), methods.fathom(12.0, variance="calibration")],
                          ids=lambda m: m.name)
 def test_a_new_calibration_reaches_a_captured_step(filled, method):
