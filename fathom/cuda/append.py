@@ -41,16 +41,6 @@ def _bad_key(x):
     return not (abs(x) < FP16_LIMIT)  # NaN compares false
 
 
-@cuda.jit(device=True, inline=True)
-def _bf16_word(x, gi, i, c):
-    """Channels c..c+3 of token i of stream gi as bf16, 4 to a word, channel c lowest (a key or value that is not
-    finite is flagged anyway)."""
-    word = np.uint64(0)
-    for u in range(4):
-        word |= np.uint64(f32_to_bf16_bits(x[gi, i, c + u])) << np.uint64(16 * u)
-    return word
-
-
 @cuda.jit(cache=True)
 def _append_rows_kernel(k, k_store, v, lengths, sessions, heads, status, kv):
     x = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -61,17 +51,25 @@ def _append_rows_kernel(k, k_store, v, lengths, sessions, heads, status, kv):
     gi = x // (m * words)
     i = (x // words) % m
     w = x % words
-    for c in range(4 * w, 4 * w + 4):
-        if _bad_key(k[gi, i, c]) or _bad_key(k_store[gi, i, c]):
+    # each key and value read once: checked and rounded to bf16 (4 to a word, channel 4w lowest) from one load
+    k_word = np.uint64(0)
+    v_word = np.uint64(0)
+    for u in range(4):
+        c = 4 * w + u
+        key = k[gi, i, c]
+        value = v[gi, i, c]
+        if _bad_key(key) or _bad_key(k_store[gi, i, c]):
             status[0] = 1
-        if not abs(v[gi, i, c]) < np.float32(np.inf):
+        if not abs(value) < np.float32(np.inf):
             status[1] = 1
+        k_word |= np.uint64(f32_to_bf16_bits(key)) << np.uint64(16 * u)
+        v_word |= np.uint64(f32_to_bf16_bits(value)) << np.uint64(16 * u)
     s = sessions[gi // heads]
     g = s * heads + gi % heads
     p = lengths[s] + i
     if p < kv.shape[1]:  # the host checked the capacity; never write past it
-        kv[g, p, 0, w] = _bf16_word(k, gi, i, 4 * w)
-        kv[g, p, 1, w] = _bf16_word(v, gi, i, 4 * w)
+        kv[g, p, 0, w] = k_word
+        kv[g, p, 1, w] = v_word
 
 
 @cuda.jit(cache=True)
