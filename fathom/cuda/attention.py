@@ -6,12 +6,10 @@ neighbouring CTAs read neighbouring host pages) — or, for dense attention, row
 ``[streams, T, 2, d / 4]`` (K then V of a token side by side: one ``4·d``-byte read per row) into an HBM staging
 buffer, consecutive threads on consecutive 8-byte words, several rows in flight per thread. ``attend`` then runs
 a split softmax over chunks of :data:`CHUNK_ROWS` rows (one CTA per chunk: logits of every head, chunk max and sum,
-weighted values); the last of a stream's CTAs to finish (a per-stream counter, as in CUDA's threadFenceReduction
-sample) combines the stream's chunks for every head, so the step has no combine launch. Every per-step size (rows,
-context) is read on the GPU. Each stage keeps several loads in flight per thread: at a few thousand rows per KV
-head the kernels are bound by memory latency, not bandwidth (measured on the H200, 128k × 1: softmax and combine
-1.58 ms a token with 256-row chunks, a thread per row and a CTA per stream for the combine; 553 + 260 µs with
-64-row chunks and a combine kernel of a CTA per (stream, head)).
+weighted values) and combines the chunks per (stream, head). Every per-step size (rows, context) is read on the GPU.
+Each stage keeps several loads in flight per thread: at a few thousand rows per KV head the kernels are bound by
+memory latency, not bandwidth (measured on the H200, 128k × 1: softmax and combine 1.58 ms a token with 256-row
+chunks, a thread per row and a CTA per stream for the combine).
 """
 
 from __future__ import annotations
@@ -23,15 +21,13 @@ from numba import cuda
 
 from fathom import _checks
 from fathom.cuda.half import bf16_bits_to_f32
-from fathom.cuda.interop import launch_bounds
 
 ROWS_IN_FLIGHT = 4  # rows each thread of the gather loads before it stores
 V_IN_FLIGHT = 8  # rows' values each thread of the softmax loads before it accumulates them
 CHUNK_ROWS = 64  # rows per CTA of the softmax
 ROW_THREADS = 4  # threads sharing a row's logits, each loading every ROW_THREADS-th word of its K before any use
 SOFTMAX_THREADS = CHUNK_ROWS * ROW_THREADS
-MAX_COMBINE_HEADS = 8  # query heads of a KV head the combining CTA holds weights for (the scan's most)
-COMBINE_TILE = 64  # chunks whose weights (of every head) the combining CTA holds in shared memory at once
+COMBINE_TILE = 256  # chunks whose weights the combine holds in shared memory at once
 _KERNELS: dict[tuple, object] = {}
 
 
@@ -116,20 +112,16 @@ def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, sta
 
 
 def _softmax_kernel(heads: int, words: int):
-    """CTA per (chunk of CHUNK_ROWS rows, stream): partial softmax of every head over the chunk's rows; the stream's
-    last CTA to finish combines them (:func:`_combine`)."""
+    """CTA per (chunk of CHUNK_ROWS rows, stream): partial softmax of every head over the chunk's rows."""
     key = (heads, words)
     if key in _KERNELS:
         return _KERNELS[key]
     d = 4 * words
     words_per_part = -(-words // ROW_THREADS)
-    outputs = -(-heads * d // SOFTMAX_THREADS)  # outputs (head, channel) a thread of the combining CTA adds up
 
-    # its closure holds only integers: cached on disk. Within 64 registers (4 CTAs an SM): the combine's code took
-    # it to 65, which leaves room for 3
-    @cuda.jit(cache=True, **launch_bounds(SOFTMAX_THREADS, 4))
+    @cuda.jit(cache=True)  # its closure holds only integers: cached on disk
     def kernel(q, staged, head_mask, n_rows, lengths, heads_per_session, dense, scale, status, part_m, part_l,
-               part_o, chunks_done, out):
+               part_o):
         chunk = cuda.blockIdx.x
         g = cuda.blockIdx.y
         t = cuda.threadIdx.x
@@ -236,83 +228,54 @@ def _softmax_kernel(heads: int, words: int):
             part_m[g, chunk, t] = stats[0, t]
             part_l[g, chunk, t] = red[t, 0]
 
-        # the last CTA of the stream to get here combines: every CTA's partials are written GPU-wide (the fence)
-        # before it counts itself done, and the one that counts last sees them all
-        chunks = min((rows + CHUNK_ROWS - 1) // CHUNK_ROWS, cuda.gridDim.x)
-        last = cuda.shared.array(1, np.int32)
-        cuda.threadfence()
-        cuda.syncthreads()
-        if t == 0:
-            last[0] = 0
-            if cuda.atomic.add(chunks_done, g, 1) == chunks - 1:
-                last[0] = 1
-                chunks_done[g] = 0  # the next step (a graph's next replay) counts from zero
-        cuda.syncthreads()
-        if last[0] == 0:
-            return
-        cuda.threadfence()
-        total = cuda.local.array(outputs, np.float64)
-        o = cuda.local.array(outputs, np.float64)
-        held = cuda.local.array(V_IN_FLIGHT, np.float32)
-        _combine(part_m, part_l, part_o, out, g, chunks, heads, d, outputs, total, o, held, t, n_threads)
-
     _KERNELS[key] = kernel
     return kernel
 
 
-@cuda.jit(device=True, inline=True)
-def _combine(part_m, part_l, part_o, out, g, chunks, heads, d, outputs, total, o, held, t, n_threads):
-    """Stream ``g``'s ``chunks`` partial softmaxes combined into ``out[g]`` by one CTA, a thread per (head, channel)
-    (``outputs`` of them a thread, summed in its local float64 ``total`` and ``o``; ``held``: V_IN_FLIGHT loads): 32 partial maxima a head, then the chunks' weights ``exp(m_i − max m)`` of every
-    head :data:`COMBINE_TILE` chunks at a time into shared memory, each thread loading :data:`V_IN_FLIGHT` partial
-    outputs before it adds them, in chunk order. Weights and sums in float64: a few values a chunk."""
-    lane_top = cuda.shared.array((MAX_COMBINE_HEADS, 32), np.float64)
-    head_top = cuda.shared.array(MAX_COMBINE_HEADS, np.float64)
-    weight = cuda.shared.array((MAX_COMBINE_HEADS, COMBINE_TILE), np.float64)
-    mass = cuda.shared.array((MAX_COMBINE_HEADS, COMBINE_TILE), np.float64)  # weight · the chunk's sum
-    for x in range(t, heads * 32, n_threads):
-        h = x // 32
+@cuda.jit(cache=True)
+def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, part_o, out):
+    """CTA per (stream, head), thread per channel: the chunks' partial softmaxes combined. The chunks' weights
+    ``exp(m_i − max m)`` are computed once per CTA, :data:`COMBINE_TILE` at a time into shared memory, and each thread
+    loads :data:`V_IN_FLIGHT` partial outputs before it adds them (in chunk order)."""
+    g = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    t = cuda.threadIdx.x
+    n_threads = cuda.blockDim.x
+    rows = _row_count(n_rows, lengths, heads_per_session, dense, g)
+    chunks = min((rows + CHUNK_ROWS - 1) // CHUNK_ROWS, part_m.shape[1])
+    lane_top = cuda.shared.array(32, np.float64)  # weights and sums in float64: a few values a chunk
+    weight = cuda.shared.array(COMBINE_TILE, np.float64)
+    mass = cuda.shared.array(COMBINE_TILE, np.float64)  # weight · the chunk's sum of exponentials
+    for lane in range(t, 32, n_threads):  # 32 partial maxima, whatever the CTA's d threads
         top = -np.inf
-        for i in range(x % 32, chunks, 32):
+        for i in range(lane, chunks, 32):
             top = max(top, part_m[g, i, h])
-        lane_top[h, x % 32] = top
+        lane_top[lane] = top
     cuda.syncthreads()
-    if t < heads:
-        top = -np.inf
-        for lane in range(32):
-            top = max(top, lane_top[t, lane])
-        head_top[t] = top
-    for y in range(outputs):
-        total[y] = np.float64(0)
-        o[y] = np.float64(0)
+    top = -np.inf
+    for lane in range(32):
+        top = max(top, lane_top[lane])
+    total = np.float64(0)
+    o = np.float64(0)
+    held = cuda.local.array(V_IN_FLIGHT, np.float32)
     for tile in range(0, chunks, COMBINE_TILE):
         in_tile = min(COMBINE_TILE, chunks - tile)
-        cuda.syncthreads()  # the head maxima are in; the previous tile's weights are used
-        for x in range(t, heads * in_tile, n_threads):
-            h = x // in_tile
-            i = x % in_tile
+        cuda.syncthreads()  # the previous tile's weights are used
+        for i in range(t, in_tile, n_threads):
             m = part_m[g, tile + i, h]
-            w = math.exp(m - head_top[h]) if m > -np.inf else 0.0
-            weight[h, i] = w
-            mass[h, i] = w * part_l[g, tile + i, h]
+            w = math.exp(m - top) if m > -np.inf else 0.0
+            weight[i] = w
+            mass[i] = w * part_l[g, tile + i, h]
         cuda.syncthreads()
-        for y in range(outputs):
-            x = t + y * n_threads
-            if x < heads * d:
-                h = x // d
-                c = x % d
-                for base in range(0, in_tile, V_IN_FLIGHT):
-                    for u in range(V_IN_FLIGHT):
-                        if base + u < in_tile:
-                            held[u] = part_o[g, tile + base + u, h, c] if weight[h, base + u] != 0 else np.float32(0)
-                    for u in range(V_IN_FLIGHT):
-                        if base + u < in_tile and weight[h, base + u] != 0:
-                            total[y] += mass[h, base + u]
-                            o[y] += weight[h, base + u] * held[u]
-    for y in range(outputs):
-        x = t + y * n_threads
-        if x < heads * d:
-            out[g, x // d, x % d] = o[y] / total[y]
+        for base in range(0, in_tile, V_IN_FLIGHT):
+            for u in range(V_IN_FLIGHT):
+                if base + u < in_tile:
+                    held[u] = part_o[g, tile + base + u, h, t] if weight[base + u] != 0 else np.float32(0)
+            for u in range(V_IN_FLIGHT):
+                if base + u < in_tile and weight[base + u] != 0:
+                    total += mass[base + u]
+                    o += weight[base + u] * held[u]
+    out[g, h, t] = o / total
 
 
 def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool, kv, staged, ctas: int,
@@ -350,32 +313,27 @@ def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool,
 
 
 def attend(q, staged, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, scale: float, status, part_m,
-           part_l, part_o, chunks_done, out, stream=0) -> None:
+           part_l, part_o, out, stream=0) -> None:
     """``out float32 [streams, G, d] = softmax(q kᵀ · scale) v`` of each head over its selected staged rows.
 
     Args:
-        q: float32 ``[streams, G, d]`` (G <= :data:`MAX_COMBINE_HEADS`, d <= 512); staged: uint64
-            ``[streams, max_rows, 2, d / 4]`` from :func:`gather_rows`;
+        q: float32 ``[streams, G, d]``; staged: uint64 ``[streams, max_rows, 2, d / 4]`` from :func:`gather_rows`;
         head_mask: int32 ``[streams, max_rows]`` (bit h: head h selected the row; ignored when ``dense``);
         status: int32 flags, ``[2]`` raised for a non-finite query;
-        part_m, part_l: float32 ``[streams, ceil(max_rows / CHUNK_ROWS), G]``; part_o: float32 ``[.., G, d]`` scratch;
-        chunks_done: int32 ``[streams]`` scratch, zero when allocated: each stream's chunks counted done (the last
-            one combines and leaves it zero).
+        part_m, part_l: float32 ``[streams, ceil(max_rows / CHUNK_ROWS), G]``; part_o: float32 ``[.., G, d]`` scratch.
     """
     streams, heads, d = q.shape
     chunks = part_m.shape[1]
     if part_m.shape != (streams, chunks, heads) or part_o.shape != (streams, chunks, heads, d) \
-            or chunks * CHUNK_ROWS < staged.shape[1] or d % 4 or d > 512 or staged.shape[3] != d // 4 \
-            or not 1 <= heads <= MAX_COMBINE_HEADS:
+            or chunks * CHUNK_ROWS < staged.shape[1] or d % 4 or d > 1024 or staged.shape[3] != d // 4:
         raise ValueError(f"partials {part_m.shape} / {part_o.shape} do not cover {staged.shape[1]} rows of "
-                         f"{heads} heads × {d} channels (1..{MAX_COMBINE_HEADS} heads, d % 4 == 0, d <= 512)")
-    if staged.shape[0] != streams or head_mask.shape != staged.shape[:2] or n_rows.shape != (streams,) \
-            or chunks_done.shape != (streams,) or chunks_done.dtype != np.int32:
-        raise ValueError(f"staged and head_mask must be [{streams}, max_rows] alike, n_rows [{streams}] and "
-                         f"chunks_done int32 [{streams}], got {staged.shape[:2]}, {head_mask.shape}, {n_rows.shape}, "
-                         f"{chunks_done.dtype} {chunks_done.shape}")
+                         f"{heads} heads × {d} channels (d % 4 == 0, d <= 1024: a thread per channel)")
+    if staged.shape[0] != streams or head_mask.shape != staged.shape[:2] or n_rows.shape != (streams,):
+        raise ValueError(f"staged and head_mask must be [{streams}, max_rows] alike and n_rows [{streams}], got "
+                         f"{staged.shape[:2]}, {head_mask.shape}, {n_rows.shape}")
     _checks.stream_sessions(streams, heads_per_session, lengths)
     if streams:
         _softmax_kernel(heads, d // 4)[(chunks, streams), SOFTMAX_THREADS, stream](
-            q, staged, head_mask, n_rows, lengths, heads_per_session, dense, scale, status, part_m, part_l, part_o,
-            chunks_done, out)
+            q, staged, head_mask, n_rows, lengths, heads_per_session, dense, scale, status, part_m, part_l, part_o)
+        _combine_kernel[(streams, heads), d, stream](n_rows, lengths, heads_per_session, dense, part_m, part_l,
+                                                    part_o, out)

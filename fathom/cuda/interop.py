@@ -29,10 +29,7 @@ def as_array(tensor: torch.Tensor):
     return cuda.as_cuda_array(tensor.detach(), sync=False)  # one stream: no host sync on the tensor's stream
 
 
-def launch_bounds(threads: int, min_blocks: int | None = None) -> dict:
-    """``cuda.jit`` options capping a kernel at ``threads`` per block, so it compiles within that many registers,
-    and with ``min_blocks`` within the registers that many resident blocks of an SM leave it (the simulator takes
-    no such option)."""
-    if SIMULATED:
-        return {}
-    return {"launch_bounds": threads if min_blocks is None else (threads, min_blocks)}
+def launch_bounds(threads: int) -> dict:
+    """``cuda.jit`` options capping a kernel at ``threads`` per block, so it compiles within that many registers
+    (the simulator takes no such option)."""
+    return {} if SIMULATED else {"launch_bounds": threads}

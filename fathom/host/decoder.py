@@ -156,7 +156,6 @@ class Decoder:
         self.part_m = zeros((streams, chunks, self.group_size), torch.float32)
         self.part_l = zeros((streams, chunks, self.group_size), torch.float32)
         self.part_o = zeros((streams, chunks, self.group_size, d), torch.float32)
-        self.chunks_done = zeros(streams, torch.int32)  # the softmax's per-stream count (its last CTA combines)
         # the row gather's grid: two CTAs per multiprocessor keep enough rows in flight in a narrow window of pages
         self.gather_ctas = 2 * multiprocessors
         # built at a layer's first step: building reads the layer's pinned memory, which may still be allocating
@@ -238,7 +237,7 @@ class Decoder:
         out = as_array((self.out[layer] if out is None else out).view(s.streams, self.group_size, s.head_dim))
         a = {name: as_array(getattr(self, name)) for name in
              ("top_hist", "hist2", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "staged",
-              "part_m", "part_l", "part_o", "chunks_done")}
+              "part_m", "part_l", "part_o")}
         a["staged"] = a["staged"].view(np.uint64)
         winners = as_array(self.winners).view(np.uint32)
         any_rows = as_array(self.any_rows).view(np.uint64)
@@ -275,7 +274,7 @@ class Decoder:
                                                            stream)])]
         steps.append(("attention", [lambda stream: attend(q_arr, a["staged"], a["head_mask"], a["n_rows"], lengths,
                                                           heads, dense, scale, status, a["part_m"], a["part_l"],
-                                                          a["part_o"], a["chunks_done"], out, stream)]))
+                                                          a["part_o"], out, stream)]))
         return steps
 
     def _warm_up(self) -> None:

@@ -48,22 +48,17 @@ def test_gather_and_attend_match_reference(seed, streams, heads, d, dense, rows)
     rows_dev = cuda.to_device(np.pad(row_index, ((0, 0), (0, max_rows - rows))))
     gather_rows(rows_dev, cuda.to_device(n_rows), cuda.to_device(lengths), 1, dense, cuda.to_device(kv), staged,
                 ctas=2, threads=64)
-    done = cuda.to_device(np.zeros(streams, np.int32))
-    # two steps on the same scratch, the second with other queries: the first step's combining CTAs left each
-    # stream's count at zero, so the second's last CTA combines again
-    for step_q in (q, -2 * q[:, ::-1]):
-        attend(cuda.to_device(np.ascontiguousarray(step_q)), staged, mask_dev, cuda.to_device(n_rows),
-               cuda.to_device(lengths), 1, dense, 0.3, status, *part, part_o, done, out)
-        got = out.copy_to_host()
-        for g in range(streams):
-            if dense:
-                want = attention(step_q[g], k[g, :rows], v[g, :rows], scale=0.3)
-            else:
-                listed = row_index[g, :n_rows[g]]
-                mask = ((head_mask[g, :n_rows[g], None] >> np.arange(heads)) & 1).T.astype(bool)
-                want = attention(step_q[g], k[g, listed], v[g, listed], mask, scale=0.3)
-            np.testing.assert_allclose(got[g], want, rtol=1e-4, atol=1e-5)
-        assert not done.copy_to_host().any()
+    attend(cuda.to_device(q), staged, mask_dev, cuda.to_device(n_rows), cuda.to_device(lengths), 1, dense, 0.3,
+           status, *part, part_o, out)
+    got = out.copy_to_host()
+    for g in range(streams):
+        if dense:
+            want = attention(q[g], k[g, :rows], v[g, :rows], scale=0.3)
+        else:
+            listed = row_index[g, :n_rows[g]]
+            mask = ((head_mask[g, :n_rows[g], None] >> np.arange(heads)) & 1).T.astype(bool)
+            want = attention(q[g], k[g, listed], v[g, listed], mask, scale=0.3)
+        np.testing.assert_allclose(got[g], want, rtol=1e-4, atol=1e-5)
     assert not status.copy_to_host().any()
 
 
@@ -89,7 +84,7 @@ def test_gather_and_attend_match_reference_at_model_head_dims(d):
                 cuda.to_device(kv), staged, ctas=8)
     attend(cuda.to_device(q), staged, cuda.to_device(head_mask), cuda.to_device(n_rows), cuda.to_device(lengths), 1,
            False, d ** -0.5, cuda.to_device(np.zeros(4, np.int32)), *parts,
-           cuda.device_array((streams, chunks, heads, d), np.float32), cuda.to_device(np.zeros(streams, np.int32)), out)
+           cuda.device_array((streams, chunks, heads, d), np.float32), out)
     got = out.copy_to_host()
     for g in range(streams):
         listed = row_index[g, :n_rows[g]]
@@ -116,7 +111,7 @@ def test_far_negative_logits_over_many_chunks_at_a_small_head_dim():
                 True, cuda.to_device(kv), staged, 1)
     attend(cuda.to_device(q), staged, cuda.to_device(np.zeros((1, rows), np.int32)), cuda.to_device(n_rows),
            cuda.to_device(lengths), 1, True, 1.0, cuda.to_device(np.zeros(4, np.int32)), *parts,
-           cuda.device_array((streams, chunks, heads, d), np.float32), cuda.to_device(np.zeros(1, np.int32)), out)
+           cuda.device_array((streams, chunks, heads, d), np.float32), out)
     np.testing.assert_allclose(out.copy_to_host()[0], attention(q[0], k, v, scale=1.0), rtol=1e-4, atol=1e-5)
 
 
@@ -130,8 +125,7 @@ def test_a_non_finite_query_raises_the_flag():
     lengths, n_rows = cuda.to_device(np.array([64], np.int32)), cuda.to_device(np.array([0], np.int32))
     gather_rows(cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, cuda.to_device(k), staged, 1)
     attend(cuda.to_device(q), staged, cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, 1.0,
-           status, *parts, cuda.device_array((1, 1, 1, 4), np.float32), cuda.to_device(np.zeros(1, np.int32)),
-           cuda.device_array((1, 1, 4), np.float32))
+           status, *parts, cuda.device_array((1, 1, 1, 4), np.float32), cuda.device_array((1, 1, 4), np.float32))
     assert status.copy_to_host()[2] == 1
 
 
