@@ -16,8 +16,7 @@ Keys and queries are synthetic, drawn per channel from the statistics of a real 
 (``python -m bench channel-stats``: Qwen2.5-Coder-1.5B); Qwen3-8B layer ``l`` and KV head ``h`` take the
 capture's layer ``l % 28`` and head ``h % 2``. Each token's queries step from the previous token's (per channel,
 correlation :data:`~bench.synthetic_decode.QUERY_CORRELATION`), so consecutive steps select overlapping rows as a
-real decode does. Each record also carries the fraction of its timed tokens' selections whose guessed top-byte bin
-of the k-th score held (the selection then reads the scores once: ``fathom.cuda.topk``), as ``guess_hit_rate``.
+real decode does.
 
 ``--row-cache-rows N`` gives every (session, layer, KV head) an HBM row cache of N rows (``fathom.row_cache``);
 each method then runs alone on it, from empty, warmed up until :data:`ROW_CACHE_FULL` of its slots hold a row (at
@@ -227,7 +226,6 @@ def run(args: argparse.Namespace) -> Path:
                             bar.total -= (reps[label] - 1) * len(args.modes)
                             reps[label] = 1
                 hits, lookups = run_.cache.row_cache_counts()
-                guessed = {label: run_.decoders[label].guess_counts_so_far() for label in block}
                 for label in block:  # warm-ups append tokens: later methods run at longer contexts
                     run_.timed_from[label] = run_.cache.most_held()
                 for rep in range(max(reps[label] for label in block)):
@@ -241,9 +239,6 @@ def run(args: argparse.Namespace) -> Path:
                     now_hits, now_lookups = run_.cache.row_cache_counts()
                     run_.row_hit_rate[block[0]] = (now_hits - hits) / max(now_lookups - lookups, 1)
                 for label in block:
-                    held, selected = (now - before for now, before in
-                                      zip(run_.decoders[label].guess_counts_so_far(), guessed[label]))
-                    run_.guess_hit_rate[label] = held / selected if selected else None
                     run_.read_bytes(label)
                     if args.kernels:
                         run_.kernels_us[label] = run_.kernel_profile(label)

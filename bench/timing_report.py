@@ -52,24 +52,24 @@ def _shown(path: Path) -> Path:
 
 def throughput_table(payload: dict) -> str:
     """The README's throughput table: per setting timed in graph mode, fathom@48 against DS-136 (GPU ms a token of
-    every session, aggregate tokens a second, the ratio, each one's row cache hit rate and share of selections whose
-    guessed k-th bin held, fathom's GPU / floor), then the peers' published figures with their hardware."""
+    every session, aggregate tokens a second, the ratio, each one's row cache hit rate, fathom's GPU / floor), then
+    the peers' published figures with their hardware."""
     records = [r for r in payload["records"] if r["mode"] == "graph"]
     by = {(r["regime"], _setting_label(r), r["label"]): r for r in records}
     head = ("| setting | physical layers | fathom@48 ms | fathom@48 tokens / s | DS-136 ms | DS-136 tokens / s | "
-            "fathom vs DS-136 | row cache hits (fathom / DS) | k-th bin guessed (fathom / DS) | GPU / floor |")
+            "fathom vs DS-136 | row cache hits (fathom / DS) | GPU / floor |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for regime, setting in dict.fromkeys((r["regime"], _setting_label(r)) for r in records):
         f, ds = by.get((regime, setting, "fathom@48")), by.get((regime, setting, "double-sparsity@136"))
         if f is None:
             continue
-        hits, guessed = (" / ".join("—" if r is None or r.get(key) is None else f"{r[key]:.3f}" for r in (f, ds))
-                         for key in ("row_hit_rate", "guess_hit_rate"))
+        hits = " / ".join("—" if r is None or r.get("row_hit_rate") is None else f"{r['row_hit_rate']:.3f}"
+                          for r in (f, ds))
         lines.append(f"| {setting}{'' if regime == 'host' else ', store in HBM'} | {f['physical_layers']} | "
                      f"{f['gpu_ms']:.2f} | **{tokens_per_s(f):.0f}** | "
                      + (f"{ds['gpu_ms']:.2f} | {tokens_per_s(ds):.0f} | {f['speedup_vs_ds136']:.2f}× | "
                         if ds is not None else "— | — | — | ")
-                     + f"{hits} | {guessed} | {f['gpu_over_floor']:.1f} |")
+                     + f"{hits} | {f['gpu_over_floor']:.1f} |")
     lines += ["", "| peer (published) | model, context, batch | hardware | tokens / s |", "|---|---|---|---|"]
     lines += [f"| {name} | {setting} | {hardware} | {rate:g} |" for name, setting, hardware, rate in PEERS]
     return "\n".join(lines)
@@ -132,7 +132,7 @@ COLUMNS = [("label", "method@bits", "s"), ("mode", "mode", "s"), ("gpu_ms", "GPU
            ("gpu_over_floor", "GPU / floor", ".2f"), ("speedup_vs_ds136", "GPU × vs DS-136", ".2f"),
            ("wall_speedup_vs_ds136", "wall × vs DS-136", ".2f"), ("bits_read", "bits read", ".1f"),
            ("scan_mb", "scan MB", ".1f"), ("row_mb", "rows MB", ".1f"), ("row_hit_rate", "row cache hits", ".2f"),
-           ("row_link_mb", "rows over link MB", ".1f"), ("guess_hit_rate", "k-th bin guessed", ".2f")]
+           ("row_link_mb", "rows over link MB", ".1f")]
 # with a row cache each method warms its own and then is timed alone: its warm-ups append, so methods of one setting
 # run at their own contexts
 ROW_CACHE_COLUMNS = [("row_cache_warmup", "row cache warm-up tokens", "d"),

@@ -105,8 +105,6 @@ class Run:
         self.nbytes: dict[str, dict] = {}  # per method: what one eager token read (:meth:`read_bytes`)
         self.row_hit_rate: dict[str, float | None] = dict.fromkeys(labels)
         self.row_cache_warmup = dict.fromkeys(labels, 0)  # untimed tokens before the hit rate was counted
-        # of the timed tokens' selections, the fraction whose guessed top-byte bin held (one pass over the scores)
-        self.guess_hit_rate: dict[str, float | None] = dict.fromkeys(labels)
         self.row_cache_filled: dict[str, float | None] = dict.fromkeys(labels)  # slots holding a row by then
         self.timed_from = dict.fromkeys(labels, 0)  # the longest session's tokens when the timed tokens began
         self.kernels_us: dict[str, dict[str, float]] = {}  # per method, with --kernels (:meth:`kernel_profile`)
@@ -237,7 +235,6 @@ def records(run: Run, labels: list[str], link_gbps: float, hbm_gbps: float, args
                         "row_hit_rate": run.row_hit_rate[label],
                         "row_cache_warmup": run.row_cache_warmup[label] if run.cache.shape.row_cache_rows else None,
                         "row_cache_filled": run.row_cache_filled[label], "timed_from_tokens": run.timed_from[label],
-                        "guess_hit_rate": run.guess_hit_rate[label],
                         "hbm_planes": run.cache.shape.layout.hbm_planes,
                         "host_plane_fraction": scan_link / scan if scan else None,
                         "hbm_gb": run.cache.hbm_bytes / 1e9, "pinned_gb": run.cache.pinned_bytes / 1e9,

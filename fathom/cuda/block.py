@@ -50,24 +50,3 @@ def flush_histogram(hist, top_hist, g, heads, t, n_threads):
         if hist[row, col]:
             cuda.atomic.add(top_hist, (g, row, col), hist[row, col])
         x = np.uint32(x + n_threads)
-
-
-@cuda.jit(device=True, inline=True)
-def add_run(hist, row, digit, last, run):
-    """Run-length counting into ``hist[row]``: a thread's run of equal digits adds once (crowded bins do not
-    serialise on one shared counter). Adds the finished run of ``last`` when the digit changes; returns
-    (last, run). The caller adds the final run."""
-    if digit == last:
-        return last, run + 1
-    if run:
-        cuda.atomic.add(hist, (row, last), run)
-    return digit, 1
-
-
-def check_histograms(streams: int, heads: int, top_hist, guess, guess_hist) -> None:
-    """A scorer's histograms and guesses fit ``streams`` × ``heads``: int32 ``top_hist`` and ``guess_hist``
-    ``[streams, heads, 256]``, int32 ``guess [streams, heads]``."""
-    for name, x, shape in (("top_hist", top_hist, (streams, heads, RADIX)), ("guess", guess, (streams, heads)),
-                           ("guess_hist", guess_hist, (streams, heads, RADIX))):
-        if x.shape != shape or x.dtype != np.int32:
-            raise ValueError(f"{name} must be int32 {list(shape)}, got {x.dtype} {list(x.shape)}")

@@ -1,8 +1,7 @@
 """Scores from 16-bit rows read straight from host memory (design §7, §8 step 3): the oracle's exact ``q · k`` over
 the bf16 K rows, and landmark's ``q · mark`` over the fp16 mean keys, every token of an 8-token block taking its
 block's score. The twins of ``fathom.scoring.exact_scores`` / ``landmark_scores`` (float32 tolerance), and like
-``fathom.cuda.scan`` they count the top byte of every candidate's score for the selection, and the second byte of
-those in each head's guessed top-byte bin (``fathom.cuda.topk``).
+``fathom.cuda.scan`` they count the top byte of every candidate's score for the selection.
 
 One CTA per (tile of up to 128 rows, stream): the tile's rows are read coalesced (consecutive threads on
 consecutive 8-byte words of a row) into shared memory, then each thread scores one row. Rows past a session's
@@ -16,7 +15,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from fathom.cuda.block import RADIX, check_histograms, flush_histogram, order_key
+from fathom.cuda.block import RADIX, flush_histogram, order_key
 from fathom.cuda.half import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bits
 from fathom.quantize import BLOCK
 
@@ -28,9 +27,10 @@ _KERNELS: dict[tuple, object] = {}
 
 
 def rows_per_cta(words: int, heads: int) -> int:
-    """Rows of a tile: at most 128 and :data:`TILE_WORDS`, and within the shared memory the query and two histograms
-    of ``heads`` heads leave (float32 ``[heads, d]``, int32 ``[2, heads, 256]``)."""
-    left = SHARED_BYTES - heads * 4 * (4 * words + 2 * RADIX)
+    """Rows of a tile: at most 128 and :data:`TILE_WORDS`, and within the shared memory the query and histogram of
+    ``heads`` heads leave (float32 ``[heads, d]``, int32 ``[heads, 256]``: at G = 8, d = 256 a 64-row tile would
+    overrun it by 512 bytes)."""
+    left = SHARED_BYTES - heads * 4 * (4 * words + RADIX)
     return min(128, TILE_WORDS // (words + 1), left // (8 * (words + 1)))
 
 
@@ -43,7 +43,7 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
     d = 4 * words
 
     @cuda.jit(cache=True)  # its closure holds only integers: cached on disk
-    def kernel(q, rows, lengths, heads_per_session, sink, local, scores, top_hist, guess, guess_hist):
+    def kernel(q, rows, lengths, heads_per_session, sink, local, scores, top_hist):
         g = cuda.blockIdx.y
         t = cuda.threadIdx.x
         n_threads = cuda.blockDim.x
@@ -56,10 +56,8 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
         tile = cuda.shared.array((ROWS, stride), np.uint64)
         q_all = cuda.shared.array((heads, d), np.float32)
         hist = cuda.shared.array((heads, RADIX), np.int32)
-        hist_guess = cuda.shared.array((heads, RADIX), np.int32)  # second bytes of the candidates in the guessed bin
         for x in range(t, heads * RADIX, n_threads):
             hist[x // RADIX, x % RADIX] = 0
-            hist_guess[x // RADIX, x % RADIX] = 0
         for x in range(t, heads * d, n_threads):
             q_all[x // d, x % d] = q[g, x // d, x % d]
         for x in range(t, valid * words, n_threads):
@@ -84,7 +82,7 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
                     for h in range(heads):
                         acc[h] += q_all[h, 4 * w + e] * value
             for h in range(heads):
-                key = order_key(f32_to_bits(acc[h]))
+                key = np.int32(order_key(f32_to_bits(acc[h])) >> np.uint32(24))
                 counted = 0
                 for e in range(tokens_per_row):
                     j = (first + r) * tokens_per_row + e
@@ -92,39 +90,32 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
                     if lo_cand <= j < hi_cand:
                         counted += 1
                 if counted:  # a row's tokens share its score: one add
-                    cuda.atomic.add(hist, (h, key >> np.uint32(24)), counted)
-                    if key >> np.uint32(24) == np.uint32(guess[g, h]):
-                        cuda.atomic.add(hist_guess, (h, (key >> np.uint32(16)) & np.uint32(RADIX - 1)), counted)
+                    cuda.atomic.add(hist, (h, key), counted)
         flush_histogram(hist, top_hist, g, heads, t, n_threads)
-        flush_histogram(hist_guess, guess_hist, g, heads, t, n_threads)
 
     _KERNELS[key] = kernel
     return kernel
 
 
 def scan_rows(q, rows, bf16: bool, tokens_per_row: int, lengths, heads_per_session: int, sink: int, local: int,
-              scores, top_hist, guess, guess_hist, threads: int = THREADS, stream=0) -> None:
-    """Scores of every sealed token from 16-bit rows, the candidates' top-byte histogram, and the second-byte one of
-    those in each head's guessed bin.
+              scores, top_hist, threads: int = THREADS, stream=0) -> None:
+    """Scores of every sealed token from 16-bit rows, and the candidates' top-byte histogram.
 
     Args:
         q: float32 ``[streams, G, d]`` (raw basis).
         rows: uint64 ``[streams, R, halves, d / 4]``: row ``r`` is half 0 of ``rows[g, r]`` (bf16 K rows of the
             K/V store, or fp16 landmarks with one half), 4 values per word.
         bf16: the rows hold bf16 (K rows) or fp16 (landmarks); tokens_per_row: 1 (K rows) or 8 (landmarks).
-        lengths, heads_per_session, sink, local, scores, top_hist, guess, guess_hist: as in
-            ``fathom.cuda.scan.scan_planes``.
+        lengths, heads_per_session, sink, local, scores, top_hist: as in ``fathom.cuda.scan.scan_planes``.
     """
     streams, heads, d = q.shape
     if d % 4 or d // 4 > MAX_WORDS or rows.shape[3] != d // 4:
         raise ValueError(f"rows must hold d / 4 words with d % 4 == 0 and d <= {4 * MAX_WORDS}; got d = {d}, "
                          f"rows {rows.shape}")
     if heads < 1 or rows_per_cta(d // 4, heads) < 1:  # the query and histograms alone would fill shared memory
-        most = (SHARED_BYTES - 8 * (d // 4 + 1)) // (4 * (d + 2 * RADIX))
+        most = (SHARED_BYTES - 8 * (d // 4 + 1)) // (4 * (d + RADIX))
         raise ValueError(f"q must have 1..{most} query heads at d = {d}, got {heads}")
-    check_histograms(streams, heads, top_hist, guess, guess_hist)
     if streams:
         grid = (math.ceil(rows.shape[1] / rows_per_cta(d // 4, heads)), streams)
         _row_kernel(heads, bf16, tokens_per_row, d // 4)[grid, threads, stream](q, rows, lengths, heads_per_session, sink,
-                                                                         local, scores, top_hist, guess,
-                                                                         guess_hist)
+                                                                         local, scores, top_hist)

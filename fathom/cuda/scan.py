@@ -44,7 +44,7 @@ import numpy as np
 from numba import cuda
 
 from fathom import _checks
-from fathom.cuda.block import RADIX, add_run, check_histograms, exclusive_scan, flush_histogram, order_key
+from fathom.cuda.block import RADIX, exclusive_scan, flush_histogram, order_key
 from fathom.cuda.half import f16_bits_to_f32_eighth, f32_from_bits, f32_to_bits
 from fathom.cuda.interop import launch_bounds
 from fathom.cuda.layout import plane_in_near, plane_word, record_offset, scales_in_near
@@ -135,7 +135,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
 
     @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only integers: cached on disk
     def kernel(q, depths, lengths, heads_per_session, near, far, n_seg, cap, scale_words, near_record_words,
-               far_record_words, hbm_planes, sink, local, scores, top_hist, guess, guess_hist):
+               far_record_words, hbm_planes, sink, local, scores, top_hist):
         g = cuda.blockIdx.x
         parts = cap // per_cta
         seg = cuda.blockIdx.y // parts
@@ -152,18 +152,16 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
         d = q.shape[2]
 
         chan = cuda.shared.array(MAX_D, np.int32)  # active channels, in channel order
-        depth = cuda.shared.array(MAX_D, np.uint8)  # 0..4 (a byte: G = 4's CTA fits its two histograms in 48 KiB)
+        depth = cuda.shared.array(MAX_D, np.int32)
         start = cuda.shared.array(slots, np.int32)  # slot start of active i (run words, all chunks)
         chunk_first = cuda.shared.array(chunk_slots, np.int32)  # first active of each chunk (+ sentinel)
         q_read = cuda.shared.array((MAX_D, heads), np.float32)
         counts = cuda.shared.array(threads, np.int32)
         state = cuda.shared.array(2, np.int32)  # actives, chunks
         hist = cuda.shared.array((heads, RADIX), np.int32)
-        hist_guess = cuda.shared.array((heads, RADIX), np.int32)  # second bytes of the candidates in the guessed bin
         buffer = cuda.shared.array(buffer_words, np.uint64)
         for x in range(t, heads * RADIX, threads):
             hist[x // RADIX, x % RADIX] = 0
-            hist_guess[x // RADIX, x % RADIX] = 0
         part_scale_words = (local0 + per_cta - 1) // SCALES_PER_WORD - local0 // SCALES_PER_WORD + 1
 
         # the active channels and their run slots: block scans over the channels, threads-wide at a time
@@ -178,7 +176,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
             if read > 0:
                 i = actives + before
                 chan[i] = c
-                depth[i] = np.uint8(read)
+                depth[i] = read
                 for h in range(heads):
                     q_read[i, h] = q[g, h, c]
             counts[t] = part_scale_words + read * per_cta if read > 0 else 0
@@ -275,16 +273,12 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                             acc[2 * jb, h] += q_i[h] * k_lo
                             acc[2 * jb + 1, h] += q_i[h] * k_hi
 
-        # scores, the top-byte histogram of the candidates (not sink / local; tail tokens are never scored), and the
-        # second-byte one of those in the head's guessed bin (fathom.cuda.topk)
+        # scores, and the top-byte histogram of the candidates (not sink / local; tail tokens are never scored)
         lo_cand = sink
         hi_cand = min(n_blocks * BLOCK, n - local)
         for h in range(heads):  # a thread's tokens in one bin add once: crowded bins do not serialise
-            guessed = np.uint32(guess[g, h])
             last = np.uint32(RADIX)
             run = 0
-            last2 = np.uint32(RADIX)
-            run2 = 0
             for jb in range(per_warp):
                 b = warp * per_warp + jb
                 if b < valid:
@@ -293,26 +287,25 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                         value = acc[2 * jb + half, h]
                         scores[g, h, j] = value
                         if lo_cand <= j < hi_cand:
-                            key = order_key(f32_to_bits(value))
-                            last, run = add_run(hist, h, key >> np.uint32(24), last, run)
-                            if key >> np.uint32(24) == guessed:
-                                second = (key >> np.uint32(16)) & np.uint32(RADIX - 1)
-                                last2, run2 = add_run(hist_guess, h, second, last2, run2)
+                            digit = order_key(f32_to_bits(value)) >> np.uint32(24)
+                            if digit == last:
+                                run += 1
+                            else:
+                                if run:
+                                    cuda.atomic.add(hist, (h, last), run)
+                                last = digit
+                                run = 1
             if run:
                 cuda.atomic.add(hist, (h, last), run)
-            if run2:
-                cuda.atomic.add(hist_guess, (h, last2), run2)
         flush_histogram(hist, top_hist, g, heads, t, threads)
-        flush_histogram(hist_guess, guess_hist, g, heads, t, threads)
 
     _KERNELS[key] = kernel
     return kernel
 
 
 def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, sink: int, local: int, scores,
-                top_hist, guess, guess_hist, warps: int = 32, stream=0) -> None:
-    """Scores of every sealed token and the top-byte histogram of the candidates, straight from the store (and the
-    second-byte histogram of those in each head's guessed top-byte bin).
+                top_hist, warps: int = 32, stream=0) -> None:
+    """Scores of every sealed token and the top-byte histogram of the candidates, straight from the store.
 
     Args:
         q: float32 ``[streams, G, d]`` queries in the store's basis; depths: int8 ``[streams, d]`` in 0..4.
@@ -323,9 +316,6 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
         sink, local: design §6 (candidates are sealed tokens ``sink .. min(n_sealed, n − local)``).
         scores: float32 ``[streams, G, ≥ n]``: columns ``0 .. n_sealed`` written; top_hist: int32
             ``[streams, G, 256]``, counts added (``fathom.cuda.topk.select`` consumes and clears them).
-        guess: int32 ``[streams, G]`` each head's guessed top byte of the k-th (256: none); guess_hist: int32
-            ``[streams, G, 256]``: the second bytes of the candidates whose top byte is the guess, counts added
-            (``select`` consumes and clears them).
         warps: warps per CTA (at most 32); a CTA scores ``warps · blocks_per_warp(G)`` blocks, at most a segment
             and at most :data:`MAX_CTA_BLOCKS` (:func:`launch_shape`).
     """
@@ -337,7 +327,6 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
         raise ValueError(f"layout.d must equal q's {d} channels, got {layout.d}")
     if depths.shape != (streams, d) or depths.dtype != np.int8:
         raise ValueError(f"depths must be int8 [{streams}, {d}], got {depths.dtype} {depths.shape}")
-    check_histograms(streams, heads, top_hist, guess, guess_hist)
     _checks.stream_sessions(streams, heads_per_session, lengths)
     warps, per_warp = launch_shape(heads, layout.cap, warps)
     if layout.cap % (warps * per_warp):
@@ -350,5 +339,4 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
         grid = (streams, parts)  # streams fastest: CTAs start segment by segment, the sessions' last ones last
         _scan_kernel(heads, warps, per_warp)[grid, 32 * warps, stream](
             q, depths, lengths, heads_per_session, near, far, layout.segments, layout.cap, layout.scale_words,
-            layout.near_record_words, layout.far_record_words, layout.hbm_planes, sink, local, scores, top_hist, guess,
-            guess_hist)
+            layout.near_record_words, layout.far_record_words, layout.hbm_planes, sink, local, scores, top_hist)

@@ -7,11 +7,7 @@ byte. Real scores crowd into one or two binades (a shared offset q · mean(k)): 
 can share the top byte. So a first pass marks the tokens above that byte and counts the second key byte of the
 tokens in its bin; a second pass marks the tokens above the k-th's second byte and appends those in its bin to a
 candidate list (measured on the H200 at 32k × 16: the list of the top byte alone, ~32k a head, made one CTA per head
-walk it three times: 2.1× slower). The k-th's top byte moves little from one step to the next, so each head keeps
-the last step's as a guess, and the scorer also counts the second byte of the candidates in the guessed bin: where
-the guess is right (the k-th's top byte is the guessed one), that count is the first pass's, so the first pass
-returns at once and the second also marks the tokens above the bin — one pass over the scores instead of two; where
-it is wrong, both passes run as before. The selection is the same either way. One CTA per head then finishes the two low key bytes on the short list and breaks
+walk it three times: 2.1× slower). One CTA per head then finishes the two low key bytes on the short list and breaks
 ties at the threshold by a radix select on token index, ascending. Sink, local and the unsealed tail are kept by
 every head. Histograms are counted per thread run (a thread's tokens in one bin add once) and per warp group, so
 crowded bins do not serialise on one shared counter; the list is appended at block-scan offsets, one global
@@ -127,12 +123,11 @@ def _add_run(hist, digit, last, run):
 
 @cuda.jit(cache=True)
 def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hist2,
-                       guess, guess_hist, winners, any_rows, cand_key, cand_idx, cand_count):
+                       winners, any_rows, cand_key, cand_idx, cand_count):
     """Grid (chunks, G, streams), one pass over the scores of a chunk for head h: ``level`` 0 marks the tokens above
     the k-th's top byte and counts the second byte of those in its bin; level 1 marks the tokens above its second
-    byte and appends those in its bin (see the module). Where the scorer counted the k-th's bin already (the guess
-    hit), level 0 returns at once and level 1 also marks the tokens above the bin. Block (0, 0) of each stream also
-    keeps sink, local and tail, in level 0."""
+    byte and appends those in its bin (see the module). Block (0, 0) of each stream also keeps sink, local and tail,
+    in level 0."""
     h = cuda.blockIdx.y
     g = cuda.blockIdx.z
     t = cuda.threadIdx.x
@@ -159,11 +154,8 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
     # then replaced by the CTA's list base)
     _kth_digit(top_hist, g, h, k, hist, state, t, n_threads)
     digit1 = np.uint32(state[0])
-    hit = digit1 == np.uint32(guess[g, h])  # the same in every CTA of the head
-    if level == 0 and hit:
-        return
     if level == 1:
-        _kth_digit(guess_hist if hit else hist2, g, h, state[1], hist, state[3:], t, n_threads)
+        _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
     else:
         for i in range(t, RADIX, n_threads):
             hist[i] = 0
@@ -200,8 +192,6 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
                         _mark(winners, any_rows, g, j, bit)
                     elif second == digit2:
                         matches = np.int32(matches + 1)
-                elif top > digit1 and hit:  # level 0 did not run
-                    _mark(winners, any_rows, g, j, bit)
         j0 = np.uint32(j0 + SCORES_IN_FLIGHT * step)
     if level == 0:
         if run:
@@ -267,12 +257,10 @@ def _tie_pass(cand_key, cand_idx, g, h, m, on_index, shift, prefix, mask, thresh
 
 
 @cuda.jit(cache=True)
-def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hist2, guess, guess_hist, guess_counts, cand_key,
-                 cand_idx, cand_count, winners, any_rows):
+def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hist2, cand_key, cand_idx, cand_count, winners,
+                 any_rows):
     """One CTA per (head, stream): the two low key bytes over the candidate list, then ties at the threshold by token
-    index (earliest first), then the winners; the k-th's top byte becomes the head's guess for the next step, and
-    ``guess_counts`` counts the guesses that held and the selections. Leaves ``top_hist``, ``hist2``, ``guess_hist``
-    and ``cand_count`` zero."""
+    index (earliest first), then the winners. Leaves ``top_hist``, ``hist2`` and ``cand_count`` zero."""
     h = cuda.blockIdx.x
     g = cuda.blockIdx.y
     t = cuda.threadIdx.x
@@ -285,8 +273,7 @@ def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hist2, gu
     if hi - lo > k:
         m = cand_count[g, h]
         _kth_digit(top_hist, g, h, k, hist, state, t, n_threads)
-        hit = np.uint32(state[0]) == np.uint32(guess[g, h])
-        _kth_digit(guess_hist if hit else hist2, g, h, state[1], hist, state[3:], t, n_threads)
+        _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
         prefix = np.uint32(state[0] << 24) | np.uint32(state[3] << 16)
         mask = np.uint32(0xFFFF0000)
         remaining = state[4]
@@ -331,16 +318,11 @@ def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hist2, gu
             if key > threshold or (key == threshold and np.uint32(indices[i]) <= last_tie):
                 _mark(winners, any_rows, g, indices[i], bit)
             i = np.uint32(i + n_threads)
-        if t == 0:  # every kernel of this step has read the old guess
-            guess[g, h] = np.int32(state[0])
-            cuda.atomic.add(guess_counts, 0, np.int64(1 if hit else 0))
-            cuda.atomic.add(guess_counts, 1, np.int64(1))
     cuda.syncthreads()
     i = np.uint32(t)
     while i < RADIX:
         top_hist[g, h, i] = 0
         hist2[g, h, i] = 0
-        guess_hist[g, h, i] = 0
         i = np.uint32(i + n_threads)
     if t == 0:
         cand_count[g, h] = 0
@@ -415,9 +397,9 @@ def _write_rows_kernel(any_rows, winners, lengths, heads_per_session, block_rows
         any_rows[g, w] = np.uint64(0)
 
 
-def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hist2, guess,
-           guess_hist, guess_counts, cand_key, cand_idx, cand_count, winners, any_rows, threads: int = 256,
-           select_threads: int = MAX_THREADS, per_block: int = 8192, stream=0) -> None:
+def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hist2, cand_key,
+           cand_idx, cand_count, winners, any_rows, threads: int = 256, select_threads: int = MAX_THREADS,
+           per_block: int = 8192, stream=0) -> None:
     """Each head's top-k among its candidates (sealed tokens but sink and local), plus sink, local and tail for every
     head, marked in ``winners`` (bit h) and ``any_rows``.
 
@@ -426,11 +408,6 @@ def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local
         lengths: int32 ``[S]`` session lengths; stream ``g`` is session ``g // heads_per_session``.
         top_hist: int32 ``[streams, G, 256]``: the candidates' top-byte counts (from the scan); hist2: int32
             ``[streams, G, 256]`` scratch, zero; both left zero.
-        guess: int32 ``[streams, G]``: each head's guess of the k-th's top byte (256: none), replaced by the k-th's
-            top byte for the next step; guess_hist: int32 ``[streams, G, 256]``: the second-byte counts of the
-            candidates in the guessed bin (from the scan), left zero. Where the guess is right the first pass over
-            the scores does not run. guess_counts: int64 ``[2]``: the heads whose guess held and the heads selected
-            (more candidates than k), added to.
         cand_key, cand_idx: uint32 / int32 ``[streams, G, T]`` scratch; cand_count: int32 ``[streams, G]``, zero
             (left zero).
         winners: uint32 ``[streams, T]`` and any_rows: uint64 ``[streams, ceil(T / 64)]``, zero as allocated and as
@@ -440,14 +417,12 @@ def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local
     streams, heads, tokens = score_bits.shape
     if score_bits.dtype != np.uint32 or winners.shape != (streams, tokens) \
             or top_hist.shape != (streams, heads, RADIX) \
-            or hist2.shape != top_hist.shape or guess_hist.shape != top_hist.shape \
-            or guess.shape != (streams, heads) or guess_counts.shape != (2,) or guess_counts.dtype != np.int64 \
-            or cand_key.shape != score_bits.shape \
+            or hist2.shape != top_hist.shape or cand_key.shape != score_bits.shape \
             or cand_idx.shape != score_bits.shape or cand_count.shape != (streams, heads) \
             or any_rows.shape != (streams, -(-tokens // 64)) or heads > 32:
         raise ValueError(f"score bits {score_bits.dtype} {score_bits.shape} / winners {winners.shape} / histograms "
-                         f"{top_hist.shape} {hist2.shape} {guess_hist.shape} / guesses {guess.shape} / candidates "
-                         f"{cand_key.shape} / bitmap {any_rows.shape} do not fit (at most 32 heads)")
+                         f"{top_hist.shape} {hist2.shape} / candidates {cand_key.shape} / bitmap {any_rows.shape} do "
+                         f"not fit (at most 32 heads)")
     if min(k, sink, local) < 0 or not 1 <= threads <= MAX_THREADS or not 32 <= select_threads <= MAX_THREADS \
             or not _checks.is_integer(per_block) or per_block < 1:
         raise ValueError(f"k, sink, local must be >= 0, threads in 1..{MAX_THREADS}, select_threads in "
@@ -457,11 +432,11 @@ def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local
         chunks = (math.ceil(tokens / per_block), heads, streams)
         for level in (0, 1):
             _candidates_kernel[chunks, threads, stream](score_bits, lengths, heads_per_session, k, sink, local,
-                                                        per_block, level, top_hist, hist2, guess, guess_hist, winners,
-                                                        any_rows, cand_key, cand_idx, cand_count)
+                                                        per_block, level, top_hist, hist2, winners, any_rows,
+                                                        cand_key, cand_idx, cand_count)
         _ties_kernel[(heads, streams), select_threads, stream](lengths, heads_per_session, k, sink, local,
-                                                              top_hist, hist2, guess, guess_hist, guess_counts,
-                                                              cand_key, cand_idx, cand_count, winners, any_rows)
+                                                              top_hist, hist2, cand_key, cand_idx, cand_count, winners,
+                                                              any_rows)
 
 
 def union_blocks(tokens: int, threads: int) -> int:

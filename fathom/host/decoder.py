@@ -131,11 +131,6 @@ class Decoder:
         self.scores = zeros((streams, self.group_size, scored), torch.float32)
         self.top_hist = zeros((streams, self.group_size, RADIX), torch.int32)
         self.hist2 = zeros((streams, self.group_size, RADIX), torch.int32)
-        # each layer's guess of each head's k-th top byte (RADIX: none yet), and the scorer's second-byte counts of
-        # the guessed bin: where the guess holds, the selection's first pass over the scores is skipped
-        self.guess = torch.full((s.layers, streams, self.group_size), RADIX, dtype=torch.int32, device=DEVICE)
-        self.guess_hist = zeros((streams, self.group_size, RADIX), torch.int32)
-        self.guess_counts = zeros(2, torch.int64)  # heads whose guess held, heads selected (every layer's steps)
         self.cand_key = zeros((streams, self.group_size, scored), torch.int32)
         self.cand_idx = zeros((streams, self.group_size, scored), torch.int32)
         self.cand_count = zeros((streams, self.group_size), torch.int32)
@@ -242,7 +237,7 @@ class Decoder:
         out = as_array((self.out[layer] if out is None else out).view(s.streams, self.group_size, s.head_dim))
         a = {name: as_array(getattr(self, name)) for name in
              ("top_hist", "hist2", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "staged",
-              "part_m", "part_l", "part_o", "guess_hist", "guess_counts")}
+              "part_m", "part_l", "part_o")}
         a["staged"] = a["staged"].view(np.uint64)
         winners = as_array(self.winners).view(np.uint32)
         any_rows = as_array(self.any_rows).view(np.uint64)
@@ -251,13 +246,10 @@ class Decoder:
         threads, dense, scale, k = self.settings.threads, self.dense, self.scale, sel.k
         steps: list[tuple[str, list[Launch]]] = []
         if not dense:
-            guess = self.guess[layer]
-            buf = StepBuffers(q, self.q_store, self.depths, self.scores, self.top_hist, guess, self.guess_hist)
-            guess_arr = as_array(guess)
+            buf = StepBuffers(q, self.q_store, self.depths, self.scores, self.top_hist)
             steps += [("plan", self.strategy.plan(layer, buf)), ("scan", self.strategy.scan(layer, buf, sel)),
                       ("select", [lambda stream: select(score_bits, lengths, heads, k, sel.sink, sel.local,
-                                                        a["top_hist"], a["hist2"], guess_arr, a["guess_hist"],
-                                                        a["guess_counts"], cand_key, a["cand_idx"],
+                                                        a["top_hist"], a["hist2"], cand_key, a["cand_idx"],
                                                         a["cand_count"], winners, any_rows, threads,
                                                         min(4 * threads, 1024), stream=stream)]),
                       ("union", [lambda stream: union_rows(any_rows, winners, lengths, heads, a["block_rows"],
@@ -341,12 +333,6 @@ class Decoder:
         rows = np.repeat(self.cache.lengths(layer), self.cache.shape.kv_heads) if self.dense \
             else self.n_rows.cpu().numpy()
         return float(rows.sum() * row_bytes(self.cache.shape.head_dim))
-
-    def guess_counts_so_far(self) -> tuple[int, int]:
-        """(heads whose guess of the k-th's top byte held, heads selected) over every step so far, all layers (a host
-        sync): where it held, the selection read the scores once (``fathom.cuda.topk``)."""
-        hits, selected = self.guess_counts.tolist()
-        return int(hits), int(selected)
 
     def row_nbytes_by_tier(self, layer: int) -> tuple[float, float]:
         """:meth:`row_nbytes` split by where the rows were read: ``(hbm, link)``, the row cache's hits from HBM,

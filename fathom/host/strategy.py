@@ -46,8 +46,6 @@ class StepBuffers:
     depths: torch.Tensor  # int8 [streams, d]
     scores: torch.Tensor  # float32 [streams, G, T]
     top_hist: torch.Tensor  # int32 [streams, G, 256]
-    guess: torch.Tensor  # int32 [streams, G] the layer's guess of each head's k-th top byte (fathom.cuda.topk)
-    guess_hist: torch.Tensor  # int32 [streams, G, 256] second bytes of the candidates in the guessed bin
 
 
 class WaterfillDepths:
@@ -189,10 +187,9 @@ class PlaneScan:
         q_store = as_array(buf.q_store if self.basis == "rotated" else buf.q)
         depths, lengths = as_array(buf.depths), cache_layer.arrays["lengths"]
         scores, top_hist = as_array(buf.scores), as_array(buf.top_hist)
-        guess, guess_hist = as_array(buf.guess), as_array(buf.guess_hist)
         heads, layout, warps = self.cache.shape.kv_heads, self.cache.shape.layout, self.warps
         return [lambda stream: scan_planes(q_store, depths, lengths, heads, near, far, layout, sel.sink, sel.local,
-                                           scores, top_hist, guess, guess_hist, warps, stream)]
+                                           scores, top_hist, warps, stream)]
 
 
 class RowScan:
@@ -214,9 +211,8 @@ class RowScan:
         bf16, per_row = (True, 1) if self.rows == "keys" else (False, LANDMARK_TOKENS)
         lengths, heads = cache_layer.arrays["lengths"], self.cache.shape.kv_heads
         q, scores, top_hist = as_array(buf.q), as_array(buf.scores), as_array(buf.top_hist)
-        guess, guess_hist = as_array(buf.guess), as_array(buf.guess_hist)
         return [lambda stream: scan_rows(q, rows, bf16, per_row, lengths, heads, sel.sink, sel.local, scores,
-                                         top_hist, guess, guess_hist, stream=stream)]
+                                         top_hist, stream=stream)]
 
 
 def _plane_scan(method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,

@@ -23,33 +23,12 @@ def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, str
             arrays[in_near].view(np.uint16)[index] = scales.view(np.uint16)[c, block]
 
 
-def order_keys(scores: np.ndarray) -> np.ndarray:
-    """The order-preserving uint32 keys of float32 ``scores`` (``fathom.cuda.block.order_key``)."""
-    bits = np.ascontiguousarray(scores, np.float32).view(np.uint32)
-    bits = np.where(bits == 0x80000000, np.uint32(0), bits)  # −0 counts as +0
-    return np.where(bits >> 31, ~bits, bits | np.uint32(0x80000000))
-
-
 def top_byte_histogram(scores: np.ndarray) -> np.ndarray:
     """Per head of ``scores float32 [G, n]``, counts of the top byte of the order-preserving key -> int32 [G, 256]."""
-    return np.stack([np.bincount(row >> 24, minlength=256) for row in order_keys(scores)]).astype(np.int32)
-
-
-def guessed_bin_histogram(scores: np.ndarray, guess: np.ndarray) -> np.ndarray:
-    """Per head of ``scores float32 [G, n]``, counts of the second key byte of the scores whose top byte is the
-    head's ``guess`` (256: none) -> int32 [G, 256]: what a scorer counts for the selection (``fathom.cuda.topk``)."""
-    return np.stack([np.bincount((row[row >> 24 == top] >> 16) & 0xFF, minlength=256)
-                     for row, top in zip(order_keys(scores), guess)]).astype(np.int32)
-
-
-def guesses(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """A guess per head of ``scores float32 [G, n]`` that the scorer's counts can check: the top byte of one of its
-    scores, or 256 (none)."""
-    keys = order_keys(scores)
-    if keys.shape[1] == 0:
-        return np.full(len(keys), 256, np.int32)
-    picked = keys[np.arange(len(keys)), rng.integers(0, keys.shape[1], len(keys))] >> 24
-    return np.where(rng.random(len(keys)) < 0.2, 256, picked).astype(np.int32)
+    bits = np.ascontiguousarray(scores, np.float32).view(np.uint32)
+    bits = np.where(bits == 0x80000000, np.uint32(0), bits)  # −0 counts as +0
+    keys = np.where(bits >> 31, ~bits, bits | np.uint32(0x80000000))
+    return np.stack([np.bincount(row >> 24, minlength=256) for row in keys]).astype(np.int32)
 
 
 def selected(decoder, layer: int) -> np.ndarray:

@@ -13,7 +13,7 @@ from fathom.cuda.scan import launch_shape, scan_planes
 from fathom.layout import StoreLayout
 from fathom.scoring import approx_scores
 from fathom.store import PlaneStore
-from tests.cuda.helpers import guessed_bin_histogram, guesses, top_byte_histogram, write_store
+from tests.cuda.helpers import top_byte_histogram, write_store
 
 
 def _store(rng, tokens: np.ndarray, kv_heads: int, d: int, cap: int) -> list[PlaneStore]:
@@ -26,9 +26,8 @@ def _store(rng, tokens: np.ndarray, kv_heads: int, d: int, cap: int) -> list[Pla
     return stores
 
 
-def _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, warps, max_tokens, guess=None):
-    """The stores written into a store layout of tier ``hbm_planes`` and scanned -> (scores, top_hist) or, given
-    each head's ``guess [streams, G]``, (scores, top_hist, guess_hist)."""
+def _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, warps, max_tokens):
+    """The stores written into a store layout of tier ``hbm_planes`` and scanned -> (scores, top_hist)."""
     streams, heads, d = q.shape
     layout = StoreLayout(streams, -(-max_tokens // 64 // cap), d, cap, hbm_planes)
     near, far = np.zeros(layout.near_words, np.uint64), np.zeros(layout.far_words, np.uint64)
@@ -36,14 +35,9 @@ def _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, war
         write_store(store.planes(), store.scales(), layout, g, near, far)
     scores = cuda.to_device(np.full((streams, heads, max_tokens), np.nan, np.float32))
     top_hist = cuda.to_device(np.zeros((streams, heads, 256), np.int32))
-    guess_hist = cuda.to_device(np.zeros((streams, heads, 256), np.int32))
-    guess_dev = cuda.to_device(np.full((streams, heads), 256, np.int32) if guess is None else guess)
     scan_planes(cuda.to_device(q), cuda.to_device(depths), cuda.to_device(tokens), kv_heads, cuda.to_device(near),
-                cuda.to_device(far), layout, sink, local, scores, top_hist, guess_dev, guess_hist, warps)
-    if guess is None:
-        assert not guess_hist.copy_to_host().any()  # no guess, nothing counted
-        return scores.copy_to_host(), top_hist.copy_to_host()
-    return scores.copy_to_host(), top_hist.copy_to_host(), guess_hist.copy_to_host()
+                cuda.to_device(far), layout, sink, local, scores, top_hist, warps)
+    return scores.copy_to_host(), top_hist.copy_to_host()
 
 
 @pytest.mark.parametrize("hbm_planes", range(5))
@@ -60,17 +54,14 @@ def test_scan_matches_reference(hbm_planes, seed, sessions, kv_heads, heads, d, 
     streams = sessions * kv_heads
     depths = rng.integers(0, 5, (streams, d)).astype(np.int8)
     q = rng.standard_normal((streams, heads, d)).astype(np.float32)
-    wants = [approx_scores(q[g], store.planes(), store.scales(), depths[g]) for g, store in enumerate(stores)]
-    guess = np.stack([guesses(want, rng) for want in wants])  # each head's guessed bin: one of its scores' top bytes
-    got, hist, guess_hist = _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, warps,
-                                  max_tokens, guess)
-    for g, (store, want) in enumerate(zip(stores, wants)):
+    got, hist = _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, warps, max_tokens)
+    for g, store in enumerate(stores):
         n, n_sealed = int(tokens[g // kv_heads]), store.n_sealed
+        want = approx_scores(q[g], store.planes(), store.scales(), depths[g])
         np.testing.assert_allclose(got[g, :, :n_sealed], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(initial=1))
         assert np.isnan(got[g, :, n_sealed:]).all()  # nothing written past the sealed tokens
         candidates = got[g, :, sink:max(min(n_sealed, n - local), sink)]
         np.testing.assert_array_equal(hist[g], top_byte_histogram(candidates))
-        np.testing.assert_array_equal(guess_hist[g], guessed_bin_histogram(candidates, guess[g]))
 
 
 def test_a_part_filled_segments_idle_warps_leave_its_sealed_blocks_scored_as_the_reference():
@@ -205,8 +196,7 @@ def test_every_launch_shape_fits_in_static_shared_memory():
             assert per_cta <= MAX_CTA_BLOCKS and cap % per_cta == 0
             chunk_words = CHUNK_WORDS if heads <= 4 else CHUNK_WORDS // 2
             buffer_words = chunk_words + per_cta // 4 + 2 + 4 * per_cta
-            shared = 4 * (MAX_D + (MAX_D + 1) + (MAX_D + 2) + MAX_D * heads + 32 * warps + 2 + 2 * heads * RADIX) \
-                + MAX_D \
+            shared = 4 * (MAX_D + MAX_D + (MAX_D + 1) + (MAX_D + 2) + MAX_D * heads + 32 * warps + 2 + heads * RADIX) \
                 + 8 * buffer_words
             assert shared <= 48 * 1024, (heads, cap, warps, per_warp, shared)
 
@@ -220,7 +210,6 @@ def test_the_scan_refuses_a_layout_or_group_it_cannot_address():
     for heads, d, message in ((1, 16, "layout.d must equal q's 16 channels, got 8"), (0, 8, "1..8 query heads")):
         scores = cuda.to_device(np.zeros((1, max(heads, 1), 64), np.float32))
         top_hist = cuda.to_device(np.zeros((1, max(heads, 1), 256), np.int32))
-        guess = cuda.to_device(np.zeros((1, max(heads, 1)), np.int32))
         with pytest.raises(ValueError, match=message):
             scan_planes(cuda.to_device(np.zeros((1, heads, d), np.float32)), cuda.to_device(np.zeros((1, d), np.int8)),
-                        lengths, 1, store, store, layout, 0, 0, scores, top_hist, guess, top_hist)
+                        lengths, 1, store, store, layout, 0, 0, scores, top_hist)
