@@ -394,11 +394,6 @@ class HostKVCache:
         """The caller's current torch stream, as Numba launches take it (0 under the simulator)."""
         return 0 if SIMULATED else cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
-    @property
-    def all_sessions(self) -> torch.Tensor:
-        """int32 ``[S]`` on the GPU: every session, the ``sessions`` argument of :meth:`enqueue_append`."""
-        return self._all_sessions
-
     def status_flags(self, layer: int):
         """The error flags of ``layer`` (int32 ``[4]``, pinned and mapped) that its kernels raise."""
         return self._status[layer]
@@ -469,7 +464,7 @@ class HostKVCache:
         if m == 0:
             return
         if len(sessions) == s.sessions and (sessions == np.arange(s.sessions)).all():
-            index = self._all_sessions
+            index = None
         elif len(sessions) == 1:
             index = self._one_session[int(sessions[0])]
         else:
@@ -480,19 +475,21 @@ class HostKVCache:
         if not self._dry:  # a dry run's append changes nothing on the GPU: nor in the mirror
             self._lengths[layer, sessions] += m
 
-    def enqueue_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor, stream) -> None:
+    def enqueue_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor | None,
+                       stream) -> None:
         """The GPU work of an append, with no check and no host-side state: ``k, v [S'·H, m, d]`` of sessions
-        ``sessions`` (int32 on the GPU). Every launch reads the lengths on the GPU (what a CUDA graph captures)."""
+        ``sessions`` (int32 on the GPU; None: every session in order, whose keys take the stored bases as they
+        are, with no gather). Every launch reads the lengths on the GPU (what a CUDA graph captures)."""
         cache_layer, heads = self._cache_layer(layer), self.shape.kv_heads
         status = self._status[layer]
         k32 = k.float().contiguous()
         v32 = v.float().contiguous()
         basis = cache_layer.basis
-        if basis is not None and sessions is not self._all_sessions:  # every session's streams in order: as stored
+        if basis is not None and sessions is not None:
             basis = basis[_stream_index(sessions, heads)]
         k_store = k32 if basis is None else torch.bmm(k32, basis)
         lengths = cache_layer.arrays["lengths"]
-        index = as_array(sessions)
+        index = as_array(self._all_sessions if sessions is None else sessions)
         k_arr, v_arr, ks_arr = as_array(k32), as_array(v32), as_array(k_store)
         append_rows(k_arr, ks_arr, v_arr, lengths, index, heads, status, cache_layer.arrays["kv"], stream)
         for name, store in cache_layer.stores.items():

@@ -144,12 +144,11 @@ def _token_launches(decoder: Decoder, layers: list[int], q_in, k_in, v_in, out) 
     """The launches of one replay. They close over the buffers, never over a StepGraph: no reference cycle keeps a
     dropped graph (and its memory) alive until the next garbage collection."""
     cache = decoder.cache
-    sessions = cache.all_sessions
     launches: list[Launch] = []
     # one copy per input at replay; each layer's step reads and writes the graph's own buffers (no copy a layer)
     for i, layer in enumerate(layers):
         if k_in is not None:
-            launches.append(lambda stream, i=i, layer=layer: cache.enqueue_append(layer, k_in[i], v_in[i], sessions,
+            launches.append(lambda stream, i=i, layer=layer: cache.enqueue_append(layer, k_in[i], v_in[i], None,
                                                                                    stream))
         launches += decoder.launches_on(layer, q_in[i], out[i])
     return launches
