@@ -8,6 +8,8 @@ of another corpus (Jane Austen by default) of the same length; the basis rule
 ``--device cuda``: the prefills with the model on the GPU (fp32) and the
 evaluation in torch on the GPU (:mod:`fathom.cuda.fidelity`); ``--device cpu``
 (default): CPU prefills and the NumPy evaluation (:mod:`fathom.fidelity`).
+``--levels``: every plane method's planes read through the reconstruction
+tables calibrated on the calibration text instead of the cells' midpoints.
 
 Writes ``<name>.json`` (one record per method × budget, and a ``summary``),
 ``<name>.md`` and ``<name>.png`` under ``--out`` (``bench/results``; with
@@ -56,20 +58,24 @@ COLUMNS = [("label", "method@bits", "s"), ("bits_read", "bits read", ".1f"),
 
 
 # The fathom curves every run reports: the raw, rotated and per-head stores, each with design §5's plane gains and
-# with the calibrated gain table (runs made before the per-head rule hold only the first four), named as the
-# methods name themselves (fathom, fathom[gains], fathom-rotated, ...).
+# with the calibrated gain table, each planned per query group (design §5) and pooled over a layer's KV heads (runs
+# made before the per-head rule hold only the first four curves, before the pooled plan the first six), named as
+# the methods name themselves (fathom, fathom[gains], fathom[pooled], fathom-rotated, ...).
 FATHOM_STORES = (M.fathom, M.fathom_rotated, M.fathom_mixed)
-FATHOM_FAMILIES = tuple(make(0, gains=gains).name for make in FATHOM_STORES for gains in M.GAIN_SOURCES)
+POOLING = (False, True)
+FATHOM_FAMILIES = tuple(make(0, gains=gains, pooled=pooled).name for pooled in POOLING for make in FATHOM_STORES
+                        for gains in M.GAIN_SOURCES)
 
 
 def method_grid(d: int, basis: str) -> list[M.Method]:
     """Every method at matched bits: fathom flat budgets (reaching DS r = d/4's bits) on the raw, rotated and
-    per-head stores, each with its basis' default σ² and with design §5's or the calibrated plane gains
-    (:data:`FATHOM_FAMILIES`); the other σ² source on the preferred store; every baseline at the design's channel
-    fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136 bits at any d). (Per-layer plans are added by
-    :func:`run`.)"""
+    per-head stores, each with its basis' default σ², with design §5's or the calibrated plane gains, planned per
+    query group or pooled over a layer's KV heads (:data:`FATHOM_FAMILIES`); the other σ² source on the preferred
+    store; every baseline at the design's channel fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136
+    bits at any d). (Per-layer plans are added by :func:`run`.)"""
     budgets = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
-    flat = [make(b, gains=g) for make in FATHOM_STORES for g in M.GAIN_SOURCES for b in budgets]
+    flat = [make(b, gains=g, pooled=p) for p in POOLING for make in FATHOM_STORES for g in M.GAIN_SOURCES
+            for b in budgets]
     other = "calibration" if M.DEFAULT_VARIANCE[basis] == "store" else "store"
     other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, other) for b in (48, 64)]
     grid = flat + other_variance + M.baselines(d) + [M.sparq(16), M.double_sparsity(32)]
@@ -108,6 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
                         help="remake a fidelity JSON's summary, table and plot from its records with this code's "
                              "summary (no model, no GPU); every other argument is ignored")
+    parser.add_argument("--levels", action="store_true",
+                        help="read every method's planes through the reconstruction tables calibrated on the "
+                             "calibration text (each cell read as the mean of the calibration keys in it) instead of "
+                             "the cells' midpoints (design §2); the basis and gains rules and the per-layer plans "
+                             "too; the result's name ends in -levels")
     parser.add_argument("--device", default="cpu", help="cpu (default): CPU prefills and the NumPy evaluation; "
                         "cuda: prefills with the model on the GPU (fp32) and the evaluation in torch on the GPU")
 
@@ -228,14 +239,14 @@ def _real(args) -> tuple[Capture, Capture, str, dict]:
     return captures[0], captures[1], name, info
 
 
-def evaluator(device: str) -> Evaluator:
+def evaluator(device: str, levels: bool = False) -> Evaluator:
     """The evaluation for ``--device`` (checked by :func:`check_arguments`): the NumPy reference on the CPU, its
-    torch twin on a CUDA device."""
+    torch twin on a CUDA device; ``levels``: every plane read through the calibration's reconstruction tables."""
     if device == "cpu":
-        return evaluate
+        return partial(evaluate, levels=levels)
     from fathom.cuda.fidelity import evaluate as on_device
 
-    return partial(on_device, device=device)
+    return partial(on_device, levels=levels, device=device)
 
 
 def choose_basis(calibration_capture: Capture, calibration: Calibration, sel: Selection,
@@ -359,7 +370,7 @@ def replot(args: argparse.Namespace) -> Path:
         raise cli.UsageError(f"--replot {path}: its records lack {error}, which the summary compares") from None
     payload.update(summary=summary, replotted_by=args.command_line)
     path.write_text(json.dumps(payload, indent=1) + "\n")
-    info = {k: payload.get(k) for k in ("synthetic", "model", "evaluation_text", "calibration_text")}
+    info = {k: payload.get(k) for k in ("synthetic", "model", "evaluation_text", "calibration_text", "levels")}
     _write_table(path.with_suffix(".md"), payload["records"], shape, sel, info, summary)
     _plot(path.with_suffix(".png"), results, shape, sel, info)
     print(f"\n{path.with_suffix('.md').read_text()}")
@@ -371,9 +382,10 @@ def run(args: argparse.Namespace) -> Path:
         return replot(args)
     start = time.perf_counter()
     check_arguments(args)
-    evaluate_fn = evaluator(args.device)
+    evaluate_fn = evaluator(args.device, args.levels)
     capture, calibration_capture, name, info = (_synthetic if args.synthetic else _real)(args)
-    name = args.name or name
+    info["levels"] = "calibrated" if args.levels else "midpoint"
+    name = args.name or name + ("-levels" if args.levels else "")
     shape = capture.shape
     d, n = shape["head_dim"], shape["tokens"]
     sel = Selection(k=args.k) if args.k is not None else Selection.for_context(n)
@@ -417,8 +429,10 @@ def run(args: argparse.Namespace) -> Path:
 def _title(shape: dict, sel: Selection, info: dict) -> str:
     what = "**synthetic** keys" if info["synthetic"] else \
         f"{info['model']} on {info['evaluation_text']} (calibrated on {info['calibration_text']})"
+    levels = "; planes read through calibrated levels" if info.get("levels") == "calibrated" else ""
     return (f"{what}: {shape['layers']} layers × {shape['kv_heads']} KV heads × G = {shape['group']}, "
-            f"d = {shape['head_dim']}, n = {shape['tokens']}, {shape['positions']} decode positions, k = {sel.k}")
+            f"d = {shape['head_dim']}, n = {shape['tokens']}, {shape['positions']} decode positions, k = {sel.k}"
+            f"{levels}")
 
 
 def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, info: dict, summary: dict) -> None:
@@ -492,7 +506,8 @@ def _family_lines(summary: dict, shape: dict) -> list[str]:
         + ", ".join(f"{k} {v:.4f}" for k, v in gains.items()) + f"; the gains rule picks **{summary['gains_rule']}** "
         "(recorded; the headline reads design §5's gains).", ""]
     return [f"Every fathom curve (raw and rotated stores; `[gains]`: water-filled with the plane gains measured "
-            f"on calibration text instead of design §5's model{per_head}):", "",
+            f"on calibration text instead of design §5's model; `[pooled]`: one water line for every KV head of a "
+            f"layer{per_head}):", "",
             markdown_table(rows, columns), "", *rule]
 
 

@@ -42,12 +42,14 @@ def rows(results: Path) -> list[dict]:
 
 
 def _setting(payload: dict) -> str:
-    """``model 32k (text)``, with ``P = 512`` when the run used other than the default decode positions (two runs
-    of one setting at different P are two rows that must not read alike)."""
+    """``model 32k (text)``, with ``P = 512`` when the run used other than the default decode positions and
+    ``levels`` when its planes were read through calibrated levels (two runs of one setting that differ are two
+    rows that must not read alike)."""
     shape = payload["capture"]
     positions = shape.get("positions", decode_positions(shape["tokens"]))  # older results: the default
     at = "" if positions == decode_positions(shape["tokens"]) else f", P = {positions}"
-    return f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']}{at})"
+    levels = ", levels" if payload.get("levels") == "calibrated" else ""  # older results: the midpoints
+    return f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']}{at}{levels})"
 
 
 def _row(payload: dict) -> dict:
@@ -126,11 +128,17 @@ FAMILY_COLUMNS = [("setting", "model, context (text)", "s"), ("ds_quarter", "DS 
                   ("sparq68", "sparq-68 err", ".4f")] + [(f, f, "s") for f in FATHOM_FAMILIES]
 
 
+def family_columns(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """:data:`FAMILY_COLUMNS` less the fathom curves no run reports (the pooled plan's, before it was run)."""
+    return [c for c in FAMILY_COLUMNS if "pooled" not in c[0] or any(c[0] in row for row in rows)]
+
+
 def run(args: argparse.Namespace) -> Path:
     if not args.results.is_dir():
         raise cli.UsageError(f"--results {args.results}: not a folder of fidelity-*.json")
     cli.writable_folder("--results", args.results)
     table = markdown_table(rows(args.results), COLUMNS)
+    families = family_rows(args.results)
     path = args.results / "headline.md"
     path.write_text(f"Real-model fidelity (made by `{args.command_line}` from the fidelity-*.json beside it). "
                     "Double Sparsity at r = d/4 (the design's channel fraction) is the primary comparator at every "
@@ -146,7 +154,7 @@ def run(args: argparse.Namespace) -> Path:
                     "Every fathom curve, in the runs that report them all: error at 48 bits / equal-error saving vs "
                     "DS at r = d/4. Raw and rotated stores, and the per-head store (fathom-mixed); `[gains]`: "
                     "water-filled with the plane gains measured on the calibration text instead of design §5's "
-                    "model.\n\n"
-                    f"{markdown_table(family_rows(args.results), FAMILY_COLUMNS)}\n")
+                    "model; `[pooled]`: one water line for every KV head of a layer.\n\n"
+                    f"{markdown_table(families, family_columns(families))}\n")
     print(table)
     return path

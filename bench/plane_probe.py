@@ -8,7 +8,8 @@ Every variant reads the same planes (the same bytes per token) and differs in on
   the sealed blocks: a statistic a store can keep as it keeps s²);
 * **plane gains** of the water-filling: design §5's model, the calibration's measured table
   (``fathom[gains]``), or the drops of the code error variance the same histogram gives (no calibration text);
-  and, apart, one water line shared by every KV head of a layer (its H·B bits) instead of one per head, and
+  and, apart, one water line shared by every KV head of a layer (its H·B bits; ``fathom[pooled]``, which the fidelity
+bench reports) instead of one per head, and
   ``depth-2-minimum``: a channel read to 0 or at least 2 planes (design §5's first two gains merged into their
   mean), the test of whether a 1-bit read, whose midpoint overshoots a peaked channel, is worth its bit.
 
@@ -61,12 +62,13 @@ def prefix_levels(counts: np.ndarray, t: int, centroid: bool) -> np.ndarray:
         return np.where(total > 0, (weight * cells).sum(axis=2) / total, midpoint)
 
 
-def khat(codes: np.ndarray, scales: np.ndarray, t: int, levels: np.ndarray) -> np.ndarray:
-    """Keys of ``codes uint8 [nb · 64, d]`` and ``scales float16 [d, nb]`` read to depth ``t`` with ``levels
-    [d, 2^t]`` (units of Δ = s / 8): float32 ``[nb · 64, d]``."""
-    prefix = codes.T.astype(np.int64) >> (MAX_DEPTH - t)  # [d, n]: the first t planes
-    delta = np.repeat(scales.astype(np.float32) / np.float32(8), BLOCK, axis=1)
-    return np.ascontiguousarray((np.take_along_axis(levels, prefix, axis=1) * delta).T.astype(np.float32))
+def levels_table(counts: np.ndarray, centroid: bool) -> np.ndarray:
+    """:func:`prefix_levels` at every depth as the reconstruction table :func:`fathom.quantize.dequantize` reads,
+    float32 ``[d, 4, 16]`` (cells past ``2^t`` hold 0)."""
+    table = np.zeros((counts.shape[0], MAX_DEPTH, CELLS), np.float32)
+    for t in range(1, MAX_DEPTH + 1):
+        table[:, t - 1, :1 << t] = prefix_levels(counts, t, centroid)
+    return table
 
 
 def histogram_gains(counts: np.ndarray, centroid: bool) -> np.ndarray:
@@ -90,8 +92,8 @@ def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[
     gains only where ``calibration`` holds plane drops."""
     from fathom import methods as M
     from fathom.attention import attend, logits, relative_error
-    from fathom.decode import HeadIndex, method_scores
-    from fathom.scoring import depth_scores
+    from fathom.decode import HeadIndex, method_scores, pooled_layer_depths
+    from fathom.scoring import DepthScorer, depth_scores
     from fathom.selection import select_many
     from fathom.waterfill import importance, waterfill_batched
 
@@ -110,20 +112,19 @@ def evaluate(capture, calibration, budgets: list[float], sel) -> dict[str, dict[
             stats = None if calibration is None else {"raw": calibration.head_stats(layer, head, "raw")}
             index = HeadIndex.build(keys, stats)
             store = index.stores["raw"]
-            codes, scales = unpack_planes(store.planes()), store.scales()
-            counts = code_histogram(codes[:sealed])
+            counts = code_histogram(unpack_planes(store.planes())[:sealed])
+            centroid = DepthScorer(store.planes(), store.scales(), levels_table(counts, centroid=True))
             exact = logits(q, keys, capture.scale)
             heads.append({
                 "q": q, "index": index, "exact": exact, "values": values,
                 "dense": attend(exact, values, np.broadcast_to(causal[:, None], q.shape[:2] + (n,))),
                 "w": importance(q, index.store_variance("raw", blocks)),
                 "midpoint": [index.scorers["raw"].khat(t) for t in range(1, MAX_DEPTH + 1)],
-                "centroid": [khat(codes, scales, t, prefix_levels(counts, t, True))
-                             for t in range(1, MAX_DEPTH + 1)],
+                "centroid": [centroid.khat(t) for t in range(1, MAX_DEPTH + 1)],
                 "gains": {c: histogram_gains(counts, c) for c in (False, True)}})
         for budget in budgets:
-            shared = np.split(waterfill_batched(np.concatenate([h["w"] for h in heads], axis=-1), H * budget), H,
-                              axis=-1)
+            shared = pooled_layer_depths([M.fathom(budget, pooled=True)] * H, capture.queries[layer],
+                                         [h["index"] for h in heads], blocks)
             for h, shared_depths in zip(heads, shared):
                 w, design = h["w"], waterfill_batched(h["w"], budget)
                 runs = {"design": ("midpoint", design), "centroid": ("centroid", design),

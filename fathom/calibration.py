@@ -11,6 +11,9 @@
   non-increasing in the plane (:func:`fathom.waterfill.calibrated_gains`); with
   ``scale2_raw`` / ``scale2_rotated``, the mean squared fp16 block scale on the same
   keys (the store's σ² at calibration), water-filling's calibrated gain table;
+* ``levels_raw`` / ``levels_rotated``: per channel of each store, the calibrated reconstruction table (the mean
+  of the calibration keys in each t-bit cell, :func:`cell_means`), and ``level_drops_raw`` /
+  ``level_drops_rotated`` the plane table measured when the planes are read through it;
 * ``preferred_basis``: the basis rule's decision for the model ("raw" or "rotated"),
   made on calibration text and recorded here ("" until decided);
 * ``head_basis``: the same rule per (layer, KV head) (None until decided): the
@@ -29,8 +32,12 @@ import numpy as np
 
 from fathom.capture import Capture
 from fathom.methods import BASES, HeadStats
-from fathom.quantize import BLOCK, MAX_DEPTH, dequantize, pack_planes, quantize
+from fathom.quantize import BLOCK, CELLS, MAX_DEPTH, dequantize, midpoint_levels, pack_planes, quantize
 from fathom.waterfill import calibrated_gains
+
+
+LEVEL_PRIOR = 16.0  # pseudo-keys at a cell's midpoint in its calibrated mean (cell_means)
+_CELL_EXISTS = np.arange(CELLS) < 2 ** np.arange(1, MAX_DEPTH + 1)[:, None]  # [4, 16]: cell p of a t-bit prefix
 
 
 @dataclass(frozen=True)
@@ -46,16 +53,30 @@ class Calibration:
     scale2_raw: np.ndarray | None = None  # [L, H, d]
     scale2_rotated: np.ndarray | None = None  # [L, H, d]
     head_basis: np.ndarray | None = None  # [L, H] of "raw" / "rotated"
+    levels_raw: np.ndarray | None = None  # [L, H, d, 4, 16]
+    levels_rotated: np.ndarray | None = None  # [L, H, d, 4, 16]
+    level_drops_raw: np.ndarray | None = None  # [L, H, d, 4]
+    level_drops_rotated: np.ndarray | None = None  # [L, H, d, 4]
 
-    def head_stats(self, layer: int, head: int, basis: str) -> HeadStats:
-        """Calibration stats of one (layer, KV head) in the ``basis`` ("raw" or "rotated") store."""
+    def head_stats(self, layer: int, head: int, basis: str, levels: bool = False) -> HeadStats:
+        """Calibration stats of one (layer, KV head) in the ``basis`` ("raw" or "rotated") store; ``levels``: its
+        planes read through the calibrated reconstruction table (the stats then carry it, and the plane table
+        measured through it), refused by a calibration made without one."""
         rotated = basis == "rotated"
         sigma2 = self.sigma2_rotated if rotated else self.sigma2_raw
         drops = self.plane_drops_rotated if rotated else self.plane_drops_raw
         scale2 = self.scale2_rotated if rotated else self.scale2_raw
+        table = None
+        if levels:
+            table = self.levels_rotated if rotated else self.levels_raw
+            if table is None:
+                raise ValueError("levels=True needs a calibration with reconstruction tables (made by calibrate "
+                                 "since the calibrated levels)")
+            table = table[layer, head]
+            drops = self.level_drops_rotated if rotated else self.level_drops_raw
         return HeadStats(sigma2=sigma2[layer, head], ds_rank=self.ds_rank[layer, head],
                          plane_drops=None if drops is None else drops[layer, head],
-                         scale2=None if scale2 is None else scale2[layer, head])
+                         scale2=None if scale2 is None else scale2[layer, head], levels=table)
 
     def with_preferred_basis(self, basis: str) -> Calibration:
         if basis not in BASES:
@@ -90,8 +111,9 @@ class Calibration:
 
     def save(self, path: str | Path) -> None:
         optional = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
-        np.savez(path, sigma2_raw=self.sigma2_raw, basis=self.basis, sigma2_rotated=self.sigma2_rotated,
-                 ds_rank=self.ds_rank, preferred_basis=self.preferred_basis, meta=json.dumps(self.meta), **optional)
+        np.savez_compressed(path, sigma2_raw=self.sigma2_raw, basis=self.basis, sigma2_rotated=self.sigma2_rotated,
+                            ds_rank=self.ds_rank, preferred_basis=self.preferred_basis, meta=json.dumps(self.meta),
+                            **optional)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -102,31 +124,67 @@ class Calibration:
                        str(f["preferred_basis"]), json.loads(str(f["meta"])), **optional)
 
 
-_OPTIONAL = ("plane_drops_raw", "plane_drops_rotated", "scale2_raw", "scale2_rotated", "head_basis")
+_OPTIONAL = ("plane_drops_raw", "plane_drops_rotated", "scale2_raw", "scale2_rotated", "head_basis", "levels_raw",
+             "levels_rotated", "level_drops_raw", "level_drops_rotated")
 _PER_HEAD = ("sigma2_raw", "basis", "sigma2_rotated", "ds_rank", *_OPTIONAL)  # every array, [L, H, ...]
 
 
-def plane_drops(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """What each bit plane is worth on ``keys float [..., n, d]`` (one store's basis; the sealed 64-token blocks):
-    (gain table ``[..., d, 4]`` by :func:`fathom.waterfill.calibrated_gains` from the drop of each channel's
-    error variance over tokens at depth t - 1 -> t (depth 0: the channel unread, its error the key itself),
-    mean squared fp16 block scale ``[..., d]``)."""
+def _sealed(keys: np.ndarray) -> np.ndarray:
+    """``keys float [..., n, d]`` -> float32 ``[heads, n_sealed, d]``: every head's sealed 64-token blocks."""
     keys = np.asarray(keys, np.float32)
     n_sealed = keys.shape[-2] // BLOCK * BLOCK
     if n_sealed == 0:
         raise ValueError(f"keys must hold at least one {BLOCK}-token block, got {keys.shape[-2]} tokens")
-    flat = keys[..., :n_sealed, :].reshape(-1, n_sealed, keys.shape[-1])
-    drops, scale2 = [], []
+    return keys[..., :n_sealed, :].reshape(-1, n_sealed, keys.shape[-1])
+
+
+def cell_means(keys: np.ndarray, prior: float = LEVEL_PRIOR) -> np.ndarray:
+    """A reconstruction table per head: the mean, in units of its block's Δ, of the keys ``float [..., n, d]`` (one
+    store's basis; the sealed 64-token blocks) that fall in each t-bit cell of each channel, with ``prior``
+    pseudo-keys at the cell's midpoint -> float32 ``[..., d, 4, 16]`` (:func:`fathom.quantize.dequantize`'s
+    ``levels``; cells past ``2^t`` hold 0).
+
+    A cell's midpoint is its mean only for keys spread evenly over it; a block's keys are not (its scale is their
+    largest magnitude, so most lie well inside it), and the midpoint of a 1-bit cell, ±s/2, is farther from them
+    than their mean. The prior keeps a cell that calibration keys seldom reach near its midpoint. Blocks whose
+    scale is 0 (every key 0, read as 0 at any depth) are left out."""
+    flat = _sealed(keys)
+    d = flat.shape[-1]
+    midpoints = midpoint_levels(d).astype(np.float64)
+    tables = []
     for k in flat:
+        codes, scales = quantize(k)  # uint8 [n, d], float16 [d, nb]
+        delta = np.repeat(scales.astype(np.float32).T / np.float32(8), BLOCK, axis=0)  # [n, d]
+        seen = delta > 0
+        x = np.where(seen, k / np.where(seen, delta, np.float32(1)), 0).astype(np.float64)
+        total, count = np.zeros((d, MAX_DEPTH, CELLS)), np.zeros((d, MAX_DEPTH, CELLS))
+        for t in range(1, MAX_DEPTH + 1):
+            cell = (codes >> (MAX_DEPTH - t)).astype(np.int64) + CELLS * np.arange(d)  # [n, d]: (channel, cell)
+            count[:, t - 1] = np.bincount(cell[seen], minlength=d * CELLS).reshape(d, CELLS)
+            total[:, t - 1] = np.bincount(cell[seen], weights=x[seen], minlength=d * CELLS).reshape(d, CELLS)
+        tables.append(np.where(_CELL_EXISTS, (total + prior * midpoints) / (count + prior), 0.0))
+    return np.array(tables, np.float32).reshape(np.shape(keys)[:-2] + (d, MAX_DEPTH, CELLS))
+
+
+def plane_drops(keys: np.ndarray, levels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """What each bit plane is worth on ``keys float [..., n, d]`` (one store's basis; the sealed 64-token blocks),
+    read through ``levels [..., d, 4, 16]`` (None: the midpoints): (gain table ``[..., d, 4]`` by
+    :func:`fathom.waterfill.calibrated_gains` from the drop of each channel's error variance over tokens at depth
+    t - 1 -> t (depth 0: the channel unread, its error the key itself), mean squared fp16 block scale ``[..., d]``)."""
+    flat = _sealed(keys)
+    tables = [None] * len(flat) if levels is None else \
+        np.asarray(levels, np.float32).reshape((len(flat),) + np.shape(levels)[-3:])
+    drops, scale2 = [], []
+    for k, table in zip(flat, tables):
         codes, scales = quantize(k)  # uint8 [n, d], float16 [d, nb]
         planes = pack_planes(codes)
         k64 = k.astype(np.float64)
         variance = [k64.var(axis=0)]
         for t in range(1, MAX_DEPTH + 1):  # the keys as the scan reads them at depth t
-            variance.append((k64 - dequantize(planes, scales, np.full(k.shape[1], t))).var(axis=0))
+            variance.append((k64 - dequantize(planes, scales, np.full(k.shape[1], t), table)).var(axis=0))
         drops.append(-np.diff(np.stack(variance, axis=-1), axis=-1))
         scale2.append(np.square(scales.astype(np.float64)).mean(axis=1))
-    shape = keys.shape[:-2] + (keys.shape[-1],)
+    shape = np.shape(keys)[:-2] + (np.shape(keys)[-1],)
     return calibrated_gains(np.array(drops).reshape(shape + (MAX_DEPTH,))), np.array(scale2).reshape(shape)
 
 
@@ -149,13 +207,15 @@ def calibrate(capture: Capture) -> Calibration:
     ds_stat = np.abs(q_flat).mean(axis=2) * np.abs(keys).mean(axis=2)
     ds_rank = np.argsort(-ds_stat, axis=-1, kind="stable")
     basis = basis.astype(np.float32)
-    drops_raw = drops_rotated = scale2_raw = scale2_rotated = None  # no sealed block: no plane to measure
+    planes = {}  # no sealed block: no plane to measure
     if capture.keys.shape[2] >= BLOCK:
         # each store's planes as the scan reads them: the rotated store quantizes the float32 product k @ basis
-        drops_raw, scale2_raw = plane_drops(capture.keys)
-        drops_rotated, scale2_rotated = plane_drops(np.einsum("lhnd,lhde->lhne", capture.keys.astype(np.float32),
-                                                              basis))
+        stores = {"raw": capture.keys, "rotated": np.einsum("lhnd,lhde->lhne", capture.keys.astype(np.float32),
+                                                            basis)}
+        for name, store_keys in stores.items():
+            levels = cell_means(store_keys)
+            planes[f"plane_drops_{name}"], planes[f"scale2_{name}"] = plane_drops(store_keys)
+            planes[f"levels_{name}"] = levels
+            planes[f"level_drops_{name}"] = plane_drops(store_keys, levels)[0]
     return Calibration(sigma2_raw.astype(np.float32), basis, sigma2_rotated.astype(np.float32),
-                       ds_rank.astype(np.int32), meta=dict(capture.meta),
-                       plane_drops_raw=drops_raw, plane_drops_rotated=drops_rotated, scale2_raw=scale2_raw,
-                       scale2_rotated=scale2_rotated)
+                       ds_rank.astype(np.int32), meta=dict(capture.meta), **planes)

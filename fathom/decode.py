@@ -33,7 +33,7 @@ from fathom.attention import attention
 from fathom.bits import row_bytes, scan_bits
 from fathom.growing import GrowingRows
 from fathom import methods as M
-from fathom.methods import HeadStats, LayerWaterfill, Method
+from fathom.methods import HeadStats, LayerWaterfill, Method, pooled_depths
 from fathom.quantize import BLOCK
 from fathom.scoring import DepthScorer, exact_scores, landmark_scores, landmarks
 from fathom.selection import Selection, select, union_rows
@@ -53,7 +53,8 @@ class HeadIndex:
 
     Args:
         d: head dim.
-        calibration: stats per basis (None: unit σ², identity DS rank).
+        calibration: stats per basis (None: unit σ², identity DS rank); a basis' stats that carry a
+            reconstruction table (``HeadStats.levels``) have its planes scored through it.
         basis: optional orthonormal ``[d, d]``: also keep the rotated store.
     """
 
@@ -62,7 +63,7 @@ class HeadIndex:
         if basis is not None:
             self.stores["rotated"] = PlaneStore(d, basis=basis)
         self.stats = unit_stats(d, tuple(self.stores)) if calibration is None else calibration
-        self.scorers = {b: DepthScorer(s.planes(), s.scales()) for b, s in self.stores.items()}
+        self.scorers = {b: DepthScorer(s.planes(), s.scales(), self.stats[b].levels) for b, s in self.stores.items()}
         self._keys = GrowingRows(d)
         self._landmarks = GrowingRows(d, np.float16)
 
@@ -128,14 +129,35 @@ def plane_depths(method: Method, q_store: np.ndarray, stats: HeadStats, sigma2_s
     return method.policy.depths(q_store, replace(stats, sigma2_store=sigma2_store, layer=layer))
 
 
-def method_scores(method: Method, q: np.ndarray, index: HeadIndex, blocks: np.ndarray, layer: int | None = None
-                  ) -> tuple[np.ndarray | None, np.ndarray | None]:
+def pooled_layer_depths(methods: list[Method], q: np.ndarray, indexes: list[HeadIndex], blocks: np.ndarray
+                        ) -> np.ndarray:
+    """The depths ``int8 [H, P, d]`` of a pooled method (:func:`fathom.methods.pooled_depths`) for the KV heads of
+    one layer: ``methods[h]`` the method head ``h`` runs (a per-head method resolved on its basis), ``q [H, P, G,
+    d]`` their query groups (raw basis), ``indexes[h]`` their indexes, at contexts of ``blocks [P]`` sealed
+    blocks."""
+    if len(methods) != len(indexes) or len(q) != len(indexes):
+        raise ValueError(f"methods, q and indexes must hold one entry per KV head, got {len(methods)}, {len(q)} "
+                         f"and {len(indexes)}")
+    q_stores, stats = [], []
+    for method, q_head, index in zip(methods, q, indexes):
+        store = index.stores[method.basis]
+        q_stores.append(q_head @ store.basis if store.basis is not None else q_head)
+        stats.append(replace(index.stats[method.basis], sigma2_store=index.store_variance(method.basis, blocks)))
+    return pooled_depths([m.policy for m in methods], q_stores, stats)
+
+
+def method_scores(method: Method, q: np.ndarray, index: HeadIndex, blocks: np.ndarray, layer: int | None = None,
+                  depths: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Scores of the sealed tokens for query groups ``q [P, G, d]`` (raw basis) at contexts of
     ``blocks [P]`` sealed blocks -> (scores ``[P, G, n_sealed]`` or None for dense, depths ``[P, d]`` or None).
-    ``layer``: the layer the index belongs to (required by per-layer plans).
+    ``layer``: the layer the index belongs to (required by per-layer plans). ``depths``: the head's part of a
+    pooled plan (:func:`pooled_layer_depths`), which a pooled method requires and no other takes.
 
     Scores past a position's sealed blocks are computed but never used by selection.
     """
+    if (depths is not None) != method.pooled:
+        raise ValueError(f"depths must be given exactly for a pooled method (planned for every KV head of a layer "
+                         f"by pooled_layer_depths); {method.name} is {'' if method.pooled else 'not '}pooled")
     if method.scorer == "dense":
         return None, None
     n_sealed = index.stores["raw"].n_sealed
@@ -149,8 +171,9 @@ def method_scores(method: Method, q: np.ndarray, index: HeadIndex, blocks: np.nd
         raise ValueError(f"method {method.name} needs the {method.basis} store; build HeadIndex with a basis")
     store = index.stores[method.basis]
     q_store = q @ store.basis if store.basis is not None else q
-    depths = plane_depths(method, q_store, index.stats[method.basis], index.store_variance(method.basis, blocks),
-                          layer)
+    if depths is None:
+        depths = plane_depths(method, q_store, index.stats[method.basis],
+                              index.store_variance(method.basis, blocks), layer)
     return index.scorers[method.basis](q_store, depths), depths
 
 

@@ -5,7 +5,9 @@ the window, and every decode position ``p`` is scored at its own context
 ``positions[p] + 1`` (sealed blocks scanned, the tail always selected), so the
 numbers equal :func:`~fathom.decode.decode_step` position by position (tested).
 Besides error, bits and bytes, each method's error per (layer, KV head) and the
-overlap of its top-k with the oracle's (exact scores) say where it loses.
+overlap of its top-k with the oracle's (exact scores) say where it loses. A
+layer's KV heads are indexed before any is evaluated: a pooled method plans
+them together.
 :mod:`fathom.cuda.fidelity` is the torch twin (any torch device).
 """
 
@@ -20,7 +22,7 @@ from fathom.attention import attend, logits, relative_error
 from fathom.bits import row_bytes
 from fathom.calibration import Calibration
 from fathom.capture import Capture
-from fathom.decode import HeadIndex, method_scores, step_bits
+from fathom.decode import HeadIndex, method_scores, pooled_layer_depths, step_bits
 from fathom import methods as M
 from fathom.methods import PLAN_BUDGETS, Method
 from fathom.quantize import BLOCK
@@ -117,9 +119,19 @@ def oracle_overlap(take: np.ndarray, oracle_take: np.ndarray) -> np.ndarray:
     return np.where(chosen > 0, (take & oracle_take).sum(axis=-1) / np.maximum(chosen, 1), 1.0)
 
 
+def check_levels_source(calibration: Calibration | None, levels: bool) -> None:
+    """Refuse ``levels=True`` without a calibration that holds the reconstruction tables."""
+    if levels and (calibration is None or calibration.levels_raw is None):
+        raise ValueError("levels=True reads the planes through calibrated reconstruction tables: pass a calibration "
+                         "made by fathom.calibration.calibrate (which computes them)")
+
+
 def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Method], sel: Selection,
-             on_head: Callable[[], None] | None = None) -> list[MethodResult]:
-    """Evaluate ``methods`` on every layer, KV head and decode position of ``capture``."""
+             on_head: Callable[[], None] | None = None, levels: bool = False) -> list[MethodResult]:
+    """Evaluate ``methods`` on every layer, KV head and decode position of ``capture``; ``levels``: every plane
+    method's planes read through the calibration's reconstruction tables (:func:`fathom.calibration.cell_means`)
+    instead of the cells' midpoints, and water-filled with the plane table measured through them."""
+    check_levels_source(calibration, levels)
     L, H, n, d = capture.keys.shape
     blocks = (capture.positions + 1) // BLOCK  # sealed blocks at each position's context
     context = capture.positions + 1
@@ -128,18 +140,24 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
     rotated = needs_rotated(methods, calibration)
     tally = Tally(methods, L, H, d)
     for layer in range(L):
+        on_heads = [head_methods(methods, calibration, layer, head) for head in range(H)]
+        indexes = [HeadIndex.build(capture.keys[layer, head],
+                                   None if calibration is None else
+                                   {b: calibration.head_stats(layer, head, b, levels) for b in ("raw", "rotated")},
+                                   calibration.basis[layer, head] if rotated else None) for head in range(H)]
+        pooled = {i: pooled_layer_depths([on_head[i] for on_head in on_heads], capture.queries[layer], indexes,
+                                         blocks) for i, m in enumerate(methods) if m.pooled}
         for head in range(H):
             keys, values = capture.keys[layer, head], capture.values[layer, head]
             q = capture.queries[layer, head]  # [P, G, d]
-            stats = None if calibration is None else \
-                {b: calibration.head_stats(layer, head, b) for b in ("raw", "rotated")}
-            index = HeadIndex.build(keys, stats, calibration.basis[layer, head] if rotated else None)
+            index = indexes[head]
             exact = logits(q, keys, capture.scale)  # [P, G, n], shared by every method's softmax
             dense = attend(exact, values, np.broadcast_to(causal[:, None], q.shape[:2] + (n,)))
             oracle_scores, _ = method_scores(M.oracle(), q, index, blocks)
             oracle_take = select_many(oracle_scores, context, blocks * BLOCK, sel, n) & candidate[:, None]
-            for i, method in enumerate(head_methods(methods, calibration, layer, head)):
-                scores, depths = method_scores(method, q, index, blocks, layer)
+            for i, method in enumerate(on_heads[head]):
+                scores, depths = method_scores(method, q, index, blocks, layer,
+                                               pooled[i][head] if i in pooled else None)
                 if scores is None:
                     mask = np.broadcast_to(causal[:, None], q.shape[:2] + (n,))
                 else:
@@ -151,6 +169,7 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
                                     oracle_overlap(mask & candidate[:, None], oracle_take).mean())
             if on_head is not None:
                 on_head()
+        del indexes, index  # the next layer's are built while these would still be held
     return tally.results()
 
 

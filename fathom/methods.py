@@ -10,6 +10,7 @@ fathom              raw       water-filled depths under a budget (bits / token);
 fathom-rotated      rotated   the same on the KLT basis (nothing truncated); σ² from calibration
 fathom-plan         either    water-filling with a per-layer budget calibrated offline
 fathom-mixed        per head  the same on each (layer, KV head)'s basis, chosen on calibration text
+fathom[pooled]      any       one water line for a layer's KV heads (their mean budget)
 sparq               raw       depth 4 on the r channels with the largest Σ_h |q[h, c]|
 double-sparsity     raw       depth 4 on r channels fixed offline per KV head
 loki                rotated   depth 4 on the first r coordinates (score-variance order)
@@ -73,7 +74,9 @@ class HeadStats:
     ``plane_drops``: each plane's measured drop of each channel's error
     variance on calibration keys ``[d, 4]`` and ``scale2`` the mean squared
     block scale on the same keys ``[d]`` (the calibrated gain table; None: not
-    calibrated).
+    calibrated); ``levels``: the reconstruction table the store's planes are
+    read through ``float32 [d, 4, 16]`` (None: the midpoints; with a table,
+    ``plane_drops`` are measured through it).
     """
 
     sigma2: np.ndarray
@@ -82,6 +85,7 @@ class HeadStats:
     layer: int | None = None
     plane_drops: np.ndarray | None = None
     scale2: np.ndarray | None = None
+    levels: np.ndarray | None = None
 
 
 def _top_channels(score: np.ndarray, r: int) -> np.ndarray:
@@ -109,17 +113,25 @@ def _check_sources(variance: str, gains: str) -> None:
         raise ValueError(f"gains must be one of {GAIN_SOURCES}, got {gains!r}")
 
 
-def _waterfill_depths(q: np.ndarray, stats: HeadStats, budget: float, variance: str, gains: str) -> np.ndarray:
-    """Water-filled depths of query groups ``q [..., G, d]`` with σ² from ``variance`` and the plane gains
-    from ``gains``: design §5's model, or the head's calibrated table scaled so that ``w_c · γ_{c,t}`` is the
-    measured drop times the drift of σ² since calibration (σ² now over σ² then, by the same statistic)."""
+def _importance_and_table(q: np.ndarray, stats: HeadStats, variance: str, gains: str
+                          ) -> tuple[np.ndarray, np.ndarray | None]:
+    """One head's water-filling inputs: the importances ``w [..., d]`` of query groups ``q [..., G, d]`` with σ²
+    from ``variance``, and its gain table (None: design §5's model; else the head's calibrated table scaled so that
+    ``w_c · γ_{c,t}`` is the measured drop times the drift of σ² since calibration, σ² now over σ² then by the same
+    statistic)."""
     if variance == PER_BASIS:
         raise ValueError("a per-head method's policy runs on one basis: resolve it with Method.on_basis first")
     sigma2 = stats.sigma2 if variance == "calibration" else stats.sigma2_store
     if sigma2 is None:
         raise ValueError("stats.sigma2_store is needed for variance='store'")
-    table = gain_table(stats, variance) if gains == "calibrated" else None
-    return waterfill_batched(importance(q, sigma2), budget, table)
+    return importance(q, sigma2), (gain_table(stats, variance) if gains == "calibrated" else None)
+
+
+def _waterfill_depths(q: np.ndarray, stats: HeadStats, budget: float, variance: str, gains: str) -> np.ndarray:
+    """Water-filled depths of query groups ``q [..., G, d]`` with σ² from ``variance`` and the plane gains
+    from ``gains`` (see :func:`_importance_and_table`)."""
+    w, table = _importance_and_table(q, stats, variance, gains)
+    return waterfill_batched(w, budget, table)
 
 
 def gain_table(stats: HeadStats, variance: str) -> np.ndarray:
@@ -140,11 +152,17 @@ def gain_table(stats: HeadStats, variance: str) -> np.ndarray:
 @dataclass(frozen=True)
 class Waterfill:
     """Reverse water-filling under ``budget`` bits/token; σ² from the store or from calibration (``per-basis``:
-    the basis' default, for the per-head store), plane gains from design §5 or calibration."""
+    the basis' default, for the per-head store), plane gains from design §5 or calibration.
+
+    ``pooled``: one water line for every KV head of a layer (:func:`pooled_depths`), so their mean read is at most
+    ``budget`` and a plane is read where it removes the most score error in the layer. The score errors of a layer's
+    heads are logits of one softmax scale, so their gains are on one scale; design §5's plan per query group
+    (``pooled=False``) gives each head the same bits however little its queries weigh."""
 
     budget: float
     variance: str
     gains: str = "design"
+    pooled: bool = False
 
     def __post_init__(self):
         _check_sources(self.variance, self.gains)
@@ -162,7 +180,41 @@ class Waterfill:
         return self if self.variance != PER_BASIS else replace(self, variance=DEFAULT_VARIANCE[basis])
 
     def depths(self, q: np.ndarray, stats: HeadStats) -> np.ndarray:
+        if self.pooled:
+            raise ValueError("a pooled policy plans every KV head of a layer at once: use pooled_depths")
         return _waterfill_depths(q, stats, self.budget, self.variance, self.gains)
+
+
+def pooled_depths(policies: list[Waterfill], q: list[np.ndarray], stats: list[HeadStats]) -> np.ndarray:
+    """One water line for the KV heads of a layer: each head ``h``'s query groups ``q[h] [..., G, d]`` in its
+    store's basis, its ``stats[h]`` (with the store's σ² where the policy reads it) and its ``policies[h]`` (one
+    policy resolved per head's basis: the same budget and gains) -> depths ``int8 [H, ..., d]`` whose mean cost over
+    the heads is at most the budget, at each of ``[...]``.
+
+    Example (a head whose queries are zero reads nothing; the other spends both heads' 8 bits)::
+
+        >>> import numpy as np
+        >>> from fathom import methods
+        >>> stats = methods.HeadStats(sigma2=np.ones(8), ds_rank=np.arange(8))
+        >>> q = np.arange(1.0, 9.0)[None]  # one query head, 8 channels
+        >>> methods.Waterfill(8, "calibration").depths(q, stats).tolist()
+        [0, 0, 0, 1, 1, 1, 1, 2]
+        >>> policy = methods.Waterfill(8, "calibration", pooled=True)
+        >>> methods.pooled_depths([policy, policy], [q, 0 * q], [stats, stats]).tolist()
+        [[0, 1, 1, 2, 2, 2, 3, 3], [0, 0, 0, 0, 0, 0, 0, 0]]
+    """
+    if not policies or len(policies) != len(q) or len(q) != len(stats):
+        raise ValueError(f"policies, q and stats must hold one entry per KV head (>= 1), got {len(policies)}, "
+                         f"{len(q)} and {len(stats)}")
+    first = policies[0]
+    if any(p.budget != first.budget or p.gains != first.gains or not p.pooled for p in policies):
+        raise ValueError("every head of a pooled plan must share one pooled policy's budget and gains")
+    inputs = [_importance_and_table(qh, sh, p.variance, p.gains) for p, qh, sh in zip(policies, q, stats)]
+    w = np.concatenate([w for w, _ in inputs], axis=-1)  # [..., H·d]: every head's channels on one water line
+    table = None if first.gains == "design" else np.concatenate([t for _, t in inputs], axis=-2)
+    heads = len(policies)
+    depths = waterfill_batched(w, heads * first.budget, table)
+    return np.moveaxis(depths.reshape(depths.shape[:-1] + (heads, -1)), -2, 0)
 
 
 @dataclass(frozen=True)
@@ -301,6 +353,11 @@ class Method:
         return self.scorer == "planes"
 
     @property
+    def pooled(self) -> bool:
+        """Whether its depths are planned for every KV head of a layer at once (:func:`pooled_depths`)."""
+        return bool(getattr(self.policy, "pooled", False))
+
+    @property
     def scans_rotated(self) -> bool:
         """Whether it scans the rotated store (fathom-rotated, loki, on some heads fathom-mixed): the store then
         needs a basis."""
@@ -319,35 +376,47 @@ class Method:
         return f"{self.name}@{self.nominal_bits(d):g}"
 
 
-def _named(name: str, basis: str, variance: str | None, gains: str = "design") -> tuple[str, str]:
-    """(label name, σ² source): the basis' default source and design §5's gains keep the plain name, the other
-    source and calibrated gains are named in brackets (``fathom[calibration,gains]``)."""
+def _tagged(name: str, tags: list[str]) -> str:
+    return f"{name}[{','.join(tags)}]" if tags else name
+
+
+def _variant_tags(gains: str, pooled: bool) -> list[str]:
+    return (["gains"] if gains == "calibrated" else []) + (["pooled"] if pooled else [])
+
+
+def _named(name: str, basis: str, variance: str | None, gains: str = "design", pooled: bool = False
+           ) -> tuple[str, str]:
+    """(label name, σ² source): the basis' default source, design §5's gains and a plan per query group keep the
+    plain name; the other source, calibrated gains and the pooled plan are named in brackets
+    (``fathom[calibration,gains,pooled]``)."""
     if basis not in BASES:
         raise ValueError(f"basis must be one of {BASES}, got {basis!r}")
     variance = DEFAULT_VARIANCE[basis] if variance is None else variance
-    tags = ([variance] if variance != DEFAULT_VARIANCE[basis] else []) + (["gains"] if gains == "calibrated" else [])
-    return (f"{name}[{','.join(tags)}]" if tags else name), variance
+    tags = ([variance] if variance != DEFAULT_VARIANCE[basis] else []) + _variant_tags(gains, pooled)
+    return _tagged(name, tags), variance
 
 
-def fathom(budget: float, variance: str | None = None, gains: str = "design") -> Method:
+def fathom(budget: float, variance: str | None = None, gains: str = "design", pooled: bool = False) -> Method:
     """Fathom on the raw store; σ² from ``variance`` (default: the raw basis' default, ``store``); plane gains
-    from ``gains`` (design §5's model, or ``"calibrated"``: the calibration's measured table)."""
-    name, variance = _named("fathom", "raw", variance, gains)
-    return Method(name, policy=Waterfill(budget, variance, gains))
+    from ``gains`` (design §5's model, or ``"calibrated"``: the calibration's measured table); ``pooled``: one
+    water line for every KV head of a layer (:class:`Waterfill`)."""
+    name, variance = _named("fathom", "raw", variance, gains, pooled)
+    return Method(name, policy=Waterfill(budget, variance, gains, pooled))
 
 
-def fathom_rotated(budget: float, variance: str | None = None, gains: str = "design") -> Method:
+def fathom_rotated(budget: float, variance: str | None = None, gains: str = "design", pooled: bool = False
+                   ) -> Method:
     """Fathom on the rotated store; σ² from ``variance`` (default: the rotated basis' default, ``calibration``);
-    ``gains`` as in :func:`fathom`."""
-    name, variance = _named("fathom-rotated", "rotated", variance, gains)
-    return Method(name, basis="rotated", policy=Waterfill(budget, variance, gains))
+    ``gains`` and ``pooled`` as in :func:`fathom`."""
+    name, variance = _named("fathom-rotated", "rotated", variance, gains, pooled)
+    return Method(name, basis="rotated", policy=Waterfill(budget, variance, gains, pooled))
 
 
-def fathom_mixed(budget: float, gains: str = "design") -> Method:
+def fathom_mixed(budget: float, gains: str = "design", pooled: bool = False) -> Method:
     """Fathom on the per-head store: each (layer, KV head) scans the basis it chose on calibration text
-    (``Calibration.head_basis``) with that basis' default σ²; ``gains`` as in :func:`fathom`."""
-    return Method("fathom-mixed" + ("[gains]" if gains == "calibrated" else ""), basis=PER_HEAD,
-                  policy=Waterfill(budget, PER_BASIS, gains))
+    (``Calibration.head_basis``) with that basis' default σ²; ``gains`` and ``pooled`` as in :func:`fathom`."""
+    return Method(_tagged("fathom-mixed", _variant_tags(gains, pooled)), basis=PER_HEAD,
+                  policy=Waterfill(budget, PER_BASIS, gains, pooled))
 
 
 def fathom_plan(budgets: tuple[float, ...], target: float, basis: str = "raw",

@@ -32,6 +32,27 @@ MAX_DEPTH = PLANES
 _SHIFTS = np.arange(PLANES - 1, -1, -1, dtype=np.uint8)  # plane p holds bit 3 - p
 # _PREFIX[t, i]: weight of plane i in the t-bit prefix code u >> (4 - t)
 _PREFIX = np.array([[0, 0, 0, 0], [1, 0, 0, 0], [2, 1, 0, 0], [4, 2, 1, 0], [8, 4, 2, 1]], np.float32)
+CELLS = 2 ** PLANES  # cells of the deepest prefix: a reconstruction table's last axis
+
+
+def midpoint_levels(d: int) -> np.ndarray:
+    """The design's reconstruction as a table: each t-bit cell read as its midpoint, float32 ``[d, 4, 16]`` in units
+    of Δ, entry ``[c, t - 1, p] = (p + 0.5) · 2^(4-t) − 8`` for ``p < 2^t`` (0 past). :func:`dequantize` with it
+    equals :func:`dequantize` without a table, bit for bit (tested)."""
+    levels = np.zeros((d, MAX_DEPTH, CELLS), np.float32)
+    for t in range(1, MAX_DEPTH + 1):
+        levels[:, t - 1, :2 ** t] = (np.arange(2 ** t, dtype=np.float32) + np.float32(0.5)) * np.float32(
+            2 ** (MAX_DEPTH - t)) - np.float32(8)
+    return levels
+
+
+def check_levels(levels, d: int) -> np.ndarray:
+    """A reconstruction table ``float32 [d, 4, 16]`` (finite), refused in one line otherwise."""
+    levels = _checks.array("levels", levels, ndim=3, dtype=np.float32)
+    if levels.shape != (d, MAX_DEPTH, CELLS):
+        raise ValueError(f"levels must have shape {(d, MAX_DEPTH, CELLS)}, got {levels.shape}")
+    _checks.finite("levels", levels)
+    return levels
 
 
 def quantize(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -97,13 +118,17 @@ def unpack_planes(planes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(codes.T)
 
 
-def dequantize(planes: np.ndarray, scales: np.ndarray, depths: np.ndarray) -> np.ndarray:
+def dequantize(planes: np.ndarray, scales: np.ndarray, depths: np.ndarray, levels: np.ndarray | None = None
+               ) -> np.ndarray:
     """Reconstruct keys from the first ``depths[c]`` planes of each channel ``c``.
 
-    ``k̂_t = ((p + 0.5) · 2^(4-t) − 8) · Δ`` with ``p = u >> (4 - t)``; depth 0 gives 0.
+    ``k̂_t = ((p + 0.5) · 2^(4-t) − 8) · Δ`` with ``p = u >> (4 - t)``; depth 0 gives 0. With a reconstruction
+    table ``levels`` the cell reads as ``levels[c, t - 1, p] · Δ`` instead (the calibrated cell means of
+    :func:`fathom.calibration.cell_means`: the same bits, read as the keys that fall in the cell are on average).
 
     Args:
-        planes: uint64 ``[d, 4, nb]``; scales: float16 ``[d, nb]``, finite and >= 0; depths: int ``[d]`` in 0..4.
+        planes: uint64 ``[d, 4, nb]``; scales: float16 ``[d, nb]``, finite and >= 0; depths: int ``[d]`` in 0..4;
+        levels: float32 ``[d, 4, 16]`` in units of Δ, or None (the midpoints).
     Returns:
         float32 ``[nb * 64, d]``.
     """
@@ -117,7 +142,12 @@ def dequantize(planes: np.ndarray, scales: np.ndarray, depths: np.ndarray) -> np
     if t.ndim != 1:
         raise ValueError(f"depths must have rank 1, got shape {t.shape}")
     prefix = np.einsum("ci,cin->cn", _PREFIX[t], bits.astype(np.float32))  # u >> (4 - t), [d, n]
-    cell = np.where(t > 0, np.exp2(np.float32(4) - t.astype(np.float32)), np.float32(0))[:, None]
     delta = np.repeat(scales.astype(np.float32) / np.float32(8), BLOCK, axis=1)
+    if levels is not None:
+        table = check_levels(levels, d)[np.arange(d), np.maximum(t, 1) - 1]  # [d, 16]: each channel's depth
+        read = np.take_along_axis(table, prefix.astype(np.int64), axis=1) * delta
+        value = np.where((t > 0)[:, None], read, np.float32(0))
+        return np.ascontiguousarray(value.T.astype(np.float32))
+    cell = np.where(t > 0, np.exp2(np.float32(4) - t.astype(np.float32)), np.float32(0))[:, None]
     value = ((prefix + np.float32(0.5)) * cell - np.float32(8) * (cell > 0)) * delta
     return np.ascontiguousarray(value.T.astype(np.float32))

@@ -11,16 +11,18 @@ import numpy as np
 
 from fathom import _checks
 from fathom._linalg import stacked_matmul
-from fathom.quantize import MAX_DEPTH, dequantize
+from fathom.quantize import MAX_DEPTH, check_levels, dequantize
 from fathom.growing import GrowingRows
 
 LANDMARK_TOKENS = 8  # ShadowKV-style: one fp16 mean key per 8-token block
 
 
-def approx_scores(q: np.ndarray, planes: np.ndarray, scales: np.ndarray, depths: np.ndarray) -> np.ndarray:
-    """Scores of ``q float32 [G, d]`` against planes read to ``depths int [d]`` -> float32 ``[G, n]``."""
+def approx_scores(q: np.ndarray, planes: np.ndarray, scales: np.ndarray, depths: np.ndarray,
+                  levels: np.ndarray | None = None) -> np.ndarray:
+    """Scores of ``q float32 [G, d]`` against planes read to ``depths int [d]`` (through ``levels``, see
+    :func:`fathom.quantize.dequantize`) -> float32 ``[G, n]``."""
     q = _checks.array("q", q, ndim=2, kind="f")
-    khat = dequantize(planes, scales, depths)
+    khat = dequantize(planes, scales, depths, levels)
     if q.shape[1] != khat.shape[1]:
         raise ValueError(f"q must have {khat.shape[1]} channels, got shape {q.shape}")
     return (q.astype(np.float32) @ khat.T).astype(np.float32)
@@ -31,18 +33,21 @@ class DepthScorer:
 
     Equal to :func:`approx_scores` (tested); for evaluating many queries and
     policies over one store: ``scores = Σ_t (q ⊙ [b == t]) @ k̂_tᵀ``. A growing
-    store :meth:`extend` s it with its newly sealed blocks only.
+    store :meth:`extend` s it with its newly sealed blocks only. ``levels``: the
+    reconstruction table the planes are read through (``float32 [d, 4, 16]``,
+    :func:`fathom.quantize.dequantize`; None: the midpoints).
     """
 
-    def __init__(self, planes: np.ndarray, scales: np.ndarray):
+    def __init__(self, planes: np.ndarray, scales: np.ndarray, levels: np.ndarray | None = None):
         self.d = planes.shape[0]
+        self.levels = None if levels is None else check_levels(levels, self.d)
         self._khat = [GrowingRows(self.d) for _ in range(MAX_DEPTH)]
         self.extend(planes, scales)
 
     def extend(self, planes: np.ndarray, scales: np.ndarray) -> None:
         """Add the blocks of ``planes uint64 [d, 4, nb]``, ``scales float16 [d, nb]`` after those held."""
         for t in range(1, MAX_DEPTH + 1):
-            self._khat[t - 1].append(dequantize(planes, scales, np.full(self.d, t)))
+            self._khat[t - 1].append(dequantize(planes, scales, np.full(self.d, t), self.levels))
 
     def khat(self, t: int) -> np.ndarray:
         """The keys every block holds read to depth ``t`` in 1..4, float32 ``[n, d]``."""

@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from fathom import methods as M
+from fathom.bits import scan_bits
 from fathom.decode import HeadIndex, decode_step, method_scores
 from fathom.methods import HeadStats
 from fathom.scoring import DepthScorer, approx_scores
@@ -189,3 +190,44 @@ def test_a_depth_policy_refuses_what_its_scan_cannot_read(make, message):
     with pytest.raises(ValueError, match=message):
         make()
 
+
+
+@given(st.integers(0, 2 ** 32 - 1), st.integers(1, 4), st.floats(0, 80), st.sampled_from(["design", "calibrated"]))
+def test_a_pooled_plan_fits_the_mean_budget_and_equals_the_groups_plan_on_alike_heads(seed, heads, budget, gains):
+    """One water line for a layer's heads: their mean cost fits the budget at every position, and heads with the
+    same queries and statistics read what each would alone (their summed cost fits ``heads`` budgets exactly when
+    one's fits one)."""
+    rng = np.random.default_rng(seed)
+    d, G, P = 8, 3, 4
+    drops = np.sort(rng.uniform(0, 1, (d, 4)), axis=-1)[:, ::-1]
+    stats = [HeadStats(sigma2=rng.uniform(0.1, 2, d), ds_rank=np.arange(d), plane_drops=drops,
+                       scale2=rng.uniform(0.5, 2, d)) for _ in range(heads)]
+    q = [rng.standard_normal((P, G, d)) * rng.uniform(0, 3) for _ in range(heads)]
+    policy = M.Waterfill(budget, "calibration", gains, pooled=True)
+    depths = M.pooled_depths([policy] * heads, q, stats)
+    assert depths.shape == (heads, P, d) and depths.dtype == np.int8
+    assert (scan_bits(depths).mean(axis=0) <= budget + 1e-9).all()
+    alike = M.pooled_depths([policy] * heads, [q[0]] * heads, [stats[0]] * heads)
+    alone = M.Waterfill(budget, "calibration", gains).depths(q[0], stats[0])
+    for h in range(heads):
+        np.testing.assert_array_equal(alike[h], alone)
+
+
+def test_a_pooled_plan_is_named_refused_per_head_and_needs_one_policy_a_layer():
+    assert M.fathom(48, pooled=True).label(64) == "fathom[pooled]@48"
+    assert M.fathom_rotated(48, "store", "calibrated", pooled=True).name == "fathom-rotated[store,gains,pooled]"
+    mixed = M.fathom_mixed(48, "calibrated", pooled=True)
+    assert mixed.name == "fathom-mixed[gains,pooled]" and mixed.pooled and mixed.on_basis("rotated").pooled
+    assert not M.fathom(48).pooled and not M.sparq(16).pooled and not M.oracle().pooled
+    stats, q = HeadStats(sigma2=np.ones(8), ds_rank=np.arange(8)), np.ones((3, 8))
+    policy = M.Waterfill(48, "calibration", pooled=True)
+    with pytest.raises(ValueError, match="use pooled_depths"):
+        policy.depths(q, stats)
+    with pytest.raises(ValueError, match="one entry per KV head"):
+        M.pooled_depths([policy, policy], [q], [stats])
+    with pytest.raises(ValueError, match="one entry per KV head"):
+        M.pooled_depths([], [], [])
+    for other in (M.Waterfill(32, "calibration", pooled=True), M.Waterfill(48, "calibration"),
+                  M.Waterfill(48, "calibration", "calibrated", pooled=True)):
+        with pytest.raises(ValueError, match="share one pooled policy's budget and gains"):
+            M.pooled_depths([policy, other], [q, q], [stats, stats])

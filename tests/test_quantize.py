@@ -4,7 +4,7 @@ from hypothesis import given, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fathom import reference as ref
-from fathom.quantize import dequantize, pack_planes, plane_bits, quantize
+from fathom.quantize import dequantize, midpoint_levels, pack_planes, plane_bits, quantize
 
 
 def mid_rise(k: np.ndarray, s: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,3 +152,34 @@ def test_dequantize_refuses_nan_inf_and_negative_scales(store, bad):
     scales[3, 1] = bad
     with pytest.raises(ValueError, match="^scales must be finite and >= 0"):
         dequantize(planes, scales, np.full(8, 4))
+
+
+@given(st.integers(0, 2 ** 32 - 1), st.lists(st.integers(0, 4), min_size=6, max_size=6))
+def test_a_reconstruction_table_reads_each_cell_as_its_level(seed, depths):
+    """With ``levels`` a channel read to depth t reads ``levels[c, t - 1, u >> (4 - t)] · Δ`` (0 at depth 0); the
+    midpoint table is the design's dequantizer bit for bit."""
+    rng = np.random.default_rng(seed)
+    k = (rng.standard_normal((128, 6)) * np.exp(rng.normal(0, 2, 6))).astype(np.float32)
+    k[:64, 2] = 0  # a zero scale: its block reads 0 at every depth
+    codes, scales = quantize(k)
+    planes, depths = pack_planes(codes), np.array(depths)
+    np.testing.assert_array_equal(dequantize(planes, scales, depths, midpoint_levels(6)).view(np.uint32),
+                                  dequantize(planes, scales, depths).view(np.uint32))
+    levels = rng.normal(0, 8, (6, 4, 16)).astype(np.float32)
+    delta = np.repeat(scales.astype(np.float32).T / np.float32(8), 64, axis=0)  # [n, d]
+    want = np.zeros_like(k)
+    for c, t in enumerate(depths):
+        if t:
+            want[:, c] = levels[c, t - 1, codes[:, c] >> (4 - t)] * delta[:, c]
+    np.testing.assert_array_equal(dequantize(planes, scales, depths, levels), want)
+
+
+def test_a_reconstruction_table_is_checked():
+    codes, scales = quantize(np.ones((64, 4), np.float32))
+    planes = pack_planes(codes)
+    for bad, message in ((np.zeros((4, 4, 8), np.float32), "levels must have shape"),
+                         (np.zeros((3, 4, 16), np.float32), "levels must have shape"),
+                         (np.full((4, 4, 16), np.nan, np.float32), "levels"),
+                         (np.zeros((4, 4, 16)), "levels")):  # float64: a table is float32, as the scan reads it
+        with pytest.raises(ValueError, match=message):
+            dequantize(planes, scales, np.full(4, 2), bad)

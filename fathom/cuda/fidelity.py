@@ -33,6 +33,7 @@ Example (the same numbers as the NumPy path)::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -41,9 +42,9 @@ import torch
 from fathom.calibration import Calibration
 from fathom.capture import Capture
 from fathom.decode import plane_depths, running_scale_variance, unit_stats
-from fathom.fidelity import MethodResult, Tally, head_methods, needs_rotated
-from fathom.methods import Method
-from fathom.quantize import BLOCK, MAX_DEPTH
+from fathom.fidelity import MethodResult, Tally, check_levels_source, head_methods, needs_rotated
+from fathom.methods import HeadStats, Method, pooled_depths
+from fathom.quantize import BLOCK, MAX_DEPTH, check_levels
 from fathom.scoring import LANDMARK_TOKENS, landmarks
 from fathom.selection import Selection, protocol_masks
 
@@ -51,11 +52,12 @@ CPU_CHUNK_ELEMENTS = 1 << 25  # method × position × head × token entries per 
 BYTES_PER_CHUNK_ELEMENT = 48  # scores, masks and float64 softmax of one entry, with room for temporaries
 
 
-def dequantized_copies(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantized_copies(keys: torch.Tensor, levels: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sealed keys as the scan sees them at every depth (design §2).
 
     Args:
         keys: float32 ``[n, d]`` (the tail past the last full 64-token block is not sealed and not returned).
+        levels: the reconstruction table ``float32 [d, 4, 16]`` the planes are read through (None: the midpoints).
     Returns:
         ``k̂ float32 [4, n_sealed, d]`` (depth t at index t - 1) and ``scales float16 [d, n_sealed // 64]``,
         equal to :func:`fathom.quantize.dequantize` at uniform depths and :func:`fathom.quantize.quantize`.
@@ -74,11 +76,16 @@ def dequantized_copies(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     zero = delta == 0
     codes = torch.where(zero, 8.0, torch.floor(blocks / torch.where(zero, 1.0, delta)) + 8).clamp(0, 15)
     codes = codes.to(torch.int32)
+    table = None if levels is None else torch.from_numpy(check_levels(levels, d)).to(keys.device)
     copies = []
     for t in range(1, MAX_DEPTH + 1):
         cell = float(2 ** (MAX_DEPTH - t))
-        prefix = (codes >> (MAX_DEPTH - t)).float()  # the t-bit code u >> (4 - t)
-        copies.append(((prefix + 0.5) * cell - 8.0) * delta)
+        prefix = codes >> (MAX_DEPTH - t)  # the t-bit code u >> (4 - t)
+        if table is None:
+            copies.append(((prefix.float() + 0.5) * cell - 8.0) * delta)
+        else:  # each channel's level of its cell: table[c, t - 1, prefix]
+            level = torch.gather(table[:, t - 1].expand(nb, BLOCK, d, -1), 3, prefix.long()[..., None])[..., 0]
+            copies.append(level * delta)
     return torch.stack(copies).reshape(MAX_DEPTH, nb * BLOCK, d), s16.T.contiguous()
 
 
@@ -122,20 +129,21 @@ class _Head:
 
     def __init__(self, capture: Capture, layer: int, head: int, calibration: Calibration | None, rotated: bool,
                  sel: Selection, keep: torch.Tensor, candidate: torch.Tensor, causal: torch.Tensor,
-                 device: torch.device):
+                 device: torch.device, levels: bool = False):
         keys = capture.keys[layer, head]
         n, d = keys.shape
         self.n_sealed = n // BLOCK * BLOCK
         q = capture.queries[layer, head]  # [P, G, d]
         self.stats = unit_stats(d, ("raw", "rotated")) if calibration is None else \
-            {b: calibration.head_stats(layer, head, b) for b in ("raw", "rotated")}
+            {b: calibration.head_stats(layer, head, b, levels) for b in ("raw", "rotated")}
         store_keys, self.q_store = {"raw": keys}, {"raw": q}
         if rotated:  # the reference's own float32 products (PlaneStore, method_scores): bit-identical codes
             basis = calibration.basis[layer, head].astype(np.float32)
             store_keys["rotated"], self.q_store["rotated"] = keys @ basis, q @ basis
         self.copies, self.scales = {}, {}
         for b, k in store_keys.items():
-            khat, scales = dequantized_copies(torch.from_numpy(np.ascontiguousarray(k)).to(device))
+            khat, scales = dequantized_copies(torch.from_numpy(np.ascontiguousarray(k)).to(device),
+                                              self.stats[b].levels)
             self.copies[b] = khat.permute(1, 2, 0).reshape(self.n_sealed, d * MAX_DEPTH)  # [n, (channel, depth)]
             self.scales[b] = scales.cpu().numpy()
         self.device = device
@@ -149,6 +157,10 @@ class _Head:
         self.exact = self.q @ self.keys[:self.n_sealed].T  # the oracle's scores
         self.keep, self.candidate = keep, candidate
         self.oracle_take = select_many(self.exact, keep, candidate, sel.k) & candidate[:, None, :]
+
+    def store_stats(self, basis: str, blocks: np.ndarray) -> HeadStats:
+        """The head's stats on ``basis`` with the store's σ² at contexts of ``blocks [P]`` sealed blocks."""
+        return replace(self.stats[basis], sigma2_store=running_scale_variance(self.scales[basis], blocks))
 
     def attend(self, mask: torch.Tensor) -> torch.Tensor:
         """Exact attention of every head over its selected set ``mask bool [..., P, G, n]`` -> float64."""
@@ -168,13 +180,14 @@ class _Head:
 
 
 def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Method], sel: Selection,
-             on_head: Callable[[], None] | None = None, device: str | torch.device = "cpu",
+             on_head: Callable[[], None] | None = None, levels: bool = False, device: str | torch.device = "cpu",
              chunk_elements: int | None = None) -> list[MethodResult]:
     """:func:`fathom.fidelity.evaluate` in torch on ``device`` (same arguments and results).
 
     ``chunk_elements`` bounds the methods × positions × query heads × tokens evaluated at once (default: half
     the free memory of a CUDA device at ~48 bytes an entry; 32 M entries on the CPU).
     """
+    check_levels_source(calibration, levels)
     device = torch.device(device)
     L, H, n, d = capture.keys.shape
     P, G = capture.queries.shape[2:4]
@@ -188,20 +201,31 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
     tally = Tally(methods, L, H, d)
     with torch.no_grad():
         for layer in range(L):
-            for head in range(H):
-                h = _Head(capture, layer, head, calibration, rotated, sel, keep, candidate, causal, device)
-                on_head_methods = head_methods(methods, calibration, layer, head)
-                depths = {}
-                for i, m in enumerate(on_head_methods):
-                    if m.scans_planes:
-                        depths[i] = plane_depths(m, h.q_store[m.basis], h.stats[m.basis],
-                                                 running_scale_variance(h.scales[m.basis], blocks), layer)
-                    tally.add_scan(i, layer, head, depths.get(i), blocks)
+            on_heads = [head_methods(methods, calibration, layer, head) for head in range(H)]
+            heads = [_Head(capture, layer, head, calibration, rotated, sel, keep, candidate, causal, device, levels)
+                     for head in range(H)]
+            depths = [{} for _ in range(H)]  # per head: method index -> depths [P, d]
+            for i, m in enumerate(methods):
+                resolved = [on_heads[head][i] for head in range(H)]  # what each head runs (its basis)
+                if m.pooled:  # every head of the layer on one water line, as fathom.fidelity plans it
+                    per_head = pooled_depths([r.policy for r in resolved],
+                                             [h.q_store[r.basis] for h, r in zip(heads, resolved)],
+                                             [h.store_stats(r.basis, blocks) for h, r in zip(heads, resolved)])
+                    for head in range(H):
+                        depths[head][i] = per_head[head]
+                elif m.scans_planes:
+                    for head, (h, r) in enumerate(zip(heads, resolved)):
+                        depths[head][i] = plane_depths(r, h.q_store[r.basis], h.stats[r.basis],
+                                                       running_scale_variance(h.scales[r.basis], blocks), layer)
+            for head, h in enumerate(heads):
+                for i in range(len(methods)):
+                    tally.add_scan(i, layer, head, depths[head].get(i), blocks)
                 for start in range(0, len(methods), chunk):
-                    _measure(h, on_head_methods, range(start, min(start + chunk, len(methods))), depths, sel,
+                    _measure(h, on_heads[head], range(start, min(start + chunk, len(methods))), depths[head], sel,
                              causal, tally, layer, head)
                 if on_head is not None:
                     on_head()
+            del heads, h  # the next layer's are made while these would still be held
     return tally.results()
 
 

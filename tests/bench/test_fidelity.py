@@ -53,9 +53,10 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
     assert records["oracle@2048"]["rel_error"] <= min(r["rel_error"] for r in payload["records"] if r["label"] != "dense")
     assert "synthetic" in (tmp_path / "fidelity-synthetic-quick.md").read_text()
     assert (tmp_path / "fidelity-synthetic-quick.png").read_bytes()[:4] == b"\x89PNG"
-    # every store × gain model is reported; the headline is the per-head store (the basis rule per head)
-    assert set(summary["families"]) == {f"{store}{gains}" for store in ("fathom", "fathom-rotated", "fathom-mixed")
-                                        for gains in ("", "[gains]")}
+    # every store × gain model × plan is reported; the headline is the per-head store (the basis rule per head)
+    assert set(summary["families"]) == {f"{store}{tags}" for store in ("fathom", "fathom-rotated", "fathom-mixed")
+                                        for tags in ("", "[gains]", "[pooled]", "[gains,pooled]")}
+    assert payload["levels"] == "midpoint" and records["fathom[pooled]@48"]["bits_read"] <= 48
     assert summary["fathom_family"] == "fathom-mixed" and 0 <= summary["heads_rotated"] <= 8
     assert summary["fathom48_error"] == records["fathom-mixed@48"]["rel_error"]
     gains = summary["gains_rule_errors"]  # decided on calibration text like the basis rule, and recorded
@@ -69,6 +70,27 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
     assert again["summary"] == summary and again["records"] == payload["records"]
     assert again["command"] == payload["command"] and again["replotted_by"].startswith("python -m bench fidelity")
     assert "fathom-mixed" in (tmp_path / "fidelity-synthetic-quick.md").read_text()
+
+
+def test_fidelity_levels_reads_every_plane_through_the_calibrated_levels(tmp_path, capsys):
+    """--levels: the run's name, JSON and table say so, and every plane method's error is the evaluation's through
+    the calibration's tables (checked on one method against the evaluation itself)."""
+    from bench.fidelity import SYNTHETIC_QUICK
+    from fathom.calibration import calibrate
+    from fathom.fidelity import evaluate
+    from fathom.selection import Selection
+    from fathom.synthetic import SyntheticConfig, generate
+    from fathom import methods as M
+
+    main(["fidelity", "--synthetic", "--quick", "--levels", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "fidelity-synthetic-quick-levels.json").read_text())
+    assert payload["levels"] == "calibrated" and "--levels" in payload["command"]
+    assert "calibrated levels" in (tmp_path / "fidelity-synthetic-quick-levels.md").read_text()
+    calibration_text = SyntheticConfig(**{**SYNTHETIC_QUICK.__dict__, "text_seed": SYNTHETIC_QUICK.text_seed + 1})
+    (want,) = evaluate(generate(SYNTHETIC_QUICK), calibrate(generate(calibration_text)), [M.sparq(16)],
+                       Selection(**payload["selection"]), levels=True)
+    got = next(r for r in payload["records"] if r["label"] == "sparq@68")
+    assert got["rel_error"] == pytest.approx(want.rel_error, rel=1e-12)
 
 
 def test_equal_error_bits_interpolates_in_log_log_and_says_when_it_cannot():
@@ -89,7 +111,8 @@ def test_fidelity_refuses_a_device_it_cannot_use(capsys, monkeypatch):
     from bench.fidelity import evaluator
     from fathom.fidelity import evaluate
 
-    assert evaluator("cpu") is evaluate
+    for levels in (False, True):  # the NumPy evaluation on the CPU, through the levels or not
+        assert evaluator("cpu", levels).func is evaluate and evaluator("cpu", levels).keywords == {"levels": levels}
     for argv, message in ((["--device", "tpu"], "error: --device must be one of cpu, cuda, got 'tpu'"),
                           (["--device", "cuda"], "error: python -m bench fidelity --device cuda needs a CUDA GPU")):
         import torch

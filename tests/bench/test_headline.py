@@ -42,6 +42,17 @@ def test_headline_tables_the_real_settings_only(tmp_path):
     assert table.count("| m 32k (t, P = 512) | 64 | per head: 3 of 8 rotated |") == 1
     assert table.count("| m 32k (t, P = 512) | 0.2500 (double-sparsity@68) |") == 1
     assert table.count("| m 32k (t) |") == 2
+    # a run through calibrated levels is a row of its own; a pooled curve gets a column once a run reports one
+    assert "fathom-mixed[pooled]" not in table
+    through_levels = {**with_curves, "levels": "calibrated",
+                      "summary": {**with_curves["summary"], "families": {"fathom-mixed[pooled]": family}}}
+    (tmp_path / "fidelity-m-32k-t-levels.json").write_text(json.dumps(through_levels))
+    main(["headline", "--results", str(tmp_path)])
+    table = (tmp_path / "headline.md").read_text()
+    assert table.count("| m 32k (t, levels) | 64 | per head: 3 of 8 rotated |") == 1
+    assert "| m 32k (t, levels) | 0.2500 (double-sparsity@68) | 0.3000 | — | — | — | — | — | — | 0.1100 / ≥ 2.00× |" \
+        in table
+    assert "| m 32k (t) | 0.2500 (double-sparsity@68) | 0.3000 | — | — | — | — | 0.1100 / ≥ 2.00× | — | — |" in table
 
 
 # --- bad input ------------------------------------------------------------------------------------------------

@@ -1,13 +1,13 @@
 """bench.plane_probe: its midpoint reconstruction is the store's own (design §2) at every depth, centroids differ
-only where a prefix covers several cells, its gains are a valid table, its ``design`` row is the fidelity bench's
-fathom error, and bad arguments exit 2 with one line."""
+only where a prefix covers several cells, its gains are a valid table, its ``design`` and shared-water-line rows
+are the fidelity bench's fathom and fathom[pooled] errors, and bad arguments exit 2 with one line."""
 
 import numpy as np
 import pytest
 
 from bench import plane_probe
 from fathom import fidelity, methods as M
-from fathom.quantize import MAX_DEPTH, dequantize, unpack_planes
+from fathom.quantize import MAX_DEPTH, midpoint_levels, unpack_planes
 from fathom.selection import Selection
 from fathom.store import PlaneStore
 from fathom.synthetic import SyntheticConfig, generate
@@ -21,13 +21,14 @@ def _store(seed=0, n=256, d=6):
 
 
 def test_midpoint_levels_read_what_the_store_dequantizes_and_centroids_differ_only_above_one_cell():
-    planes, scales = _store()
-    codes = unpack_planes(planes)
-    counts = plane_probe.code_histogram(codes)
+    planes, _ = _store()
+    counts = plane_probe.code_histogram(unpack_planes(planes))
     assert counts.sum(axis=1).tolist() == [256.0] * 6
+    np.testing.assert_array_equal(plane_probe.levels_table(counts, centroid=False), midpoint_levels(6))
+    centroid = plane_probe.levels_table(counts, centroid=True)
     for t in range(1, MAX_DEPTH + 1):
-        midpoint = plane_probe.khat(codes, scales, t, plane_probe.prefix_levels(counts, t, centroid=False))
-        np.testing.assert_array_equal(midpoint, dequantize(planes, scales, np.full(6, t)))
+        np.testing.assert_array_equal(centroid[:, t - 1, :1 << t],
+                                      plane_probe.prefix_levels(counts, t, True).astype(np.float32))
     np.testing.assert_array_equal(plane_probe.prefix_levels(counts, 4, True),
                                   plane_probe.prefix_levels(counts, 4, False))
     assert not np.allclose(plane_probe.prefix_levels(counts, 1, True), plane_probe.prefix_levels(counts, 1, False))
@@ -54,13 +55,14 @@ def test_depth_2_minimum_never_reads_a_channel_to_depth_1():
         assert not (depths == 1).any() and (depths >= 2).any()
 
 
-def test_the_design_row_is_the_fidelity_benchs_fathom_error():
+def test_the_design_and_shared_rows_are_the_fidelity_benchs_fathom_and_pooled_errors():
     capture = generate(SyntheticConfig(layers=1, kv_heads=2, group_size=2, head_dim=16, tokens=512, positions=4))
     sel = Selection(k=32)
     result = plane_probe.evaluate(capture, None, [24.0], sel)
     assert set(result) == set(plane_probe.VARIANTS) - {"calibrated-gains"}  # no calibration: no measured table
-    reference = fidelity.evaluate(capture, None, [M.fathom(24.0)], sel)[0].rel_error
-    assert result["design"][24.0] == pytest.approx(reference, rel=1e-9)
+    design, pooled = fidelity.evaluate(capture, None, [M.fathom(24.0), M.fathom(24.0, pooled=True)], sel)
+    assert result["design"][24.0] == pytest.approx(design.rel_error, rel=1e-9)
+    assert result["shared-water-line"][24.0] == pytest.approx(pooled.rel_error, rel=1e-9)
 
 
 @pytest.mark.parametrize("argv, message", [

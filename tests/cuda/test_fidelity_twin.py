@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from fathom import fidelity
 from fathom import methods as M
-from fathom.calibration import calibrate
+from fathom.calibration import calibrate, cell_means
 from fathom.cuda import fidelity as twin
 from fathom.decode import HeadIndex, method_scores
 from fathom.quantize import quantize
@@ -19,7 +19,9 @@ from fathom.synthetic import SyntheticConfig, generate
 SMALL = SyntheticConfig(layers=2, kv_heads=2, group_size=3, head_dim=16, tokens=700, positions=6)
 GRID = [M.fathom(24), M.fathom(24, "calibration"), M.fathom_rotated(24), M.fathom_rotated(24, "store"),
         M.fathom_plan((16, 32), 24), M.fathom(24, gains="calibrated"), M.fathom_rotated(24, gains="calibrated"),
-        M.fathom_mixed(24), M.fathom_mixed(24, "calibrated"), M.sparq(4), M.double_sparsity(4), M.loki(4),
+        M.fathom_mixed(24), M.fathom_mixed(24, "calibrated"), M.fathom(24, pooled=True),
+        M.fathom_mixed(24, pooled=True), M.fathom_mixed(24, "calibrated", pooled=True), M.sparq(4),
+        M.double_sparsity(4), M.loki(4),
         M.thumbnail(2), M.landmark(), M.oracle(), M.dense()]
 
 
@@ -41,6 +43,10 @@ def test_dequantized_copies_are_the_reference_store_at_every_depth(seed, blocks)
     scorer = DepthScorer(store.planes(), store.scales())
     np.testing.assert_array_equal(copies.numpy(), np.stack([scorer.khat(t) for t in range(1, 5)]))
     np.testing.assert_array_equal(scales.numpy(), quantize(k[:blocks * 64])[1])
+    levels = cell_means(k)  # read through the keys' own cell means
+    copies, _ = twin.dequantized_copies(torch.from_numpy(k), levels)
+    scorer = DepthScorer(store.planes(), store.scales(), levels)
+    np.testing.assert_array_equal(copies.numpy(), np.stack([scorer.khat(t) for t in range(1, 5)]))
 
 
 def test_dequantized_copies_refuse_keys_past_the_float16_range():
@@ -83,6 +89,15 @@ def test_twin_equals_the_numpy_evaluation_for_every_method(small):
     assert 0 < want[0].oracle_overlap < 1 and len(want[0].rel_error_per_head) == SMALL.layers
 
 
+def test_twin_equals_the_numpy_evaluation_through_calibrated_levels(small):
+    capture, calibration = small
+    sel = Selection(k=48)
+    _assert_equal_results(twin.evaluate(capture, calibration, GRID, sel, levels=True),
+                          fidelity.evaluate(capture, calibration, GRID, sel, levels=True), rtol=1e-9)
+    with pytest.raises(ValueError, match="levels=True reads the planes through calibrated reconstruction"):
+        twin.evaluate(capture, None, GRID[:1], sel, levels=True)
+
+
 def test_twin_without_calibration_and_at_k_beyond_the_context(small):
     capture, _ = small
     grid = [M.fathom(24), M.sparq(4), M.thumbnail(2), M.oracle()]
@@ -103,8 +118,10 @@ def test_twin_on_the_gpu_equals_the_reference_except_float_ties():
     sel = Selection(k=128)
     grid = [M.fathom(48), M.fathom_rotated(48), M.sparq(16), M.double_sparsity(16), M.loki(16), M.thumbnail(2),
             M.landmark(), M.oracle(), M.dense()]
-    _assert_equal_results(twin.evaluate(capture, calibration, grid, sel, device="cuda"),
-                          fidelity.evaluate(capture, calibration, grid, sel), rtol=2e-3)
+    pooled = [M.fathom(48, pooled=True), M.fathom_rotated(48, gains="calibrated", pooled=True)]
+    for levels in (False, True):
+        _assert_equal_results(twin.evaluate(capture, calibration, grid + pooled, sel, levels=levels, device="cuda"),
+                              fidelity.evaluate(capture, calibration, grid + pooled, sel, levels=levels), rtol=2e-3)
     n = capture.keys.shape[2]
     blocks = (capture.positions + 1) // 64
     keep, candidate = protocol_masks(capture.positions + 1, blocks * 64, sel, n)
