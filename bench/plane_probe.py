@@ -8,8 +8,8 @@ Every variant reads the same planes (the same bytes per token) and differs in on
   the sealed blocks: a statistic a store can keep as it keeps s²);
 * **plane gains** of the water-filling: design §5's model, the calibration's measured table
   (``fathom[gains]``), or the drops of the code error variance the same histogram gives (no calibration text);
-  and, apart, one water line shared by every KV head of a layer (its H·B bits; ``fathom[pooled]``, which the fidelity
-bench reports) instead of one per head, and
+  and, apart, one water line shared by every KV head of a layer (its H·B bits; ``fathom[pooled]``, which the
+  fidelity bench reports) instead of one per head, and
   ``depth-2-minimum``: a channel read to 0 or at least 2 planes (design §5's first two gains merged into their
   mean), the test of whether a 1-bit read, whose midpoint overshoots a peaked channel, is worth its bit.
 
@@ -26,9 +26,7 @@ import argparse
 
 import numpy as np
 
-from fathom.quantize import BLOCK, MAX_DEPTH, unpack_planes
-
-CELLS = 1 << MAX_DEPTH  # 4-bit codes
+from fathom.quantize import BLOCK, CELLS, MAX_DEPTH, unpack_planes
 VARIANTS = ("design", "centroid", "histogram-gains", "centroid+histogram-gains", "calibrated-gains",
             "shared-water-line", "depth-2-minimum")
 
