@@ -222,8 +222,8 @@ def test_levels_lower_the_plane_error_and_ride_with_the_calibration(tmp_path, ca
     L, H, n, d = capture.keys.shape
     assert calibration.levels_raw.shape == calibration.levels_rotated.shape == (L, H, d, 4, 16)
     keys = np.random.default_rng(1).laplace(0, 1, (64 * 200, 4)).astype(np.float32)
-    through = plane_drops(keys, cell_means(keys))[0].sum(axis=-1)  # the error removed by all four planes
-    assert (through > plane_drops(keys)[0].sum(axis=-1)).all()
+    removed = plane_drops(keys, cell_means(keys))[0].sum(axis=-1)  # the error removed by all four planes
+    assert (removed > plane_drops(keys)[0].sum(axis=-1)).all()
     calibration.save(tmp_path / "c.npz")
     loaded = Calibration.load(tmp_path / "c.npz")
     for name in ("levels_raw", "levels_rotated", "level_drops_raw", "level_drops_rotated"):
