@@ -1,9 +1,11 @@
-"""float32 <-> float16 and float32 <-> bf16 conversion done with integer operations (device functions).
+"""float32 <-> float16 and float32 <-> bf16 conversions for the kernels (device functions).
 
 The store's block scale is ``float16(max |k|)`` with NumPy's round-to-nearest-even.
 Rounding in integers makes the kernels bit-identical to ``astype(np.float16)``
 without depending on how the compiler lowers fp16 conversions, and works the
-same under the CUDA simulator. Scales travel as their ``uint16`` bit patterns.
+same under the CUDA simulator. Widening an fp16 is exact, so it is the GPU's own
+conversion (one instruction, ``HADD2.F32`` on sm_90; the plane scan widens a
+scale per channel and block). Scales travel as their ``uint16`` bit patterns.
 K/V rows are bf16 bit patterns: ``f32_to_bf16_bits`` rounds to them as torch's ``.to(torch.bfloat16)`` does,
 ``bf16_bits_to_f32`` widens them exactly.
 """
@@ -53,29 +55,15 @@ else:
         return libdevice.int_as_float(np.int32(bits))
 
 
-@cuda.jit(device=True, inline=True)
-def _f16_bits_scaled(h, rebias, subnormal_unit):
-    """The float32 value of non-negative fp16 bits ``h`` (uint32) times a power of two, exact, without branches: a
-    normal value's exponent rebiased by adding ``rebias`` to its widened bits, a subnormal one's mantissa times
-    ``subnormal_unit``, every exponent-31 pattern inf."""
-    e = h >> np.uint32(10)
-    normal = f32_from_bits((h << np.uint32(13)) + rebias)
-    tiny = np.float32(np.int32(h)) * subnormal_unit
-    return np.float32(np.inf) if e >= np.uint32(31) else (normal if e > np.uint32(0) else tiny)
-
-
-@cuda.jit(device=True, inline=True)
-def f16_bits_to_f32(h):
-    """The float32 value of non-negative fp16 bits ``h`` (exact; inf for 0x7C00 and every other exponent-31
-    pattern): the exponent rebiased 15 -> 127, a subnormal's mantissa times 2^-24."""
-    return _f16_bits_scaled(np.uint32(h), np.uint32(112 << 23), np.float32(2.0**-24))
-
-
-@cuda.jit(device=True, inline=True)
-def f16_bits_to_f32_eighth(h):
-    """``f16_bits_to_f32(h) / 8`` (exact): the plane scan's Δ = scale / 8 per block and channel (the exponent
-    rebiased 15 -> 127 − 3, a subnormal's mantissa times 2^-27)."""
-    return _f16_bits_scaled(np.uint32(h), np.uint32((112 - 3) << 23), np.float32(2.0**-27))
+if config.ENABLE_CUDASIM:
+    def f16_bits_to_f32(h):
+        """The float32 value of fp16 bits ``h`` (simulator: through a NumPy view)."""
+        return np.float32(np.array([np.uint16(h)], np.uint16).view(np.float16)[0])
+else:
+    @cuda.jit(device=True, inline=True)
+    def f16_bits_to_f32(h):
+        """The float32 value of fp16 bits ``h`` (exact: the GPU's widening conversion, one instruction)."""
+        return libdevice.half2float(np.int16(h))
 
 
 @cuda.jit(device=True, inline=True)

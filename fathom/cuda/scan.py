@@ -20,17 +20,22 @@ at the link's rate (measured: 256-byte pieces of scattered runs reach a third of
 ``(b_c − t)`` KB. Each warp scores ``blocks_per_warp`` 64-token blocks, two tokens per lane (token ``j`` of a block
 is bit ``j`` of its plane words), each query head accumulated in registers, so the kernel is compiled per (G, warps,
 blocks per warp). It walks a chunk channel by channel, each channel's slot, depth and queries read once for all of
-the warp's blocks (measured on the H200, with the scales widened in a few integer operations: 17% less scan time
-than block by block, the same scores to the bit). Sizes that change per step — each session's sealed blocks — are
-read from the device lengths, so one launch with a fixed grid serves every step.
+the warp's blocks (measured on the H200: 17% less scan time than block by block, the same scores to the bit).
+Sizes that change per step — each session's sealed blocks — are read from the device lengths, so one launch with a
+fixed grid serves every step.
 
-Integers in the loops are unsigned 32-bit offsets (``np.uint32``) and a scale is widened without branches: Numba
-types integer arithmetic as int64 and pays a negative-index wraparound on signed indices, which made the per-channel
-loop 1,197 SASS instructions for a warp's four blocks at G = 4. The plane loop runs exactly the channel's depth (the
-same in every lane: a uniform branch), two blocks per pass, and a thread's chunk words find their slots by walking
-on from the previous word's: the per-channel loop is ~195 + 39·b instructions (336 with the depth a predicate over
-four unrolled planes; the chunk loop without it 1,087 -> 1,004), and the chunk's loads stay in registers (reading
-four blocks per pass spilled them to local memory, whose store waits for the load).
+Integers in the loops are unsigned 32-bit offsets (``np.uint32``): Numba types integer arithmetic as int64 and pays
+a negative-index wraparound on signed indices, which made the per-channel loop 1,197 SASS instructions for a warp's
+four blocks at G = 4. The plane loop runs exactly the channel's depth (the same in every lane: a uniform branch), two
+blocks per pass, and a thread's chunk words find their slots by walking on from the previous word's (336
+instructions a channel with the depth a predicate over four unrolled planes; the chunk loop without it 1,087 ->
+1,004), and the chunk's loads stay in registers (reading four blocks per pass spilled them to local memory, whose
+store waits for the load). A warp's scales are one shared word (constant shifts, at most two loads a channel), each
+widened by the GPU's fp16 conversion (one instruction, where integer operations took nine), and each plane's bit
+lands where the 4-bit code holds it (a shift and a masked OR a token, no shift of the prefix): read in the SASS
+(sm_90, ``ptxas``, ``nvdisasm``; docs/gpu.md), the per-channel loop of a warp's blocks is 143 + 36·b instructions at
+G = 4 (was 196 + 40·b), 348 + 144·b at G = 1 (533 + 160·b) and 117 + 18·b at G = 8 (140 + 20·b), the scores the
+same to the bit (an A/B of both kernels under the simulator, subnormal scales included).
 
 Score of token ``j`` in channel ``c`` read to depth ``b`` (design §2): with ``P`` the ``b``-bit prefix of its code,
 ``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``.
@@ -45,7 +50,7 @@ from numba import cuda
 
 from fathom import _checks
 from fathom.cuda.block import RADIX, exclusive_scan, flush_histogram, order_key
-from fathom.cuda.half import f16_bits_to_f32_eighth, f32_from_bits, f32_to_bits
+from fathom.cuda.half import f16_bits_to_f32, f32_from_bits, f32_to_bits
 from fathom.cuda.interop import launch_bounds
 from fathom.cuda.layout import plane_in_near, plane_word, record_offset, scales_in_near
 from fathom.layout import SCALES_PER_WORD
@@ -132,6 +137,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
     pairs = 2 * per_warp
     group = 2 if per_warp % 2 == 0 else 1  # blocks whose planes one pass of the plane loop reads
     group_tokens = 2 * group  # a thread's tokens in them
+    aligned = per_warp % SCALES_PER_WORD == 0  # a warp's scales start on a slot word
 
     @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only integers: cached on disk
     def kernel(q, depths, lengths, heads_per_session, near, far, n_seg, cap, scale_words, near_record_words,
@@ -203,11 +209,13 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
             for h in range(heads):
                 acc[x, h] = np.float32(0)
         held = cuda.local.array(held_words, np.uint64)
-        # this warp's first block, its fp16 scale's index among a slot's scale words (the CTA's first block is a
-        # multiple of per_cta, so with per_warp a multiple of 4 the warp's scales start on a word: the shifts are
-        # constants), and its plane-0 word in a slot
+        # this warp's first block, the slot word holding its fp16 scale and that scale's index in it, and its plane-0
+        # word in a slot. The CTA's first block is a multiple of per_cta, so with per_warp a multiple of 4 the warp's
+        # scales start on a word: block jb's scale is then at constant word jb // 4 and index jb % 4 past it.
         first_b = np.uint32(warp * per_warp)
-        first_scale = first_b + np.uint32(0 if per_warp % SCALES_PER_WORD == 0 else local0 % SCALES_PER_WORD)
+        first_scale = first_b + np.uint32(0 if aligned else local0 % SCALES_PER_WORD)
+        scale_word = np.uint32(first_scale // SCALES_PER_WORD)
+        scale_index = np.uint32(0 if aligned else first_scale % SCALES_PER_WORD)
         first_plane = first_b + np.uint32(part_scale_words)
         q_i = cuda.local.array(heads, np.float32)  # channel i's queries, in registers
         prefix = cuda.local.array(group_tokens, np.uint32)  # code prefixes of a group of blocks' tokens, in registers
@@ -239,10 +247,11 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
             for i in range(lo, hi):
                 slot = np.uint32(start[i] - start[lo])
                 t_read = np.uint32(depth[i])
-                # k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ = (P · 2^(4-b) + 2^(3-b) − 8) · Δ: the bracket is exact in
-                # float32 either way (small integers and halves), so the product rounds as the reference's does
-                cell = f32_from_bits((np.uint32(127 + 4) - t_read) << np.uint32(23))  # 2^(4-b), exactly
-                offset = np.float32(0.5) * cell - np.float32(8)
+                # k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ with Δ = s / 8, s the fp16 scale widened, is
+                # (C / 8 + 2^(-b) − 1) · s with C = P · 2^(4-b), the prefix as the plane loop gathers it: the bracket
+                # is exact in float32 (small integers and halves, divided by 8) and s / 8 is exact, so the product
+                # rounds as the reference's does
+                offset = f32_from_bits((np.uint32(127) - t_read) << np.uint32(23)) - np.float32(1)  # 2^(-b) − 1
                 for h in range(heads):
                     q_i[h] = q_read[i, h]
                 for first in range(0, per_warp, group):
@@ -253,22 +262,27 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                         prefix[x] = np.uint32(0)
                     plane_at = np.uint32(slot + first_plane + first)
                     plane_end = np.uint32(plane_at + t_read * per_cta)
+                    # plane p's bit of token ``lane`` (bit ``lane`` of the word's low half) and of token ``lane + 32``
+                    # (of its high half) lands at bit 3 - p, where the 4-bit code holds it: one shift and one
+                    # masked OR a token and plane, and the prefix reads P · 2^(4-b)
+                    shift = np.uint64(29) + np.uint64(lane)
+                    bit = np.uint32(8)
                     while plane_at < plane_end:
                         for x in range(group):
-                            plane = buffer[np.uint64(plane_at + x)]
-                            prefix[2 * x] = (prefix[2 * x] << np.uint32(1)) \
-                                | ((np.uint32(plane) >> lane) & np.uint32(1))
-                            prefix[2 * x + 1] = (prefix[2 * x + 1] << np.uint32(1)) \
-                                | ((np.uint32(plane >> np.uint64(32)) >> lane) & np.uint32(1))
+                            plane = buffer[np.uint32(plane_at + np.uint32(x))]
+                            prefix[2 * x] |= np.uint32((plane << np.uint64(32)) >> shift) & bit
+                            prefix[2 * x + 1] |= np.uint32(plane >> shift) & bit
                         plane_at = np.uint32(plane_at + per_cta)
+                        shift += np.uint64(1)
+                        bit = np.uint32(bit >> np.uint32(1))
                     for x in range(group):
                         jb = first + x
-                        s_idx = np.uint32(first_scale + jb)
-                        word = buffer[np.uint64(slot + s_idx // SCALES_PER_WORD)]
+                        s_idx = np.uint32(scale_index + jb)  # aligned: a constant, as are the word and shift
+                        word = buffer[np.uint64(slot + scale_word + s_idx // SCALES_PER_WORD)]
                         shift = np.uint32(16 * (s_idx % SCALES_PER_WORD))
-                        delta = f16_bits_to_f32_eighth(np.uint32(word >> shift) & np.uint32(0xFFFF))
-                        k_lo = (np.float32(np.int32(prefix[2 * x])) * cell + offset) * delta
-                        k_hi = (np.float32(np.int32(prefix[2 * x + 1])) * cell + offset) * delta
+                        scale = f16_bits_to_f32(np.uint32(word >> shift) & np.uint32(0xFFFF))
+                        k_lo = (np.float32(np.int32(prefix[2 * x])) * np.float32(0.125) + offset) * scale
+                        k_hi = (np.float32(np.int32(prefix[2 * x + 1])) * np.float32(0.125) + offset) * scale
                         for h in range(heads):
                             acc[2 * jb, h] += q_i[h] * k_lo
                             acc[2 * jb + 1, h] += q_i[h] * k_hi
