@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -138,6 +139,26 @@ def _sealed(keys: np.ndarray) -> np.ndarray:
     return keys[..., :n_sealed, :].reshape(-1, n_sealed, keys.shape[-1])
 
 
+class _Quantized(NamedTuple):
+    """A store's keys ``float [..., n, d]`` quantized once, head by head (the sealed 64-token blocks), for the cell
+    means and each plane table to read: ``keys float32 [heads, n, d]``, ``codes uint8 [heads, n, d]``, ``scales
+    float16 [heads, d, n // 64]``, ``planes uint64 [heads, d, 4, n // 64]``; ``heads`` the keys' leading axes."""
+
+    keys: np.ndarray
+    codes: np.ndarray
+    scales: np.ndarray
+    planes: np.ndarray
+    heads: tuple[int, ...]
+
+
+def _quantized(keys: np.ndarray) -> _Quantized:
+    """The store of ``keys float [..., n, d]`` as :class:`_Quantized`."""
+    flat = _sealed(keys)
+    codes, scales = zip(*(quantize(k) for k in flat))
+    return _Quantized(flat, np.array(codes), np.array(scales), np.array([pack_planes(c) for c in codes]),
+                      np.shape(keys)[:-2])
+
+
 def cell_means(keys: np.ndarray, prior: float = LEVEL_PRIOR) -> np.ndarray:
     """A reconstruction table per head: the mean, in units of its block's Δ, of the keys ``float [..., n, d]`` (one
     store's basis; the sealed 64-token blocks) that fall in each t-bit cell of each channel, with ``prior``
@@ -148,12 +169,15 @@ def cell_means(keys: np.ndarray, prior: float = LEVEL_PRIOR) -> np.ndarray:
     largest magnitude, so most lie well inside it), and the midpoint of a 1-bit cell, ±s/2, is farther from them
     than their mean. The prior keeps a cell that calibration keys seldom reach near its midpoint. Blocks whose
     scale is 0 (every key 0, read as 0 at any depth) are left out."""
-    flat = _sealed(keys)
-    d = flat.shape[-1]
+    return _cell_means(_quantized(keys), prior)
+
+
+def _cell_means(store: _Quantized, prior: float = LEVEL_PRIOR) -> np.ndarray:
+    """:func:`cell_means` of a quantized store."""
+    d = store.keys.shape[-1]
     midpoints = midpoint_levels(d).astype(np.float64)
     tables = []
-    for k in flat:
-        codes, scales = quantize(k)  # uint8 [n, d], float16 [d, nb]
+    for k, codes, scales in zip(store.keys, store.codes, store.scales):
         delta = np.repeat(scales.astype(np.float32).T / np.float32(8), BLOCK, axis=0)  # [n, d]
         seen = delta > 0
         x = np.where(seen, k / np.where(seen, delta, np.float32(1)), 0).astype(np.float64)
@@ -163,7 +187,7 @@ def cell_means(keys: np.ndarray, prior: float = LEVEL_PRIOR) -> np.ndarray:
             count[:, t - 1] = np.bincount(cell[seen], minlength=d * CELLS).reshape(d, CELLS)
             total[:, t - 1] = np.bincount(cell[seen], weights=x[seen], minlength=d * CELLS).reshape(d, CELLS)
         tables.append(np.where(_CELL_EXISTS, (total + prior * midpoints) / (count + prior), 0.0))
-    return np.array(tables, np.float32).reshape(np.shape(keys)[:-2] + (d, MAX_DEPTH, CELLS))
+    return np.array(tables, np.float32).reshape(store.heads + (d, MAX_DEPTH, CELLS))
 
 
 def plane_drops(keys: np.ndarray, levels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -171,20 +195,23 @@ def plane_drops(keys: np.ndarray, levels: np.ndarray | None = None) -> tuple[np.
     read through ``levels [..., d, 4, 16]`` (None: the midpoints): (gain table ``[..., d, 4]`` by
     :func:`fathom.waterfill.calibrated_gains` from the drop of each channel's error variance over tokens at depth
     t - 1 -> t (depth 0: the channel unread, its error the key itself), mean squared fp16 block scale ``[..., d]``)."""
-    flat = _sealed(keys)
-    tables = [None] * len(flat) if levels is None else \
-        np.asarray(levels, np.float32).reshape((len(flat),) + np.shape(levels)[-3:])
+    return _plane_drops(_quantized(keys), levels)
+
+
+def _plane_drops(store: _Quantized, levels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`plane_drops` of a quantized store."""
+    n_heads = len(store.keys)
+    tables = [None] * n_heads if levels is None else \
+        np.asarray(levels, np.float32).reshape((n_heads,) + np.shape(levels)[-3:])
     drops, scale2 = [], []
-    for k, table in zip(flat, tables):
-        codes, scales = quantize(k)  # uint8 [n, d], float16 [d, nb]
-        planes = pack_planes(codes)
+    for k, scales, planes, table in zip(store.keys, store.scales, store.planes, tables):
         k64 = k.astype(np.float64)
         variance = [k64.var(axis=0)]
         for t in range(1, MAX_DEPTH + 1):  # the keys as the scan reads them at depth t
             variance.append((k64 - dequantize(planes, scales, np.full(k.shape[1], t), table)).var(axis=0))
         drops.append(-np.diff(np.stack(variance, axis=-1), axis=-1))
         scale2.append(np.square(scales.astype(np.float64)).mean(axis=1))
-    shape = np.shape(keys)[:-2] + (np.shape(keys)[-1],)
+    shape = store.heads + store.keys.shape[-1:]
     return calibrated_gains(np.array(drops).reshape(shape + (MAX_DEPTH,))), np.array(scale2).reshape(shape)
 
 
@@ -213,9 +240,10 @@ def calibrate(capture: Capture) -> Calibration:
         stores = {"raw": capture.keys, "rotated": np.einsum("lhnd,lhde->lhne", capture.keys.astype(np.float32),
                                                             basis)}
         for name, store_keys in stores.items():
-            levels = cell_means(store_keys)
-            planes[f"plane_drops_{name}"], planes[f"scale2_{name}"] = plane_drops(store_keys)
+            store = _quantized(store_keys)  # the cell means and both plane tables read the same codes
+            levels = _cell_means(store)
+            planes[f"plane_drops_{name}"], planes[f"scale2_{name}"] = _plane_drops(store)
             planes[f"levels_{name}"] = levels
-            planes[f"level_drops_{name}"] = plane_drops(store_keys, levels)[0]
+            planes[f"level_drops_{name}"] = _plane_drops(store, levels)[0]
     return Calibration(sigma2_raw.astype(np.float32), basis, sigma2_rotated.astype(np.float32),
                        ds_rank.astype(np.int32), meta=dict(capture.meta), **planes)

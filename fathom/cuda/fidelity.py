@@ -125,10 +125,11 @@ def _chunk_elements(device: torch.device) -> int:
 
 class _Head:
     """One (layer, KV head) on the device: the dequantized copies of each store, the keys, values, exact logits,
-    dense output and the oracle's top-k."""
+    dense output and the oracle's top-k; on the host, each store's σ² at the contexts of ``blocks [P]`` sealed
+    blocks (every method on the store plans with the same)."""
 
     def __init__(self, capture: Capture, layer: int, head: int, calibration: Calibration | None, rotated: bool,
-                 sel: Selection, keep: torch.Tensor, candidate: torch.Tensor, causal: torch.Tensor,
+                 sel: Selection, keep: torch.Tensor, candidate: torch.Tensor, causal: torch.Tensor, blocks: np.ndarray,
                  device: torch.device, levels: bool = False):
         keys = capture.keys[layer, head]
         n, d = keys.shape
@@ -140,12 +141,12 @@ class _Head:
         if rotated:  # the reference's own float32 products (PlaneStore, method_scores): bit-identical codes
             basis = calibration.basis[layer, head].astype(np.float32)
             store_keys["rotated"], self.q_store["rotated"] = keys @ basis, q @ basis
-        self.copies, self.scales = {}, {}
+        self.copies, self.sigma2_store = {}, {}
         for b, k in store_keys.items():
             khat, scales = dequantized_copies(torch.from_numpy(np.ascontiguousarray(k)).to(device),
                                               self.stats[b].levels)
             self.copies[b] = khat.permute(1, 2, 0).reshape(self.n_sealed, d * MAX_DEPTH)  # [n, (channel, depth)]
-            self.scales[b] = scales.cpu().numpy()
+            self.sigma2_store[b] = running_scale_variance(scales.cpu().numpy(), blocks)
         self.device = device
         self.keys = torch.from_numpy(keys).to(device)
         self.q = torch.from_numpy(q).to(device)
@@ -158,9 +159,9 @@ class _Head:
         self.keep, self.candidate = keep, candidate
         self.oracle_take = select_many(self.exact, keep, candidate, sel.k) & candidate[:, None, :]
 
-    def store_stats(self, basis: str, blocks: np.ndarray) -> HeadStats:
-        """The head's stats on ``basis`` with the store's σ² at contexts of ``blocks [P]`` sealed blocks."""
-        return replace(self.stats[basis], sigma2_store=running_scale_variance(self.scales[basis], blocks))
+    def store_stats(self, basis: str) -> HeadStats:
+        """The head's stats on ``basis`` with the store's σ² at each context."""
+        return replace(self.stats[basis], sigma2_store=self.sigma2_store[basis])
 
     def attend(self, mask: torch.Tensor) -> torch.Tensor:
         """Exact attention of every head over its selected set ``mask bool [..., P, G, n]`` -> float64."""
@@ -202,21 +203,21 @@ def evaluate(capture: Capture, calibration: Calibration | None, methods: list[Me
     with torch.no_grad():
         for layer in range(L):
             on_heads = [head_methods(methods, calibration, layer, head) for head in range(H)]
-            heads = [_Head(capture, layer, head, calibration, rotated, sel, keep, candidate, causal, device, levels)
-                     for head in range(H)]
+            heads = [_Head(capture, layer, head, calibration, rotated, sel, keep, candidate, causal, blocks, device,
+                           levels) for head in range(H)]
             depths = [{} for _ in range(H)]  # per head: method index -> depths [P, d]
             for i, m in enumerate(methods):
                 resolved = [on_heads[head][i] for head in range(H)]  # what each head runs (its basis)
                 if m.pooled:  # every head of the layer on one water line, as fathom.fidelity plans it
                     per_head = pooled_depths([r.policy for r in resolved],
                                              [h.q_store[r.basis] for h, r in zip(heads, resolved)],
-                                             [h.store_stats(r.basis, blocks) for h, r in zip(heads, resolved)])
+                                             [h.store_stats(r.basis) for h, r in zip(heads, resolved)])
                     for head in range(H):
                         depths[head][i] = per_head[head]
                 elif m.scans_planes:
                     for head, (h, r) in enumerate(zip(heads, resolved)):
                         depths[head][i] = plane_depths(r, h.q_store[r.basis], h.stats[r.basis],
-                                                       running_scale_variance(h.scales[r.basis], blocks), layer)
+                                                       h.sigma2_store[r.basis], layer)
             for head, h in enumerate(heads):
                 for i in range(len(methods)):
                     tally.add_scan(i, layer, head, depths[head].get(i), blocks)

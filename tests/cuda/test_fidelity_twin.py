@@ -128,8 +128,8 @@ def test_twin_on_the_gpu_equals_the_reference_except_float_ties():
     causal = np.arange(n)[None, :] <= capture.positions[:, None]
     stats = {b: calibration.head_stats(0, 0, b) for b in ("raw", "rotated")}
     index = HeadIndex.build(capture.keys[0, 0], stats, calibration.basis[0, 0])
-    head = twin._Head(capture, 0, 0, calibration, True, sel, *(torch.from_numpy(m).cuda() for m in
-                                                                (keep, candidate, causal)), torch.device("cuda"))
+    head = twin._Head(capture, 0, 0, calibration, True, sel,
+                      *(torch.from_numpy(m).cuda() for m in (keep, candidate, causal)), blocks, torch.device("cuda"))
     for method in grid[:-1]:
         scores, depths = method_scores(method, capture.queries[0, 0], index, blocks, layer=0)
         want = select_many(scores, capture.positions + 1, blocks * 64, sel, n)
