@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--levels", action="store_true",
                         help="read every method's planes through the reconstruction tables calibrated on the "
                              "calibration text (each cell read as the mean of the calibration keys in it) instead of "
-                             "the cells' midpoints (design §2); the basis and gains rules and the per-layer plans "
+                             "the cells' midpoints (design §2); the basis and plan rules and the per-layer plans "
                              "too; the result's name ends in -levels")
     parser.add_argument("--device", default="cpu", help="cpu (default): CPU prefills and the NumPy evaluation; "
                         "cuda: prefills with the model on the GPU (fp32) and the evaluation in torch on the GPU")
@@ -264,17 +264,18 @@ def choose_basis(calibration_capture: Capture, calibration: Calibration, sel: Se
     return min(errors, key=errors.get), errors, head_basis
 
 
-def choose_gains(calibration_capture: Capture, calibration: Calibration, sel: Selection,
-                 on_head=None, evaluate_fn: Evaluator = evaluate) -> tuple[str, dict]:
-    """The plane gains the per-head store would read, decided as the basis rule decides: design §5's model and the
-    measured table on calibration text at the rule's budgets, the lower mean error wins. Recorded beside every run
-    (``summary.gains_rule``); the headline keeps design §5's gains until the rule is seen to hold on evaluation
-    text (docs/results.md)."""
-    methods = [M.fathom_mixed(b, g) for g in M.GAIN_SOURCES for b in BASIS_RULE_BUDGETS]
+def choose_plan(calibration_capture: Capture, calibration: Calibration, sel: Selection,
+                on_head=None, evaluate_fn: Evaluator = evaluate) -> tuple[str, dict]:
+    """The plan rule, decided as the basis rule decides: the per-head store's four plans — design §5's or the
+    calibrated plane gains, each planned per query group or pooled over a layer's KV heads — on calibration text
+    at the rule's budgets; the lowest mean error wins -> (its method name, every plan's error). Recorded beside
+    every run (``summary.plan_rule``, its curve ``summary.families[plan_rule]``); the headline curve stays
+    ``fathom-mixed`` until the rule is seen to hold on evaluation text at the long contexts (docs/decisions.md)."""
+    plans = [M.fathom_mixed(0, g, p).name for p in POOLING for g in M.GAIN_SOURCES]
+    methods = [M.fathom_mixed(b, g, p) for p in POOLING for g in M.GAIN_SOURCES for b in BASIS_RULE_BUDGETS]
     results = evaluate_fn(calibration_capture, calibration, methods, sel, on_head)
     n = len(BASIS_RULE_BUDGETS)
-    errors = {g: float(np.mean([r.rel_error for r in results[i * n:(i + 1) * n]]))
-              for i, g in enumerate(M.GAIN_SOURCES)}
+    errors = {name: float(np.mean([r.rel_error for r in results[i * n:(i + 1) * n]])) for i, name in enumerate(plans)}
     return min(errors, key=errors.get), errors
 
 
@@ -317,7 +318,8 @@ def family_summary(results: list[MethodResult], family: str, d: int) -> dict:
 
 
 def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dict,
-              heads_rotated: int | None = None, gains_errors: dict | None = None) -> dict:
+              heads_rotated: int | None = None, plan_errors: dict | None = None,
+              gains_errors: dict | None = None) -> dict:
     """The headline numbers: equal-error savings vs Double Sparsity at r = d/4 (the design's fraction, the primary
     comparator) and at 136 bits (r = 32; the same at d = 128), fathom-48 vs SparQ-68 (r = 16), channels at 48,
     and where fathom-48 loses: the overlap of each one's top-k with the oracle's, and on how many (layer, KV
@@ -327,7 +329,9 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
     The headline curve is the basis rule's, with design §5's gains: the per-head store (``fathom-mixed``, each
     head on the basis it chose on calibration text; ``heads_rotated`` of them rotated) where the results hold it,
     else the store the rule chose for the whole model (``basis``; runs made before the per-head rule).
-    ``gains_errors``: the gains rule's errors on calibration text (:func:`choose_gains`), recorded with its pick."""
+    ``plan_errors``: the plan rule's errors on calibration text (:func:`choose_plan`), recorded with its pick;
+    ``gains_errors``: the gains rule's of runs made before the plan rule (design §5's or the calibrated gains on
+    the per-head store, planned per query group), kept as they were recorded."""
     by_label = {r.label: r for r in results}
     present = {r.method for r in results}
     family = "fathom-mixed" if "fathom-mixed" in present else ("fathom" if basis == "raw" else "fathom-rotated")
@@ -335,8 +339,10 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
     sparq68 = by_label["sparq@68"]
     families = {f: family_summary(results, f, d) for f in FATHOM_FAMILIES if f in present}
     summary = {"basis": basis, "variance": M.DEFAULT_VARIANCE[basis], "basis_rule_errors": basis_errors,
-               "heads_rotated": heads_rotated, "gains_rule_errors": gains_errors,
-               "gains_rule": None if gains_errors is None else min(gains_errors, key=gains_errors.get),
+               "heads_rotated": heads_rotated, "plan_rule_errors": plan_errors,
+               "plan_rule": None if plan_errors is None else min(plan_errors, key=plan_errors.get),
+               **({} if gains_errors is None else {"gains_rule_errors": gains_errors,
+                                                   "gains_rule": min(gains_errors, key=gains_errors.get)}),
                "families": families, "fathom_family": family,
                "fathom48_error": fathom48.rel_error, "sparq68_error": sparq68.rel_error,
                "fathom48_beats_sparq68": fathom48.rel_error < sparq68.rel_error,
@@ -365,7 +371,7 @@ def replot(args: argparse.Namespace) -> Path:
     shape, sel, old = payload["capture"], Selection(**payload["selection"]), payload["summary"]
     try:
         summary = summarize(results, shape["head_dim"], old["basis"], old["basis_rule_errors"],
-                            old.get("heads_rotated"), old.get("gains_rule_errors"))
+                            old.get("heads_rotated"), old.get("plan_rule_errors"), old.get("gains_rule_errors"))
     except KeyError as error:  # the summary compares named methods: a run of fewer cannot be summarised
         raise cli.UsageError(f"--replot {path}: its records lack {error}, which the summary compares") from None
     payload.update(summary=summary, replotted_by=args.command_line)
@@ -398,9 +404,9 @@ def run(args: argparse.Namespace) -> Path:
                                                        evaluate_fn)
     calibration = calibration.with_preferred_basis(basis).with_head_basis(head_basis)
     seconds["basis_rule_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
-    with tqdm(total=heads, desc="gains rule (calibration text)", unit="head") as bar:
-        _, gains_errors = choose_gains(calibration_capture, calibration, sel, bar.update, evaluate_fn)
-    seconds["gains_rule_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
+    with tqdm(total=heads, desc="plan rule (calibration text)", unit="head") as bar:
+        _, plan_errors = choose_plan(calibration_capture, calibration, sel, bar.update, evaluate_fn)
+    seconds["plan_rule_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
     with tqdm(total=heads, desc="per-layer plan (calibration text)", unit="head") as bar:
         plans = plan_layers(calibration_capture, calibration, list(PLAN_MEANS), sel, basis, on_head=bar.update,
                             evaluator=evaluate_fn)
@@ -409,7 +415,7 @@ def run(args: argparse.Namespace) -> Path:
     with tqdm(total=heads, desc=f"fidelity {name}", unit="head") as bar:
         results = evaluate_fn(capture, calibration, methods, sel, on_head=bar.update)
     seconds["evaluation_s"] = round(time.perf_counter() - tick, 1)
-    summary = summarize(results, d, basis, basis_errors, int((head_basis == "rotated").sum()), gains_errors)
+    summary = summarize(results, d, basis, basis_errors, int((head_basis == "rotated").sum()), plan_errors)
     plan_budgets = {m.label(d): list(m.policy.budgets) for m in plans}
     meta = {"model": info.get("model", "synthetic"), "context": n}
     records = [r.record(**meta) for r in results]
@@ -500,11 +506,21 @@ def _family_lines(summary: dict, shape: dict) -> list[str]:
     rotated = summary.get("heads_rotated")
     per_head = "" if rotated is None else (f"; fathom-mixed: each (layer, KV head) scans the basis it chose on "
                                            f"calibration text, rotated on {rotated} of {summary['heads']}")
-    gains = summary.get("gains_rule_errors")
-    rule = [] if not gains else [
-        f"Plane gains on calibration text (the per-head store at {'/'.join(map(str, BASIS_RULE_BUDGETS))} bits): "
-        + ", ".join(f"{k} {v:.4f}" for k, v in gains.items()) + f"; the gains rule picks **{summary['gains_rule']}** "
-        "(recorded; the headline reads design §5's gains).", ""]
+    at = f"the per-head store at {'/'.join(map(str, BASIS_RULE_BUDGETS))} bits"
+    plans, gains = summary.get("plan_rule_errors"), summary.get("gains_rule_errors")
+    if plans:
+        pick = families.get(summary["plan_rule"])
+        rule = [f"Plans on calibration text ({at}): " + ", ".join(f"{k} {v:.4f}" for k, v in plans.items())
+                + f"; the plan rule picks **{summary['plan_rule']}**"
+                + ("" if pick is None else f", here {pick['fathom48_error']:.4f} at 48 bits and "
+                   f"{saving(pick, '_quarter')} vs {summary['ds_quarter_label']}")
+                + " (recorded; the headline reads fathom-mixed).", ""]
+    elif gains:
+        rule = [f"Plane gains on calibration text ({at}): " + ", ".join(f"{k} {v:.4f}" for k, v in gains.items())
+                + f"; the gains rule picks **{summary['gains_rule']}** (recorded; the headline reads design §5's "
+                "gains).", ""]
+    else:
+        rule = []
     return [f"Every fathom curve (raw and rotated stores; `[gains]`: water-filled with the plane gains measured "
             f"on calibration text instead of design §5's model; `[pooled]`: one water line for every KV head of a "
             f"layer{per_head}):", "",

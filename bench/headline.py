@@ -71,8 +71,8 @@ def _row(payload: dict) -> dict:
             # the two captures' prefills, when recorded (older cached captures did not record theirs)
             "prefill": (payload.get("prefill_evaluation_s", 0) + payload.get("prefill_calibration_s", 0)) / 60
             or None,
-            "evaluation": sum(payload.get(k, 0) for k in ("basis_rule_s", "gains_rule_s", "per_layer_plan_s",
-                                                           "evaluation_s")) / 60 or None}
+            "evaluation": sum(payload.get(k, 0) for k in ("basis_rule_s", "gains_rule_s", "plan_rule_s",
+                                                           "per_layer_plan_s", "evaluation_s")) / 60 or None}
 
 
 def _results(results: Path):
@@ -118,19 +118,29 @@ def _family_row(payload: dict) -> dict | None:
     for name in FATHOM_FAMILIES:
         f = families.get(name)
         if f is not None:
-            saving = f["equal_error_saving_quarter"]
-            at_most = "≥ " if f["equal_error_how_quarter"] == "at most" else ""
-            row[name] = f"{f['fathom48_error']:.4f} / " + ("—" if saving is None else f"{at_most}{saving:.2f}×")
+            row[name] = _curve(f)
+    if s.get("plan_rule") in families:
+        row["plan_rule"] = f"{s['plan_rule']}: {_curve(families[s['plan_rule']])}"
     return row
 
 
+def _curve(family: dict) -> str:
+    """A fathom curve's error at 48 bits / equal-error saving vs DS at r = d/4."""
+    saving = family["equal_error_saving_quarter"]
+    at_most = "≥ " if family["equal_error_how_quarter"] == "at most" else ""
+    return f"{family['fathom48_error']:.4f} / " + ("—" if saving is None else f"{at_most}{saving:.2f}×")
+
+
 FAMILY_COLUMNS = [("setting", "model, context (text)", "s"), ("ds_quarter", "DS r=d/4 err", "s"),
-                  ("sparq68", "sparq-68 err", ".4f")] + [(f, f, "s") for f in FATHOM_FAMILIES]
+                  ("sparq68", "sparq-68 err", ".4f"), ("plan_rule", "the plan rule's pick", "s")] + \
+    [(f, f, "s") for f in FATHOM_FAMILIES]
 
 
 def family_columns(rows: list[dict]) -> list[tuple[str, str, str]]:
-    """:data:`FAMILY_COLUMNS` less the fathom curves no run reports (the pooled plan's, before it was run)."""
-    return [c for c in FAMILY_COLUMNS if "pooled" not in c[0] or any(c[0] in row for row in rows)]
+    """:data:`FAMILY_COLUMNS` less the columns no run reports (the pooled plan's curves and the plan rule's pick,
+    before they were run)."""
+    optional = ("pooled", "plan_rule")
+    return [c for c in FAMILY_COLUMNS if not any(o in c[0] for o in optional) or any(c[0] in row for row in rows)]
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -147,14 +157,17 @@ def run(args: argparse.Namespace) -> Path:
                     "tuning step, calibrated on the calibration text) at a mean of 48 bits. Store, σ²: the store "
                     "the basis rule chose for the model and the σ² source fathom reads there; \"per head\": runs "
                     "since the per-head rule, whose fathom columns are the per-head store (fathom-mixed: each "
-                    "(layer, KV head) on the basis it chose on calibration text, with that basis' σ²). Prefills: the dense fp32 prefills of the evaluation and calibration "
+                    "(layer, KV head) on the basis it chose on calibration text, with that basis' σ²). Prefills: the "
+                    "dense fp32 prefills of the evaluation and calibration "
                     "windows (as recorded with the captures); evaluation: basis rule, per-layer plan and the "
                     "evaluation of every method.\n\n"
                     f"{table}\n\n"
                     "Every fathom curve, in the runs that report them all: error at 48 bits / equal-error saving vs "
                     "DS at r = d/4. Raw and rotated stores, and the per-head store (fathom-mixed); `[gains]`: "
                     "water-filled with the plane gains measured on the calibration text instead of design §5's "
-                    "model; `[pooled]`: one water line for every KV head of a layer.\n\n"
+                    "model; `[pooled]`: one water line for every KV head of a layer. The plan rule's pick: the per-head "
+                    "store's plan (gains, pooling) with the lowest error on calibration text (runs since the rule; "
+                    "recorded, not the headline curve).\n\n"
                     f"{markdown_table(families, family_columns(families))}\n")
     print(table)
     return path

@@ -59,9 +59,11 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
     assert payload["levels"] == "midpoint" and records["fathom[pooled]@48"]["bits_read"] <= 48
     assert summary["fathom_family"] == "fathom-mixed" and 0 <= summary["heads_rotated"] <= 8
     assert summary["fathom48_error"] == records["fathom-mixed@48"]["rel_error"]
-    gains = summary["gains_rule_errors"]  # decided on calibration text like the basis rule, and recorded
-    assert set(gains) == {"design", "calibrated"} and summary["gains_rule"] == min(gains, key=gains.get)
-    assert payload["gains_rule_s"] >= 0
+    plans = summary["plan_rule_errors"]  # decided on calibration text like the basis rule, and recorded
+    assert set(plans) == {"fathom-mixed", "fathom-mixed[gains]", "fathom-mixed[pooled]",
+                          "fathom-mixed[gains,pooled]"} and summary["plan_rule"] == min(plans, key=plans.get)
+    assert summary["plan_rule"] in summary["families"] and "gains_rule" not in summary
+    assert payload["plan_rule_s"] >= 0
     # --replot remakes the same summary and files from the records alone
     path = tmp_path / "fidelity-synthetic-quick.json"
     (tmp_path / "fidelity-synthetic-quick.md").unlink()

@@ -53,6 +53,15 @@ def test_headline_tables_the_real_settings_only(tmp_path):
     assert "| m 32k (t, levels) | 0.2500 (double-sparsity@68) | 0.3000 | — | — | — | — | — | — | 0.1100 / ≥ 2.00× |" \
         in table
     assert "| m 32k (t) | 0.2500 (double-sparsity@68) | 0.3000 | — | — | — | — | 0.1100 / ≥ 2.00× | — | — |" in table
+    # the plan rule's pick gets a column (after sparq-68's) once a run records one
+    assert "the plan rule's pick |" not in table
+    picked = {**with_curves, "evaluation_text": "u", "summary": {**with_curves["summary"], "plan_rule": "fathom-mixed",
+                                         "plan_rule_errors": {"fathom-mixed": 0.2, "fathom-mixed[gains]": 0.3}}}
+    (tmp_path / "fidelity-m-32k-u.json").write_text(json.dumps(picked))
+    main(["headline", "--results", str(tmp_path)])
+    table = (tmp_path / "headline.md").read_text()
+    assert "| m 32k (u) | 0.2500 (double-sparsity@68) | 0.3000 | fathom-mixed: 0.1100 / ≥ 2.00× | — |" in table
+    assert "| m 32k (t) | 0.2500 (double-sparsity@68) | 0.3000 | — | — |" in table
 
 
 # --- bad input ------------------------------------------------------------------------------------------------
