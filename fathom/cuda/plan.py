@@ -44,21 +44,26 @@ from fathom.quantize import BLOCK, MAX_DEPTH
 from fathom.waterfill import BISECTION_STEPS
 
 THREADS = 32  # SparQ's top channels: one block per stream
-MAX_D = 512  # shared-memory size of one stream's importances
+MAX_D = 512  # channels a stream (head dim)
+MAX_LINE = 1024  # channels on one water line: a stream's, or every KV head's of a session (pooled)
 MAX_THREADS = 256  # water-filling: 32 lanes (midpoints) × up to 8 warps (channel slices)
 MAX_SPLIT_BITS = 5  # 31 midpoints per round: one per lane
-GAIN_ROWS = MAX_D + 3 * (MAX_THREADS // 32)  # the rounds read 4 channels of a slice a trip: zero rows past d
+GAIN_ROWS = MAX_LINE + 3 * (MAX_THREADS // 32)  # the rounds read 4 channels of a slice a trip: zero rows past
+# the line
 # The simulator runs every thread in Python: one step per round and one warp cost it the least.
 WATERFILL_THREADS = 32 if SIMULATED else MAX_THREADS
 SPLIT_BITS = 1 if SIMULATED else MAX_SPLIT_BITS
 
 
 @cuda.jit(cache=True)
-def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_session, budget_quarters, split_bits,
-                      tabled, gamma, depths):
+def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_session, pool, budget_quarters,
+                      split_bits, tabled, gamma, depths):
     """q float32 [streams, G, d], sigma2 / scale_sq_sum float64 [streams, d], from_store uint8 [streams] -> depths
     int8 [streams, d]. ``tabled``: the plane gains are ``w · gamma[stream, c, t]`` (float64 [streams, d, 4]), else
-    design §5's ``(3/4) w 4^-(t-1)`` (``gamma`` not read).
+    design §5's ``(3/4) w 4^-(t-1)`` (``gamma`` not read). Block ``g`` plans the ``pool`` streams ``g · pool ..``
+    on one water line of ``pool · d`` channels (channel ``c`` of the line is channel ``c % d`` of stream
+    ``g · pool + c // d``) under ``budget_quarters`` for them all: ``pool`` 1 plans a stream alone, the KV heads of
+    a session pooled (``fathom.methods.pooled_depths``).
 
     A stream with ``from_store`` set reads σ² as the mean of the store's squared block scales over its sealed blocks
     (``scale_sq_sum`` / blocks, ``lengths`` on the GPU, as ``fathom.decode.HeadIndex.store_variance`` divides); the
@@ -67,7 +72,7 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
     Integers are int32 (``np.int32(...)``) and strided loops ``while`` loops: Numba types integer arithmetic and
     ``range`` as int64, and a range's trip count with a runtime step costs a 64-bit division. Every thread keeps
     the bounds in registers and walks the tree itself, so a round costs one barrier."""
-    g = cuda.blockIdx.x
+    first_stream = np.int32(cuda.blockIdx.x * pool)
     t = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
     wide = n_threads >= 32
@@ -77,6 +82,7 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
     parts = np.int32(n_threads >> 5) if wide else np.int32(1)
     n_heads = np.int32(q.shape[1])
     d = np.int32(q.shape[2])
+    line = np.int32(pool * d)  # channels on the water line
     fit = np.int32(min(budget_quarters, 2.0 ** 30))  # cost <= budget_quarters: costs are integers below 2^30
     gain = cuda.shared.array((GAIN_ROWS, MAX_DEPTH), np.float64)  # each channel's plane gains (design or w · γ)
     part_max = cuda.shared.array(MAX_THREADS, np.float64)
@@ -87,14 +93,16 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
     cost = cuda.shared.array(3 * 32, np.int32)
     bounds = cuda.shared.array(3, np.float64)  # log_lo, log_hi, all_fit
 
-    # every global load is issued up front, none waits on another (the σ² source is picked after)
-    stored = from_store[g] != 0
-    blocks = np.float64(max(np.int32(lengths[np.uint32(g) // np.uint32(heads_per_session)] // BLOCK), 1))
+    # every global load of a channel is issued up front, none waits on another (the σ² source is picked after)
     my_max = 0.0
     my_min = np.inf
     my_all = np.int32(0)
-    c = t
-    while c < d:
+    i = t
+    while i < line:
+        g = np.int32(first_stream + i // d)
+        c = np.int32(i - (g - first_stream) * d)
+        stored = from_store[g] != 0
+        blocks = np.float64(max(np.int32(lengths[np.uint32(g) // np.uint32(heads_per_session)] // BLOCK), 1))
         from_scales = scale_sq_sum[g, c]
         calibrated = sigma2[g, c]
         acc = np.float32(0)
@@ -106,7 +114,7 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
             read = np.int32(0)
             for k in range(MAX_DEPTH):
                 gk = wc * gamma[g, c, k]
-                gain[c, k] = gk
+                gain[i, k] = gk
                 my_max = max(my_max, gk)
                 if gk > 0:
                     my_min = min(my_min, gk)
@@ -114,15 +122,15 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
             my_all += 4 * read + (1 if read > 0 else 0)  # every plane of positive gain: γ falls in t, a prefix
         else:
             g1 = 0.75 * wc  # the gains are exact power-of-two scalings of 0.75 w
-            gain[c, 0] = g1
-            gain[c, 1] = g1 * 0.25
-            gain[c, 2] = g1 * 0.0625
-            gain[c, 3] = g1 * 0.015625
+            gain[i, 0] = g1
+            gain[i, 1] = g1 * 0.25
+            gain[i, 2] = g1 * 0.0625
+            gain[i, 3] = g1 * 0.015625
             my_max = max(my_max, wc)
             if wc > 0:
                 my_min = min(my_min, wc)
                 my_all += 4 * MAX_DEPTH + 1
-        c = np.int32(c + n_threads)
+        i = np.int32(i + n_threads)
     part_max[t] = my_max
     part_min[t] = my_min
     part_all[t] = my_all
@@ -132,8 +140,8 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
         part_min[i] = np.inf
         part_all[i] = 0
         i = np.int32(i + n_threads)
-    c = np.int32(d + t)
-    while c < d + 3 * parts:
+    c = np.int32(line + t)
+    while c < line + 3 * parts:
         for k in range(MAX_DEPTH):
             gain[c, k] = 0.0
         c = np.int32(c + n_threads)
@@ -195,7 +203,7 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
                 # chains); four channels a trip, their loads in flight together (the zero rows past d count none)
                 above_1 = above_2 = above_3 = above_4 = np.int32(0)
                 c = part
-                while c < d:
+                while c < line:
                     for k in range(4):
                         row = np.uint32(c + k * parts)  # unsigned: no wraparound of a negative index
                         above_1 = np.int32(above_1 + (gain[row, 0] > theta))
@@ -222,13 +230,15 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
             done = np.int32(done + steps)
 
     theta = math.exp(hi)
-    c = t
-    while c < d:
+    i = t
+    while i < line:
+        g = np.int32(first_stream + i // d)
+        c = np.int32(i - (g - first_stream) * d)
         if everything:
-            depths[g, c] = _depth_at(gain, c, 0.0)  # every plane of positive gain
+            depths[g, c] = _depth_at(gain, i, 0.0)  # every plane of positive gain
         else:
-            depths[g, c] = _depth_at(gain, c, theta)
-        c = np.int32(c + n_threads)
+            depths[g, c] = _depth_at(gain, i, theta)
+        i = np.int32(i + n_threads)
 
 
 @cuda.jit(device=True, inline=True)
@@ -270,10 +280,13 @@ def _depth_at(gain, c, theta):
 
 
 def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, lengths, heads_per_session: int = 1,
-              threads: int = WATERFILL_THREADS, split_bits: int = SPLIT_BITS, stream=0, gains=None) -> None:
+              threads: int = WATERFILL_THREADS, split_bits: int = SPLIT_BITS, stream=0, gains=None,
+              pooled: bool = False) -> None:
     """Depths of every stream under ``budget`` bits per token, one block of ``threads`` per stream (at most 32, or a
     multiple of 32 up to 256), ``split_bits`` bisection steps decided per round (1, 2, 3 or 5: a divisor of 30).
-    The twin of ``waterfill_batched(importance(q, σ²), budget, gains)``.
+    The twin of ``waterfill_batched(importance(q, σ²), budget, gains)``; ``pooled``: one block per session, its
+    ``heads_per_session`` streams (KV heads) on one water line whose mean cost is at most ``budget``, the twin of
+    ``fathom.methods.pooled_depths``.
 
     Args:
         q: float32 device array ``[streams, G, d]`` (the G query heads of each KV head, in the store's basis).
@@ -302,6 +315,9 @@ def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, length
     if depths.shape != (streams, d) or depths.dtype != np.int8:
         raise ValueError(f"depths must be int8 {(streams, d)}, got {depths.dtype} {depths.shape}")
     _checks.stream_sessions(streams, heads_per_session, lengths)
+    pool = heads_per_session if pooled else 1
+    if pool * d > MAX_LINE:
+        raise ValueError(f"a water line holds at most {MAX_LINE} channels, got {pool} streams of {d}")
     if d > MAX_D or not (1 <= threads <= 32 or (threads <= MAX_THREADS and threads % 32 == 0)):
         raise ValueError(f"d must be <= {MAX_D} and threads in 1..32 or a multiple of 32 up to {MAX_THREADS}, "
                          f"got d = {d}, threads = {threads}")
@@ -310,11 +326,13 @@ def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, length
     if not math.isfinite(budget) or budget < 0:
         raise ValueError(f"budget must be finite and >= 0 bits per token, got {budget}")
     if streams:
-        # cost <= budget  <=>  4 * cost <= 4 * budget: quarter bits are integers, 4 * budget is exact
+        # cost <= budget  <=>  4 * cost <= 4 * budget: quarter bits are integers, 4 * budget is exact (a pooled
+        # line's mean cost <= budget  <=>  its cost <= pool * budget, as pooled_depths plans it)
         # without a table the kernel reads none: σ² stands in for it (float64, never indexed)
         gamma = sigma2.reshape((streams, d, 1)) if gains is None else gains
-        _waterfill_kernel[streams, threads, stream](q, sigma2, scale_sq_sum, from_store, lengths, heads_per_session,
-                                                   4.0 * float(budget), split_bits, gains is not None, gamma, depths)
+        _waterfill_kernel[streams // pool, threads, stream](q, sigma2, scale_sq_sum, from_store, lengths,
+                                                           heads_per_session, pool, 4.0 * pool * float(budget),
+                                                           split_bits, gains is not None, gamma, depths)
 
 
 @cuda.jit(cache=True)

@@ -49,7 +49,8 @@ class StepBuffers:
 
 
 class WaterfillDepths:
-    """Water-filling on the GPU under each layer's budget (a flat budget or a per-layer plan); σ² read per stream
+    """Water-filling on the GPU under each layer's budget (a flat budget or a per-layer plan; each stream on its own
+    or, pooled, every KV head of a session on one water line); σ² read per stream
     from the store's running block scales or from calibration (kept in tensors that :meth:`set_calibration`
     refreshes): the store for ``variance="store"``, calibration for ``"calibration"``, and on the per-head store
     each head's basis' default (the store on raw heads, calibration on rotated ones)."""
@@ -66,6 +67,7 @@ class WaterfillDepths:
             raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "
                              f"{shape.layers} layers")
         self.budgets, self.per_head = budgets, policy.variance == methods.PER_BASIS
+        self.pooled = bool(getattr(policy, "pooled", False))  # a layer's KV heads of a session on one water line
         self.sigma2 = None if policy.variance == "store" else _per_stream(shape, "sigma2", sigma2, torch.float64)
         # each stream's σ² source (1: the store); a per-head store's heads are set by set_calibration
         self.from_store = torch.full((shape.layers, shape.streams), int(policy.variance == "store"),
@@ -99,8 +101,9 @@ class WaterfillDepths:
         from_store = as_array(self.from_store[layer])
         budget, lengths, depths = self.budgets[layer], cache_layer.arrays["lengths"], as_array(buf.depths)
         heads, gains = shape.kv_heads, None if self.gamma is None else as_array(self.gamma[layer])
+        pooled = self.pooled
         return lambda stream: waterfill(q_store, sigma2, sums, from_store, budget, depths, lengths, heads,
-                                        stream=stream, gains=gains)
+                                        stream=stream, gains=gains, pooled=pooled)
 
 
 class TopChannelDepths:

@@ -17,13 +17,13 @@ import torch
 from fathom import methods
 from fathom.attention import attention
 from fathom.cuda.interop import DEVICE, SIMULATED
-from fathom.decode import HeadIndex, decode_step, method_scores
+from fathom.decode import HeadIndex, decode_step, method_scores, pooled_layer_depths, step_bits
 from fathom.host.cache import STATE, CacheShape, HostKVCache, RowSlab
 from fathom.host.decoder import Decoder, DecoderSettings
 from fathom.host.graph import StepGraph
 from fathom.host.launch import run_launches
 from fathom.scoring import landmarks
-from fathom.selection import Selection
+from fathom.selection import Selection, select
 from fathom.store import PlaneStore
 from fathom.waterfill import calibrated_gains
 from tests.cuda.helpers import sealed_landmarks, sealed_planes, selected
@@ -101,22 +101,35 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
     want_scan_bytes = 0.0
     for s in range(shape.sessions):
         n = int(lengths[s])
-        for h in range(shape.kv_heads):
+        blocks = np.array([n // 64])
+        indexes = [HeadIndex.build(k[s, h, :n], {b: _head_stats(sigma2, ds_rank, LAYER, h, drops, scale2)
+                                                 for b in ("raw", "rotated")}, basis=basis[LAYER, h])
+                   for h in range(shape.kv_heads)]
+        groups = q[s].reshape(shape.kv_heads, GROUP_SIZE, -1)
+        # a pooled method: the session's KV heads planned on one water line, each head's part decoded as its own
+        pooled = pooled_layer_depths([method] * len(indexes), groups[:, None], indexes, blocks)[:, 0] \
+            if method.pooled else None
+        for h, index in enumerate(indexes):
             g, heads = s * shape.kv_heads + h, slice(h * GROUP_SIZE, (h + 1) * GROUP_SIZE)
             keys, values, qg = k[s, h, :n], v[s, h, :n], q[s, heads]
-            stats = {b: _head_stats(sigma2, ds_rank, LAYER, h, drops, scale2) for b in ("raw", "rotated")}
-            index = HeadIndex.build(keys, stats, basis=basis[LAYER, h])
-            want = decode_step(qg, keys, values, index, method, sel, layer=LAYER)
-            want_scan_bytes += want.scan_bytes
-            if want.depths is not None:
-                np.testing.assert_array_equal(decoder.depths.cpu().numpy()[g], want.depths)
-            scores, _ = method_scores(method, qg[None], index, np.array([n // 64]), LAYER)
+            head_depths = None if pooled is None else pooled[h][None]
+            scores, depths = method_scores(method, qg[None], index, blocks, LAYER, head_depths)
+            if pooled is None:
+                want = decode_step(qg, keys, values, index, method, sel, layer=LAYER)
+                want_mask, want_output, want_bytes = want.mask, want.output, want.scan_bytes
+            else:
+                want_mask = select(scores[0, :, :blocks[0] * 64], n, sel)
+                want_output = attention(qg, keys, values, want_mask)
+                want_bytes = step_bits(method, pooled[h], qg.shape[1]) * blocks[0] * 64 / 8
+            want_scan_bytes += want_bytes
+            if depths is not None:
+                np.testing.assert_array_equal(decoder.depths.cpu().numpy()[g], depths[0])
             got = got_masks[g, :, :n]
             assert not got_masks[g, :, n:].any()
-            _assert_same_selection(got, want.mask, None if scores is None else scores[0])
+            _assert_same_selection(got, want_mask, None if scores is None else scores[0])
             np.testing.assert_allclose(out[s, heads], attention(qg, keys, values, got), rtol=1e-4, atol=1e-5)
-            if (got == want.mask).all():
-                np.testing.assert_allclose(out[s, heads], want.output, rtol=1e-4, atol=1e-5)
+            if (got == want_mask).all():
+                np.testing.assert_allclose(out[s, heads], want_output, rtol=1e-4, atol=1e-5)
     assert decoder.scan_nbytes(LAYER) == want_scan_bytes  # the same bit accounting as the reference
 
 
@@ -151,6 +164,18 @@ RUN_CASES = [pytest.param(m, s, id=f"{m.name}-{s}") for s in (1, 3) for m in MET
 @pytest.mark.parametrize("method, sessions", RUN_CASES)
 def test_run_matches_reference_decode(filled, method, sessions):
     cache, data = filled(sessions, method.basis == "rotated" and method.scorer == "planes")
+    decoder = _decoder(cache, method, data)
+    out = decoder.run(LAYER, torch.from_numpy(data[2]).to(DEVICE)).cpu().numpy()
+    _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER))
+
+
+@pytest.mark.parametrize("method", [methods.fathom(12.0, pooled=True), methods.fathom_rotated(10.0, pooled=True)],
+                         ids=lambda m: m.name)
+def test_a_pooled_plan_puts_a_sessions_kv_heads_on_one_water_line(filled, method):
+    """fathom[pooled]: the GPU planner plans a session's KV heads together (``fathom.decode.pooled_layer_depths``),
+    each head's part scanned and selected as the reference's."""
+    cache, data = filled(1, method.basis == "rotated")
+    assert cache.shape.kv_heads == 2
     decoder = _decoder(cache, method, data)
     out = decoder.run(LAYER, torch.from_numpy(data[2]).to(DEVICE)).cpu().numpy()
     _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER))

@@ -109,6 +109,50 @@ def test_waterfill_from_the_store_statistic_or_calibration_per_stream(seed, sess
 
 
 @settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31), sessions=st.integers(1, 2), heads_per_session=st.sampled_from([1, 2, 3]),
+       budget=st.floats(0, 60), tabled=st.booleans(), launch=st.sampled_from([(32, 1), (64, 5)]))
+def test_pooled_waterfill_is_one_line_for_a_sessions_kv_heads(seed, sessions, heads_per_session, budget, tabled,
+                                                              launch):
+    """``pooled``: a session's KV heads on one water line, each with its own σ² source and gain table, their mean
+    cost within the budget: the reference's ``pooled_depths`` per session, bit for bit."""
+    rng = np.random.default_rng(seed)
+    streams, d = sessions * heads_per_session, 16
+    q = (rng.standard_normal((streams, 2, d)) * np.exp(rng.uniform(-2, 2, (streams, 1, d)))).astype(np.float32)
+    sums, sigma2 = np.exp(rng.uniform(-4, 4, (2, streams, d)))
+    from_store = rng.integers(0, 2, streams).astype(np.uint8)
+    tokens = rng.integers(0, 500, sessions).astype(np.int32)
+    blocks = np.maximum(np.repeat(tokens // 64, heads_per_session), 1)
+    sigma_read = np.where(from_store[:, None] == 1, sums / blocks[:, None], sigma2)
+    gamma = calibrated_gains(rng.exponential(1.0, (streams, d, 4))) if tabled else None
+    want = []
+    for session in range(sessions):  # pooled_depths: the heads' importances (and tables) on one line
+        heads = slice(session * heads_per_session, (session + 1) * heads_per_session)
+        w = np.concatenate(list(importance(q[heads], sigma_read[heads])))[None]
+        table = None if gamma is None else np.concatenate(list(gamma[heads]))[None]
+        assume(_gaps_ok(w) if table is None else _table_gaps_ok(w, table))
+        want.append(waterfill_batched(w, heads_per_session * budget, table).reshape(heads_per_session, d))
+    if gamma is None:  # the reference's own pooled plan, on the σ² each stream reads
+        policy = methods.Waterfill(budget, "calibration", pooled=True)
+        stats = [methods.HeadStats(sigma2=sigma_read[g], ds_rank=np.arange(d)) for g in range(heads_per_session)]
+        np.testing.assert_array_equal(methods.pooled_depths([policy] * heads_per_session,
+                                                            list(q[:heads_per_session]), stats), want[0])
+    depths = cuda.to_device(np.full((streams, d), -1, np.int8))
+    threads, split_bits = launch
+    waterfill(cuda.to_device(q), cuda.to_device(sigma2), cuda.to_device(sums), cuda.to_device(from_store), budget,
+              depths, cuda.to_device(tokens), heads_per_session, threads=threads, split_bits=split_bits,
+              gains=None if gamma is None else cuda.to_device(gamma), pooled=True)
+    np.testing.assert_array_equal(depths.copy_to_host(), np.concatenate(want))
+
+
+def test_a_pooled_line_longer_than_the_planner_holds_is_refused():
+    q = cuda.to_device(np.ones((8, 1, 256), np.float32))
+    sigma2 = cuda.to_device(np.ones((8, 256)))
+    with pytest.raises(ValueError, match="water line holds at most 1024 channels, got 8 streams of 256"):
+        waterfill(q, sigma2, sigma2, _sources(8, 0), 10.0, cuda.to_device(np.zeros((8, 256), np.int8)),
+                  _lengths(1), 8, pooled=True)
+
+
+@settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), r=st.integers(0, 16), levels=st.sampled_from([3, 10**6]))
 def test_top_channels_matches_sparq(seed, streams, r, levels):
     """Ties (few distinct |q| levels) go to the lower channel, like the reference's stable argsort; r = 0 (which
