@@ -265,15 +265,15 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                     # plane p's bit of token ``lane`` (bit ``lane`` of the word's low half) and of token ``lane + 32``
                     # (of its high half) lands at bit 3 - p, where the 4-bit code holds it: one shift and one
                     # masked OR a token and plane, and the prefix reads P · 2^(4-b)
-                    shift = np.uint64(29) + np.uint64(lane)
+                    to_bit = np.uint64(29) + np.uint64(lane)  # right shift to bit 3 - p: 29 + lane + p
                     bit = np.uint32(8)
                     while plane_at < plane_end:
                         for x in range(group):
                             plane = buffer[np.uint32(plane_at + np.uint32(x))]
-                            prefix[2 * x] |= np.uint32((plane << np.uint64(32)) >> shift) & bit
-                            prefix[2 * x + 1] |= np.uint32(plane >> shift) & bit
+                            prefix[2 * x] |= np.uint32((plane << np.uint64(32)) >> to_bit) & bit
+                            prefix[2 * x + 1] |= np.uint32(plane >> to_bit) & bit
                         plane_at = np.uint32(plane_at + per_cta)
-                        shift += np.uint64(1)
+                        to_bit += np.uint64(1)
                         bit = np.uint32(bit >> np.uint32(1))
                     for x in range(group):
                         jb = first + x
