@@ -271,11 +271,11 @@ def choose_plan(calibration_capture: Capture, calibration: Calibration, sel: Sel
     at the rule's budgets; the lowest mean error wins -> (its method name, every plan's error). Recorded beside
     every run (``summary.plan_rule``, its curve ``summary.families[plan_rule]``); the headline curve stays
     ``fathom-mixed`` until the rule is seen to hold on evaluation text at the long contexts (docs/decisions.md)."""
-    plans = [M.fathom_mixed(0, g, p).name for p in POOLING for g in M.GAIN_SOURCES]
     methods = [M.fathom_mixed(b, g, p) for p in POOLING for g in M.GAIN_SOURCES for b in BASIS_RULE_BUDGETS]
     results = evaluate_fn(calibration_capture, calibration, methods, sel, on_head)
     n = len(BASIS_RULE_BUDGETS)
-    errors = {name: float(np.mean([r.rel_error for r in results[i * n:(i + 1) * n]])) for i, name in enumerate(plans)}
+    errors = {methods[i].name: float(np.mean([r.rel_error for r in results[i:i + n]]))
+              for i in range(0, len(methods), n)}
     return min(errors, key=errors.get), errors
 
 

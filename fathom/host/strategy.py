@@ -67,7 +67,7 @@ class WaterfillDepths:
             raise ValueError(f"method {method.name!r} has {len(budgets)} per-layer budgets for a cache of "
                              f"{shape.layers} layers")
         self.budgets, self.per_head = budgets, policy.variance == methods.PER_BASIS
-        self.pooled = bool(getattr(policy, "pooled", False))  # a layer's KV heads of a session on one water line
+        self.pooled = method.pooled  # a layer's KV heads of a session on one water line
         self.sigma2 = None if policy.variance == "store" else _per_stream(shape, "sigma2", sigma2, torch.float64)
         # each stream's σ² source (1: the store); a per-head store's heads are set by set_calibration
         self.from_store = torch.full((shape.layers, shape.streams), int(policy.variance == "store"),
