@@ -38,7 +38,8 @@ def method_table():
     """Every timed method, by label (d = 128)."""
     from fathom import methods
 
-    grid = [methods.fathom(32), methods.fathom(48), methods.fathom(64), methods.sparq(16), methods.sparq(32),
+    grid = [methods.fathom(32), methods.fathom(48), methods.fathom(64), methods.fathom(48, pooled=True),
+            methods.sparq(16), methods.sparq(32),
             methods.double_sparsity(32), methods.loki(32), methods.thumbnail(2), methods.landmark(),
             methods.oracle(), methods.dense()]
     return {m.label(HEAD_DIM): m for m in grid}

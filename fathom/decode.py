@@ -198,11 +198,14 @@ def step_bits(method: Method, depths: np.ndarray | None, d: int) -> np.ndarray |
 
 
 def decode_step(q: np.ndarray, keys: np.ndarray, values: np.ndarray, index: HeadIndex, method: Method,
-                sel: Selection, scale: float | None = None, layer: int | None = None) -> DecodeStep:
+                sel: Selection, scale: float | None = None, layer: int | None = None,
+                depths: np.ndarray | None = None) -> DecodeStep:
     """Decode one query group ``q [G, d]`` over the context ``keys [m, d]``, ``values [m, dv]``.
 
     ``index`` must have been built over at least the first ``m`` keys (it may hold more). ``layer``: the
     layer of this (layer, KV head); a per-layer plan reads its budget there and is refused without it.
+    ``depths [d]``: this head's part of a pooled plan (:func:`pooled_layer_depths`), given exactly for a pooled
+    method.
     """
     q = _checks.array("q", q, ndim=2, kind="f")
     keys = _checks.array("keys", keys, ndim=2, kind="f")
@@ -215,7 +218,7 @@ def decode_step(q: np.ndarray, keys: np.ndarray, values: np.ndarray, index: Head
     if m > index.keys.shape[0]:
         raise ValueError(f"keys has {m} tokens but the index holds only {index.keys.shape[0]}")
     blocks = np.array([m // 64])
-    scores, depths = method_scores(method, q[None], index, blocks, layer)
+    scores, depths = method_scores(method, q[None], index, blocks, layer, None if depths is None else depths[None])
     if scores is None:
         mask = np.ones((q.shape[0], m), bool)
     else:

@@ -465,18 +465,21 @@ def baselines(d: int) -> list[Method]:
 # --- The catalog: every method a user names (FathomCache's ``method=``, a bench's ``name@bits``) -----------------
 
 BUDGET_RULES = ("bits", "channels", "none")
+VARIANTS = ("gains", "pooled")  # the water-filling variants a method may take (Entry.variants)
 
 
 @dataclass(frozen=True)
 class Entry:
     """One method of the catalog: its spec name, what its budget means, what it reads, and its factory.
 
-    ``budget``: "bits" (the scan bits per token, ``make(budget, variance, plan)``), "channels" (``4.25·r`` bits
-    name r channels at 4 bits, ``make(r)``) or "none" (``make()``). ``basis``: the store it scans (None: it
-    scans no planes). ``reads_sigma2``: water-filled on σ² (from the store, or from calibration when
+    ``budget``: "bits" (the scan bits per token, ``make(budget, variance, plan, gains, pooled)``), "channels"
+    (``4.25·r`` bits name r channels at 4 bits, ``make(r)``) or "none" (``make()``). ``basis``: the store it scans
+    (None: it scans no planes). ``reads_sigma2``: water-filled on σ² (from the store, or from calibration when
     ``variance="calibration"`` or the rotated basis asks for it). ``reads_ds_rank``: Double Sparsity's offline
     channel ranking. ``per_layer``: its budget is the mean of per-layer budgets planned on data (over
-    :data:`PLAN_BUDGETS`). ``aliases``: older spellings the parser still accepts.
+    :data:`PLAN_BUDGETS`). ``variants``: which of the water-filling variants it takes, ``"gains"`` (the
+    calibrated plane gains, ``gains="calibrated"``) and ``"pooled"`` (one water line for a layer's KV heads).
+    ``aliases``: older spellings the parser still accepts.
     """
 
     name: str
@@ -486,21 +489,36 @@ class Entry:
     reads_sigma2: bool = False
     reads_ds_rank: bool = False
     per_layer: bool = False
+    variants: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
 
-    def needs_calibration(self, variance: str | None = None) -> bool:
-        """Whether it reads calibration statistics (a basis, DS channels, or calibration σ²)."""
-        if self.basis == PER_HEAD:
+    def needs_calibration(self, variance: str | None = None, gains: str = "design") -> bool:
+        """Whether it reads calibration statistics (a basis, DS channels, calibration σ² or, with
+        ``gains="calibrated"``, the plane gains)."""
+        if self.basis == PER_HEAD or gains == "calibrated":
             return True
         sigma2 = self.reads_sigma2 and (variance or DEFAULT_VARIANCE[self.basis]) == "calibration"
         return self.basis == "rotated" or self.reads_ds_rank or sigma2
 
-    def calibration_needs(self) -> set[str]:
+    def calibration_needs(self, gains: str = "design") -> set[str]:
         """What a calibration computed for it holds (``fathom.cuda.calibration.NEEDS``): σ² always, the basis
-        when it scans the rotated store, the DS ranking when it reads one. (The per-head store's choice of basis is
-        made on calibration text by ``python -m bench fidelity``: it is given, never computed from a prompt.)"""
+        when it scans the rotated store, the DS ranking when it reads one, the plane drops with
+        ``gains="calibrated"``. (The per-head store's choice of basis is made on calibration text by ``python -m
+        bench fidelity``: it is given, never computed from a prompt.)"""
         return {"sigma2"} | ({"basis"} if self.basis in ("rotated", PER_HEAD) else set()) | \
-            ({"ds_rank"} if self.reads_ds_rank else set())
+            ({"ds_rank"} if self.reads_ds_rank else set()) | ({"plane_drops"} if gains == "calibrated" else set())
+
+    def check_variants(self, gains: str, pooled: bool) -> None:
+        """Refuse a water-filling variant it does not take (``gains`` one of :data:`GAIN_SOURCES`)."""
+        if gains not in GAIN_SOURCES:
+            raise ValueError(f"gains must be one of {GAIN_SOURCES}, got {gains!r}")
+        if not isinstance(pooled, bool):
+            raise ValueError(f"pooled must be True or False, got {pooled!r}")
+        for variant, asked in (("gains", gains == "calibrated"), ("pooled", pooled)):
+            if asked and variant not in self.variants:
+                takers = ", ".join(n for n, e in CATALOG.items() if variant in e.variants)
+                raise ValueError(f"{'gains=' + repr(gains) if variant == 'gains' else 'pooled=True'} is taken by "
+                                 f"{takers} only; method is {self.name!r}")
 
     def budget_form(self) -> str:
         """How its spec is written, with an example that parses."""
@@ -514,13 +532,14 @@ class Entry:
 CATALOG: dict[str, Entry] = {e.name: e for e in (
     Entry("dense", "none", dense, basis=None),
     Entry("oracle", "none", oracle, basis=None),
-    Entry("fathom", "bits", lambda budget, variance, plan: fathom(budget, variance), reads_sigma2=True),
-    Entry("fathom-rotated", "bits", lambda budget, variance, plan: fathom_rotated(budget, variance),
-          basis="rotated", reads_sigma2=True),
-    Entry("fathom-plan", "bits", lambda budget, variance, plan: fathom_plan(plan, budget, "raw", variance),
-          reads_sigma2=True, per_layer=True),
-    Entry("fathom-mixed", "bits", lambda budget, variance, plan: fathom_mixed(budget), basis=PER_HEAD,
-          reads_sigma2=True),
+    Entry("fathom", "bits", lambda budget, variance, plan, gains, pooled: fathom(budget, variance, gains, pooled),
+          reads_sigma2=True, variants=VARIANTS),
+    Entry("fathom-rotated", "bits", lambda budget, variance, plan, gains, pooled:
+          fathom_rotated(budget, variance, gains, pooled), basis="rotated", reads_sigma2=True, variants=VARIANTS),
+    Entry("fathom-plan", "bits", lambda budget, variance, plan, gains, pooled:
+          fathom_plan(plan, budget, "raw", variance), reads_sigma2=True, per_layer=True),
+    Entry("fathom-mixed", "bits", lambda budget, variance, plan, gains, pooled: fathom_mixed(budget, gains, pooled),
+          basis=PER_HEAD, reads_sigma2=True, variants=VARIANTS),
     Entry("sparq", "channels", sparq),
     Entry("double-sparsity", "channels", double_sparsity, reads_ds_rank=True),
     Entry("loki", "channels", loki, basis="rotated"),
@@ -568,14 +587,16 @@ def channels(budget: float, d: int, r: int | None = None) -> int:
 
 
 def build(name: str, d: int, budget: float | None = None, r: int | None = None, variance: str | None = None,
-          plan: tuple[float, ...] | None = None) -> Method:
+          plan: tuple[float, ...] | None = None, gains: str = "design", pooled: bool = False) -> Method:
     """The :class:`Method` ``name`` at head dim ``d`` (``budget``: its bits, see :class:`Entry`; ``r``: the
-    channels of a fixed-channel method instead; ``plan``: fathom-plan's per-layer budgets)."""
+    channels of a fixed-channel method instead; ``plan``: fathom-plan's per-layer budgets; ``gains`` and
+    ``pooled``: the water-filling variants, refused by a method that does not take them)."""
     e = entry(name)
+    e.check_variants(gains, pooled)
     if e.budget == "channels":
         return e.make(channels(budget, d, r))
     if e.budget == "bits":
-        return e.make(budget, variance, plan)
+        return e.make(budget, variance, plan, gains, pooled)
     return e.make()
 
 

@@ -16,14 +16,15 @@ def tiny_llama(vocab: int = 97) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def tiny_offload_llama(layers: int = 1) -> transformers.LlamaForCausalLM:
-    """d = 16, 2 query heads over 1 KV head, ``layers`` layers, vocabulary 97, seeded, in bf16 on the decode device
-    (the CPU under the simulator): the model the offloaded backend's tests generate with."""
+def tiny_offload_llama(layers: int = 1, kv_heads: int = 1) -> transformers.LlamaForCausalLM:
+    """d = 16, 2 query heads over each of ``kv_heads`` KV heads, ``layers`` layers, vocabulary 97, seeded, in bf16 on
+    the decode device (the CPU under the simulator): the model the offloaded backend's tests generate with."""
     from fathom.cuda.interop import DEVICE
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=100.0)
+                                      num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads, head_dim=16,
+                                      rope_theta=100.0)
     return transformers.LlamaForCausalLM(config).eval().to(DEVICE, torch.bfloat16)
 
 

@@ -9,7 +9,13 @@ upcast exactly), and computes in float64 like the reference:
 * ``ds_rank [H, d]``: channels by Double Sparsity's ``mean |q_c| · mean |k_c|``, descending (``"ds_rank"``);
 * ``basis [H, d, d]`` and ``sigma2_rotated [H, d]``: the eigenbasis of the key covariance (mean removed, divided
   by n) ordered by score variance ``λ_i · mean_q (q · e_i)²``, descending, and the clipped eigenvalues in that
-  order (``"basis"``; a batched ``torch.linalg.eigh``, the only O(d³) step).
+  order (``"basis"``; a batched ``torch.linalg.eigh``, the only O(d³) step);
+* ``plane_drops_raw [H, d, 4]`` and ``scale2_raw [H, d]`` (with the basis, ``_rotated`` too, of the float32 keys
+  times the basis): what each bit plane removes of each channel's error variance over the sealed 64-token blocks,
+  and the mean squared fp16 block scale (``"plane_drops"``; the store's quantizer in torch,
+  :func:`fathom.cuda.fidelity.dequantized_copies`; none for keys shorter than a block, as in the reference).
+  :func:`stack` turns the drops into the gain table (:func:`fathom.waterfill.calibrated_gains`), as
+  :func:`fathom.calibration.plane_drops` does.
 
 Ties keep the lower index (stable sorts), as the reference does. Eigenvectors are unique only up to sign, so the
 basis columns equal the reference's up to sign. Memory: a float64 copy of the keys (8 bytes an element).
@@ -40,12 +46,17 @@ import numpy as np
 import torch
 
 from fathom.calibration import Calibration
+from fathom.cuda.fidelity import dequantized_copies
+from fathom.quantize import BLOCK
+from fathom.waterfill import calibrated_gains
 
-# What a method may read: "sigma2" (sigma2_raw, always computed), "ds_rank", "basis" (with sigma2_rotated).
-NEEDS = ("sigma2", "ds_rank", "basis")
+# What a method may read: "sigma2" (sigma2_raw, always computed), "ds_rank", "basis" (with sigma2_rotated),
+# "plane_drops" (each store's plane drops and mean squared block scale: the calibrated plane gains).
+NEEDS = ("sigma2", "ds_rank", "basis", "plane_drops")
 
 # The Calibration fields, in its order; a LayerCalibration has the same names.
-FIELDS = ("sigma2_raw", "basis", "sigma2_rotated", "ds_rank")
+FIELDS = ("sigma2_raw", "basis", "sigma2_rotated", "ds_rank", "plane_drops_raw", "plane_drops_rotated", "scale2_raw",
+          "scale2_rotated")
 
 
 @dataclass(frozen=True)
@@ -53,13 +64,18 @@ class LayerCalibration:
     """One layer's statistics as torch tensors on the keys' device; a field not asked for is None.
 
     sigma2_raw: float64 ``[H, d]``; basis: float64 ``[H, d, d]`` (columns are the rotated coordinates);
-    sigma2_rotated: float64 ``[H, d]``; ds_rank: int64 ``[H, d]``.
+    sigma2_rotated: float64 ``[H, d]``; ds_rank: int64 ``[H, d]``; plane_drops_raw / _rotated: float64 ``[H, d, 4]``
+    (the measured drops, before :func:`fathom.waterfill.calibrated_gains`); scale2_raw / _rotated: float64 ``[H, d]``.
     """
 
     sigma2_raw: torch.Tensor
     basis: torch.Tensor | None = None
     sigma2_rotated: torch.Tensor | None = None
     ds_rank: torch.Tensor | None = None
+    plane_drops_raw: torch.Tensor | None = None
+    plane_drops_rotated: torch.Tensor | None = None
+    scale2_raw: torch.Tensor | None = None
+    scale2_rotated: torch.Tensor | None = None
 
     @property
     def computed(self) -> tuple[str, ...]:
@@ -121,7 +137,27 @@ def calibrate_layer(keys: torch.Tensor, queries: torch.Tensor, needs: Iterable[s
         order = torch.argsort(-score_var, dim=-1, stable=True)
         basis = torch.take_along_dim(eigvec, order[:, None, :], dim=2)
         sigma2_rotated = torch.take_along_dim(eigval, order, dim=1)
-    return LayerCalibration(sigma2_raw, basis, sigma2_rotated, ds_rank)
+    planes = {}
+    if "plane_drops" in needs and n >= BLOCK:  # as the reference: keys shorter than a sealed block have no planes
+        stores = {"raw": keys.float()} | ({"rotated": keys.float() @ basis.float()} if basis is not None else {})
+        for name, store in stores.items():  # the rotated store quantizes the float32 product, as the reference
+            planes[f"plane_drops_{name}"], planes[f"scale2_{name}"] = _plane_drops(store)
+    return LayerCalibration(sigma2_raw, basis, sigma2_rotated, ds_rank, **planes)
+
+
+def _plane_drops(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's measured plane drops float64 ``[H, d, 4]`` (of the error variance over the sealed tokens at depth
+    t - 1 -> t; depth 0: the key itself) and mean squared block scale float64 ``[H, d]`` of float32 keys
+    ``[H, n, d]``: :func:`fathom.calibration.plane_drops` before its gain table, head by head (the four
+    dequantized copies of one head are ``16·n·d`` bytes)."""
+    drops, scale2 = [], []
+    for head in keys:
+        copies, scales = dequantized_copies(head)
+        sealed = head[:copies.shape[1]].double()
+        variance = [sealed.var(dim=0, correction=0)] + [(sealed - c.double()).var(dim=0, correction=0) for c in copies]
+        drops.append(-torch.diff(torch.stack(variance, dim=-1), dim=-1))
+        scale2.append(scales.double().square().mean(dim=1))
+    return torch.stack(drops), torch.stack(scale2)
 
 
 def stack(layers: list[LayerCalibration], meta: dict) -> Calibration:
@@ -155,4 +191,10 @@ def stack(layers: list[LayerCalibration], meta: dict) -> Calibration:
     sigma2_rotated = gathered("sigma2_rotated", torch.float32) if "sigma2_rotated" in computed else sigma2_raw.copy()
     ds_rank = gathered("ds_rank", torch.int32) if "ds_rank" in computed else np.broadcast_to(
         np.arange(d, dtype=np.int32), (L, H, d))
-    return Calibration(sigma2_raw, basis, sigma2_rotated, ds_rank, meta={**meta, "computed": list(computed)})
+    planes = {}  # the gain tables from the drops, and the block scales, as fathom.calibration.calibrate keeps them
+    for name in ("raw", "rotated"):
+        if f"plane_drops_{name}" in computed:
+            planes[f"plane_drops_{name}"] = calibrated_gains(gathered(f"plane_drops_{name}", torch.float64))
+            planes[f"scale2_{name}"] = gathered(f"scale2_{name}", torch.float64)
+    return Calibration(sigma2_raw, basis, sigma2_rotated, ds_rank, meta={**meta, "computed": list(computed)},
+                       **planes)

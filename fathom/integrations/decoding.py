@@ -19,6 +19,7 @@ from fathom.integrations.sessions import (POOL, LayerStats, OffloadedSessions, R
                                           capacity)
 from fathom.integrations.settings import RESERVE_TOKENS, FathomSettings, ModelShape
 from fathom.methods import Method
+from fathom.quantize import BLOCK
 from fathom.selection import Selection
 
 
@@ -97,6 +98,10 @@ class Decoding:
         """Record the prompt of one layer: ``k, v [B, H, n, d]`` at the positions :meth:`prompt_rows` gave, and
         ``queries [H·G, m, d]``, row 0's calibration queries (:func:`calibration_queries`)."""
         self._check_scale(scale)
+        prompt = count_positions(self.rows[0])
+        if self.calibrate_from_prompt and self.settings.gains == "calibrated" and prompt < BLOCK:
+            raise ValueError(f"gains='calibrated' measures the plane gains on the prompt's sealed {BLOCK}-token "
+                             f"blocks: row 0's prompt holds {prompt} tokens; pass a calibration= instead")
         if self.selection is None:
             longest = max(count_positions(r) for r in self.rows)
             k_top = self.settings.k if self.settings.k is not None else Selection.for_context(longest).k
@@ -105,7 +110,7 @@ class Decoding:
             H, G, d = self.shape.kv_heads, self.shape.group_size, self.shape.head_dim
             per_kv_head = queries.reshape(H, G, -1, d).transpose(1, 2).reshape(H, -1, d)
             self.layer_calibrations[slot] = calibrate_layer(k[0][:, self.rows[0]], per_kv_head,
-                                                            _calibration_needs(self.settings))
+                                                            self.settings.calibration_needs())
         if self.plan_from_prompt:
             H, G, d = self.shape.kv_heads, self.shape.group_size, self.shape.head_dim
             per_head = queries.reshape(H, G, -1, d).transpose(1, 2)
@@ -279,8 +284,3 @@ class Decoding:
         n, P = keys.shape[2], queries.shape[2]
         return Capture(keys, values, queries, np.arange(n - P, n), self.scale,
                        {"text": "prompt", "layers": self.shape.fathom_layers})
-
-
-def _calibration_needs(settings: FathomSettings) -> set[str]:
-    """What a calibration from the prompt computes for ``settings``' method (``fathom.cuda.calibration.NEEDS``)."""
-    return methods.entry(settings.method).calibration_needs()

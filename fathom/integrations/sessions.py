@@ -44,17 +44,17 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from fathom import _checks
+from fathom import _checks, methods
 from fathom.calibration import Calibration
-from fathom.decode import DecodeStep, HeadIndex, decode_step
+from fathom.decode import DecodeStep, HeadIndex, decode_step, pooled_layer_depths
 from fathom.growing import GrowingRows
-from fathom.methods import PER_HEAD, HeadStats, Method
-from fathom.quantize import BLOCK
+from fathom.methods import BASES, PER_HEAD, HeadStats, Method
+from fathom.quantize import BLOCK, MAX_DEPTH
 from fathom.selection import Selection
 
 
@@ -98,30 +98,61 @@ class SessionShape:
 @dataclass(frozen=True)
 class LayerStats:
     """One layer's calibration as the sessions read it: NumPy ``[H, d]`` (``basis [H, d, d]``; ``head_basis [H]``:
-    the basis each KV head of the per-head store scans, None where the calibration holds no per-head rule)."""
+    the basis each KV head of the per-head store scans, None where the calibration holds no per-head rule;
+    ``plane_drops`` / ``scale2``: each store's calibrated plane table ``[H, d, 4]`` and mean squared block scale
+    ``[H, d]`` by basis, where the calibration holds them)."""
 
     sigma2_raw: np.ndarray
     basis: np.ndarray
     sigma2_rotated: np.ndarray
     ds_rank: np.ndarray
     head_basis: np.ndarray | None = None
+    plane_drops: dict[str, np.ndarray] = field(default_factory=dict)
+    scale2: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def of(cls, calibration: Calibration, layer: int) -> LayerStats:
         head_basis = None if calibration.head_basis is None else calibration.head_basis[layer]
+        drops, scale2 = {}, {}
+        for basis in BASES:
+            if getattr(calibration, f"plane_drops_{basis}") is not None:
+                drops[basis] = getattr(calibration, f"plane_drops_{basis}")[layer]
+                scale2[basis] = getattr(calibration, f"scale2_{basis}")[layer]
         return cls(calibration.sigma2_raw[layer], calibration.basis[layer], calibration.sigma2_rotated[layer],
-                   calibration.ds_rank[layer], head_basis)
+                   calibration.ds_rank[layer], head_basis, drops, scale2)
 
     def sigma2(self, basis: str) -> np.ndarray:
         """σ² ``[H, d]`` in the ``basis`` ("raw" or "rotated") store."""
         return self.sigma2_rotated if basis == "rotated" else self.sigma2_raw
 
     def check_for(self, method: Method, layer: int) -> None:
-        """Refuse a calibration without the per-head rule for the per-head store (fathom-mixed)."""
+        """Refuse a calibration without the per-head rule for the per-head store (fathom-mixed), or without the
+        plane table of a store whose heads water-fill with the calibrated gains."""
         if method.basis == PER_HEAD and self.head_basis is None:
             raise ValueError(f"layer {layer}'s calibration has no per-head basis: method {method.name!r} scans the "
                              "store each (layer, KV head) chose on calibration text (a .calibration.npz written by "
                              "python -m bench fidelity holds it)")
+        if getattr(method.policy, "gains", "design") == "calibrated":
+            missing = sorted({b for b in self._head_bases(method) if b not in self.plane_drops})
+            if missing:
+                raise ValueError(f"layer {layer}'s calibration has no plane table of the {' and '.join(missing)} "
+                                 f"store: method {method.name!r} water-fills with the calibrated plane gains (a "
+                                 "calibration from fathom.calibration.calibrate, or from the prompt, holds it)")
+
+    def _head_bases(self, method: Method) -> list[str]:
+        """The basis each KV head's store is in for ``method``."""
+        if method.basis == PER_HEAD:
+            return [str(b) for b in self.head_basis]
+        return [method.basis] * len(self.sigma2_raw)
+
+    def planner_gains(self, method: Method) -> np.ndarray | None:
+        """The calibrated relative plane gains ``[H, d, 4]`` the GPU planner holds for ``method``
+        (:func:`fathom.methods.gain_table` of each head in its store's basis, for the σ² source that head reads);
+        None where the method water-fills with design §5's gains."""
+        if getattr(method.policy, "gains", "design") != "calibrated":
+            return None
+        return np.stack([methods.gain_table(self.head(h, basis, None), method.on_basis(basis).policy.variance)
+                         for h, basis in enumerate(self._head_bases(method))])
 
     def store_basis(self, method: Method) -> np.ndarray:
         """The basis ``[H, d, d]`` the rotated store holds for ``method``: on the per-head store the identity on
@@ -138,9 +169,12 @@ class LayerStats:
             return self.sigma2(method.basis)
         return np.where((np.asarray(self.head_basis) == "rotated")[:, None], self.sigma2_rotated, self.sigma2_raw)
 
-    def head(self, head: int, basis: str, layer: int) -> HeadStats:
-        """The stats of one KV head in the ``basis`` ("raw" or "rotated") store."""
-        return HeadStats(sigma2=self.sigma2(basis)[head], ds_rank=self.ds_rank[head], layer=layer)
+    def head(self, head: int, basis: str, layer: int | None) -> HeadStats:
+        """The stats of one KV head in the ``basis`` ("raw" or "rotated") store (its plane table where held)."""
+        drops, scale2 = self.plane_drops.get(basis), self.scale2.get(basis)
+        return HeadStats(sigma2=self.sigma2(basis)[head], ds_rank=self.ds_rank[head], layer=layer,
+                         plane_drops=None if drops is None else drops[head],
+                         scale2=None if scale2 is None else scale2[head])
 
 
 def capacity(tokens: int) -> int:
@@ -271,10 +305,15 @@ class ReferenceSessions:
         on_head = [self.method.on_basis(str(head_basis[h])) if self.method.basis == PER_HEAD else self.method
                    for h in range(self.shape.kv_heads)]  # the per-head store: each head on the basis it chose
         for s in range(self.shape.sessions):
+            indexes = self.indexes[layer][s]
+            depths = [None] * H
+            if self.method.pooled:  # the session's KV heads on one water line
+                blocks = np.array([len(indexes[0].keys) // BLOCK])
+                depths = pooled_layer_depths(on_head, queries[s].reshape(H, 1, G, d), indexes, blocks)[:, 0]
             for h in range(self.shape.kv_heads):
-                index = self.indexes[layer][s][h]
+                index = indexes[h]
                 step = decode_step(queries[s, h * G:(h + 1) * G], index.keys, self.values[layer][s][h].array, index,
-                                   on_head[h], self.selection, self.scale, layer)
+                                   on_head[h], self.selection, self.scale, layer, depths[h])
                 out[s, h * G:(h + 1) * G] = step.output
                 if self.on_step is not None:
                     self.on_step(layer, s, h, step)
@@ -398,7 +437,7 @@ class OffloadedSessions:
         store, each head's basis)."""
         per_head = self.method.basis == PER_HEAD
         self.decoder.set_calibration(layer, stats.planner_sigma2(self.method), stats.ds_rank,
-                                     stats.head_basis if per_head else None)
+                                     stats.head_basis if per_head else None, stats.planner_gains(self.method))
 
     def begin_token(self) -> None:
         """Once per decode token, before its first layer's :meth:`step`: a flag raised by any kernel since the last
@@ -446,8 +485,9 @@ class OffloadedSessions:
         # Neutral until :meth:`calibrate` copies a layer's own in (every layer is calibrated before it holds tokens)
         sigma2 = np.ones((s.layers, s.kv_heads, s.head_dim))
         ds_rank = np.broadcast_to(np.arange(s.head_dim), (s.layers, s.kv_heads, s.head_dim))
+        gains = np.ones((s.layers, s.kv_heads, s.head_dim, MAX_DEPTH))
         self.decoder = Decoder(self.cache, DecoderSettings(self.method, self.selection, scale=self.scale),
-                               group_size=s.group_size, sigma2=sigma2, ds_rank=ds_rank)
+                               group_size=s.group_size, sigma2=sigma2, ds_rank=ds_rank, gains=gains)
         self.graphs: dict = {}  # layer -> its captured step (a StepGraph), made on the layer's first step
         # (id(model), batch) -> a whole decode token captured over these sessions (fathom.integrations.token_graph)
         self.token_graphs: dict = {}

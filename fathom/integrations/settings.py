@@ -15,8 +15,8 @@ from fathom.calibration import Calibration
 from fathom.methods import Method
 
 BACKENDS = ("auto", "reference", "offloaded")
-SETTINGS = ("r", "sink", "local", "variance", "plan", "calibration", "backend", "max_tokens", "hbm_gb", "row_cache_rows",
-            "pool")
+SETTINGS = ("r", "sink", "local", "variance", "gains", "pooled", "plan", "calibration", "backend", "max_tokens",
+            "hbm_gb", "row_cache_rows", "pool")
 DEFAULT_BUDGET = 48.0  # bits per token of the bit-budget methods when none is given
 RESERVE_TOKENS = 4096  # room reserved past the longest prompt when max_tokens is not given (grown beyond it)
 
@@ -28,7 +28,12 @@ class FathomSettings:
     ``budget``: bits per token for fathom, fathom-rotated, fathom-mixed and fathom-plan (the plan's mean; None:
     :data:`DEFAULT_BUDGET`); for sparq, double-sparsity and loki it names ``r = budget / 4.25`` channels at 4 bits
     (68 -> 16, 136 -> 32), and one of ``budget`` and ``r`` must be given; the others read none and refuse one (it
-    stays None). ``k``: top-k per query head (None: design §6's k by the longest prompt). ``plan``: fathom-plan's
+    stays None). ``k``: top-k per query head (None: design §6's k by the longest prompt). ``gains``: the plane
+    gains fathom, fathom-rotated and fathom-mixed water-fill with: ``"design"`` (design §5's model) or
+    ``"calibrated"`` (each (layer, KV head)'s table measured on calibration keys: the given calibration's plane drops,
+    or the prompt's). ``pooled``: one water line for a layer's KV heads (their mean read is the budget), where
+    design §5 plans each query group on its own. ``python -m bench fidelity`` chooses between the four on calibration
+    text (its plan rule, docs/results.md). ``plan``: fathom-plan's
     per-layer budgets, one per full-attention layer (None: planned on the prompt). ``max_tokens``: per session,
     offloaded backend (None: the longest prompt plus :data:`RESERVE_TOKENS`, in a bucket of
     :func:`~fathom.integrations.sessions.capacity`; grown when needed). ``hbm_gb``: HBM the offloaded store's scales
@@ -48,6 +53,8 @@ class FathomSettings:
     sink: int = 4
     local: int = 32
     variance: str | None = None  # None: the store basis' default σ² source (fathom.methods.DEFAULT_VARIANCE)
+    gains: str = "design"
+    pooled: bool = False
     plan: tuple[float, ...] | None = None
     backend: str = "auto"
     max_tokens: int | None = None
@@ -83,6 +90,7 @@ class FathomSettings:
             methods.check_budget(self.method, self.budget, planned=self.plan is not None)
         if self.r is not None and entry.budget != "channels":
             raise ValueError(f"r is read by {', '.join(methods.names('channels'))} only; method is {self.method!r}")
+        entry.check_variants(self.gains, self.pooled)
         if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:
             raise ValueError(f"variance must be None or one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
         if self.variance is not None and entry.basis == methods.PER_HEAD:
@@ -119,11 +127,15 @@ class FathomSettings:
 
     def needs_calibration(self) -> bool:
         """Whether the method reads calibration statistics (a basis, DS channels or calibration σ²)."""
-        return methods.entry(self.method).needs_calibration(self.variance)
+        return methods.entry(self.method).needs_calibration(self.variance, self.gains)
+
+    def calibration_needs(self) -> set[str]:
+        """What a calibration from the prompt computes for the method (``fathom.cuda.calibration.NEEDS``)."""
+        return methods.entry(self.method).calibration_needs(self.gains)
 
     def method_at(self, d: int, plan: tuple[float, ...] | None = None) -> Method:
         """The :class:`~fathom.methods.Method` (fathom-plan: with the per-layer budgets ``plan``)."""
-        return methods.build(self.method, d, self.budget, self.r, self.variance, plan)
+        return methods.build(self.method, d, self.budget, self.r, self.variance, plan, self.gains, self.pooled)
 
 
 @dataclass(frozen=True)

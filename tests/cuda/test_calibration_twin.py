@@ -43,7 +43,17 @@ def test_twin_equals_the_reference(seed, L, H, d, n, P, G):
     np.testing.assert_allclose(got.sigma2_rotated, ref.sigma2_rotated, rtol=1e-5)
     column_dots = np.einsum("lhdc,lhdc->lhc", got.basis, ref.basis)  # same column up to sign: |dot| = 1
     np.testing.assert_allclose(np.abs(column_dots), 1.0, atol=1e-5)
-    assert got.meta == {**cap.meta, "computed": ["sigma2_raw", "basis", "sigma2_rotated", "ds_rank"]}
+    planes = ["plane_drops_raw", "plane_drops_rotated", "scale2_raw", "scale2_rotated"] if n >= 64 else []
+    assert got.meta == {**cap.meta, "computed": ["sigma2_raw", "basis", "sigma2_rotated", "ds_rank"] + planes}
+    if planes:  # the raw store bit for bit; the rotated one quantizes keys @ basis, a basis equal up to round-off
+        np.testing.assert_allclose(got.scale2_raw, ref.scale2_raw, rtol=1e-12)
+        np.testing.assert_allclose(got.plane_drops_raw, ref.plane_drops_raw, rtol=1e-9,
+                                   atol=1e-12 * ref.plane_drops_raw.max())
+        np.testing.assert_allclose(got.scale2_rotated, ref.scale2_rotated, rtol=1e-3)
+        np.testing.assert_allclose(got.plane_drops_rotated, ref.plane_drops_rotated, rtol=5e-2,
+                                   atol=1e-3 * ref.plane_drops_rotated.max())
+    else:
+        assert got.plane_drops_raw is None and ref.plane_drops_raw is None
 
 
 def test_bf16_inputs_give_the_result_of_their_float32_upcast():
@@ -60,6 +70,7 @@ def test_bf16_inputs_give_the_result_of_their_float32_upcast():
     ({"sigma2"}, ("sigma2_raw",)),
     ({"ds_rank"}, ("sigma2_raw", "ds_rank")),
     ({"basis"}, ("sigma2_raw", "basis", "sigma2_rotated")),
+    ({"plane_drops"}, ("sigma2_raw", "plane_drops_raw", "scale2_raw")),
     (twin.NEEDS, twin.FIELDS),
 ])
 def test_only_the_asked_fields_are_computed_and_the_rest_filled_neutral(needs, computed, tmp_path):

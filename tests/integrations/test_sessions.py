@@ -211,6 +211,43 @@ def test_the_per_head_store_decodes_each_head_on_the_store_it_chose_on_both_back
             torch.testing.assert_close(generate(model, ids, mask, single, new=3), reference, rtol=0, atol=0)
 
 
+def test_calibrated_gains_and_the_pooled_plan_decode_the_same_tokens_on_both_backends():
+    """fathom-mixed with the calibrated plane gains and one water line for a layer's two KV heads (the plan rule's
+    usual pick, docs/results.md): the offloaded backend generates the reference's tokens, with the plane tables of
+    both stores measured on the prompt (fathom-rotated[gains]) and each head's basis chosen apart."""
+    from fathom.cuda.interop import DEVICE
+
+    model = tiny_offload_llama(layers=2, kv_heads=2)
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    settings = dict(OFFLOAD_SETTINGS, gains="calibrated")
+    measured = FathomCache(model, "fathom-rotated", backend="reference", **settings)
+    generate(model, ids, mask, measured, new=1)
+    calibration = measured.calibration.with_head_basis(np.array([["raw", "rotated"], ["rotated", "raw"]]))
+    assert calibration.plane_drops_raw is not None and calibration.plane_drops_rotated is not None
+    reference = generate(model, ids, mask, FathomCache(model, "fathom-mixed", backend="reference", pooled=True,
+                                                       calibration=calibration, **settings), new=3)
+    offloaded = FathomCache(model, "fathom-mixed", backend="offloaded", pooled=True, calibration=calibration,
+                            **settings)
+    torch.testing.assert_close(generate(model, ids, mask, offloaded, new=3), reference, rtol=0, atol=0)
+    offloaded.close()
+
+
+def test_the_calibrated_gains_need_a_calibration_with_plane_tables():
+    model = tiny_offload_llama()
+    ids, mask = batch(n=70, pad=9)
+    with pytest.raises(ValueError, match="^layer 0's calibration has no plane table of the raw store"):
+        generate(model, ids, mask, FathomCache(model, "fathom", backend="reference", gains="calibrated",
+                                               calibration=_calibration(np.random.default_rng(0), 1, 1, 16)))
+    with pytest.raises(ValueError, match="^gains='calibrated' is taken by fathom, fathom-rotated, fathom-mixed only"):
+        FathomCache(model, "sparq", budget=68, gains="calibrated")
+    with pytest.raises(ValueError, match="^pooled=True is taken by fathom, fathom-rotated, fathom-mixed only"):
+        FathomCache(model, "fathom-plan", pooled=True)
+    with pytest.raises(ValueError, match="^gains must be one of"):
+        FathomCache(model, "fathom", gains="measured")
+    with pytest.raises(ValueError, match="^pooled must be True or False"):
+        FathomCache(model, "fathom", pooled=1)
+
+
 def test_the_per_head_store_needs_a_calibration_with_its_choice():
     model = tiny_offload_llama()
     with pytest.raises(ValueError, match="^method 'fathom-mixed' scans the store each"):

@@ -193,17 +193,19 @@ def test_sparse_methods_decode_over_the_store_and_differ_from_dense():
     assert differ >= 5
 
 
-@pytest.mark.parametrize("method, computed", [("fathom-rotated", ["sigma2_raw", "basis", "sigma2_rotated"]),
-                                              ("double-sparsity", ["sigma2_raw", "ds_rank"])])
-def test_calibration_from_the_prompt_is_the_prompts_calibration_of_what_the_method_reads(method, computed):
+@pytest.mark.parametrize("method, variants, computed", [
+    ("fathom-rotated", {}, ["sigma2_raw", "basis", "sigma2_rotated"]),
+    ("double-sparsity", {}, ["sigma2_raw", "ds_rank"]),
+    ("fathom", {"gains": "calibrated", "pooled": True}, ["sigma2_raw", "plane_drops_raw", "scale2_raw"])])
+def test_calibration_from_the_prompt_is_the_prompts_calibration_of_what_the_method_reads(method, variants, computed):
     """Computed layer by layer during the prefill (the torch twin): the reference calibration of the prompt's
-    capture, for the fields the method reads (the basis up to the sign of each column); decoding with it given
-    generates the same tokens."""
+    capture, for the fields the method reads (the basis up to the sign of each column; the plane gain table of the
+    calibrated gains); decoding with it given generates the same tokens."""
     model = tiny_llama()
     ids, mask = batch()
     ids, mask = ids[:1], mask[:1]
     prompt = calibrate(capture(model, ids, positions=CALIBRATION_QUERIES))
-    cache = FathomCache(model, method, budget=17, k=8)
+    cache = FathomCache(model, method, budget=17, k=8, **variants)
     ours = generate(model, ids, mask, cache)
     ours_calibration = cache.calibration
     assert ours_calibration.meta["computed"] == computed
@@ -214,7 +216,12 @@ def test_calibration_from_the_prompt_is_the_prompts_calibration_of_what_the_meth
         np.testing.assert_allclose(ours_calibration.sigma2_rotated, prompt.sigma2_rotated, rtol=1e-4, atol=1e-6)
         cosines = np.abs(np.einsum("lhdc,lhdc->lhc", ours_calibration.basis, prompt.basis))
         np.testing.assert_allclose(cosines, 1, atol=1e-3)
-    given = generate(model, ids, mask, FathomCache(model, method, budget=17, k=8, calibration=ours_calibration))
+    if "plane_drops_raw" in computed:  # the model's bf16 keys, quantized as the reference quantizes its capture's
+        np.testing.assert_allclose(ours_calibration.scale2_raw, prompt.scale2_raw, rtol=1e-2)
+        np.testing.assert_allclose(ours_calibration.plane_drops_raw, prompt.plane_drops_raw, rtol=5e-2,
+                                   atol=1e-3 * prompt.plane_drops_raw.max())
+    given = generate(model, ids, mask, FathomCache(model, method, budget=17, k=8, calibration=ours_calibration,
+                                                   **variants))
     torch.testing.assert_close(ours, given, rtol=0, atol=0)
 
 
