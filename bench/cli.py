@@ -143,8 +143,11 @@ def int_list(text: str) -> list[int]:
 
 
 def name_list(text: str) -> list[str]:
-    """An argparse ``type``: comma-separated names (``host,hbm``)."""
-    return text.split(",")
+    """An argparse ``type``: comma-separated names (``host,hbm``; a method spec's tag list keeps its commas,
+    ``fathom@48,fathom[gains,pooled]@48``)."""
+    from fathom.methods import split_specs
+
+    return split_specs(text)
 
 
 def plain(text: str) -> str:

@@ -12,10 +12,12 @@ FathomCache` is made per ``generate`` call (:meth:`MethodSpec.cache`).
 Example::
 
     >>> from bench.decoding import MethodSpec
-    >>> MethodSpec.parse("double-sparsity@136", head_dim=64)
-    MethodSpec(method='double-sparsity', budget=136.0)
+    >>> MethodSpec.parse("double-sparsity@136", head_dim=64).budget
+    136.0
     >>> MethodSpec.parse("oracle", head_dim=64).label
     'oracle'
+    >>> MethodSpec.parse("fathom-mixed[gains,pooled]@48", head_dim=64).label
+    'fathom-mixed[gains,pooled]@48'
 """
 
 from __future__ import annotations
@@ -82,31 +84,40 @@ def check_top_k(sel: Selection, n: int, positions: int, given: bool, context_fla
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One method of FathomCache at one budget (None for the methods that read none)."""
+    """One method of FathomCache at one budget (None for the methods that read none), with the water-filling
+    choices its spec's tags name (:func:`fathom.methods.read_spec`)."""
 
     method: str
     budget: float | None = None
+    variance: str | None = None
+    gains: str = "design"
+    pooled: bool = False
 
     @property
     def label(self) -> str:
-        return self.method if self.budget is None else f"{self.method}@{self.budget:g}"
+        tags = ([self.variance] if self.variance else []) + (["gains"] if self.gains == "calibrated" else []) + \
+            (["pooled"] if self.pooled else [])
+        name = f"{self.method}[{','.join(tags)}]" if tags else self.method
+        return name if self.budget is None else f"{name}@{self.budget:g}"
 
     def method_at(self, head_dim: int):
         """The :class:`fathom.methods.Method` FathomCache decodes with at head dim ``head_dim``."""
-        return methods.build(self.method, head_dim, self.budget)
+        return methods.build(self.method, head_dim, self.budget, variance=self.variance, gains=self.gains,
+                             pooled=self.pooled)
 
     @classmethod
     def parse(cls, text: str, head_dim: int) -> MethodSpec:
-        """``name`` or ``name@bits``, checked for a model of head dim ``head_dim`` (UsageError names the spec)."""
+        """``name``, ``name@bits`` or ``name[tags]@bits``, checked for a model of head dim ``head_dim`` (UsageError
+        names the spec)."""
         try:
-            name, budget = methods.read_spec(text)
-            if budget is not None:
-                methods.check_budget(name, budget)
-                if methods.entry(name).budget == "channels":
-                    methods.channels(budget, head_dim)  # r = bits / 4.25 must be an integer channel count <= d
+            spec = methods.read_spec(text)
+            if spec.budget is not None:
+                methods.check_budget(spec.name, spec.budget)
+                if methods.entry(spec.name).budget == "channels":
+                    methods.channels(spec.budget, head_dim)  # r = bits / 4.25 must be an integer channel count <= d
         except ValueError as error:
             raise UsageError(f"method {text!r}: {error}") from None
-        return cls(name, budget)
+        return cls(*spec)
 
     def cache(self, model, k: int | None = None, calibration: str | Path | None = None, **settings):
         """A fresh FathomCache of this method for one ``generate`` call of ``model`` (``settings``: FathomCache's,
@@ -114,7 +125,8 @@ class MethodSpec:
         from fathom.integrations.transformers import FathomCache
 
         budget = {} if self.budget is None else {"budget": self.budget}
-        return FathomCache(model, method=self.method, k=k, calibration=calibration, **budget, **settings)
+        return FathomCache(model, method=self.method, k=k, calibration=calibration, variance=self.variance,
+                           gains=self.gains, pooled=self.pooled, **budget, **settings)
 
 
 def hf_cache(model, prompt=None, offloading: bool = False):

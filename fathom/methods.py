@@ -43,8 +43,9 @@ Example (at r = d, SparQ reads everything at 4 bits)::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -600,31 +601,67 @@ def build(name: str, d: int, budget: float | None = None, r: int | None = None, 
     return e.make()
 
 
-def read_spec(text: str) -> tuple[str, float | None]:
-    """``name`` or ``name@bits`` -> (catalog name, bits or None); the budget is not yet checked against a head
-    dim (:func:`parse` does). ValueError says how the spec is written."""
-    name, _, bits = text.partition("@")
+class Spec(NamedTuple):
+    """A method spec as written (:func:`read_spec`): the catalog name, its bits (None: it reads none), and the
+    water-filling choices its tags name (None / ``"design"`` / False where untagged)."""
+
+    name: str
+    budget: float | None
+    variance: str | None = None
+    gains: str = "design"
+    pooled: bool = False
+
+
+def read_spec(text: str) -> Spec:
+    """``name``, ``name@bits`` or ``name[tags]@bits`` -> :class:`Spec`; the budget is not yet checked against a head
+    dim (:func:`parse` does). Tags are the labels' (:meth:`Method.label`): a σ² source (``store``,
+    ``calibration``), ``gains`` (the calibrated plane gains) and ``pooled``, e.g. ``fathom-mixed[gains,pooled]@48``.
+    ValueError says how the spec is written."""
+    head, _, bits = text.partition("@")
+    name, tags = head, []
+    if head.endswith("]") and "[" in head:
+        name, _, inner = head[:-1].partition("[")
+        tags = inner.split(",")
     if not is_known(name):
         raise ValueError(f"the name must be one of {', '.join(names('none') + names('bits') + names('channels'))}")
     e = entry(name)
+    known = VARIANCE_SOURCES + VARIANTS
+    if any(t not in known for t in tags) or len(set(tags)) != len(tags):
+        raise ValueError(f"tags must be distinct names from {', '.join(known)} (e.g. {name}[gains,pooled]@48), got "
+                         f"[{','.join(tags)}]")
+    sources = [t for t in tags if t in VARIANCE_SOURCES]
+    if len(sources) > 1 or sources and not e.reads_sigma2 or sources and e.basis == PER_HEAD:
+        raise ValueError(f"a σ² tag ({' or '.join(VARIANCE_SOURCES)}) is taken once, by a method that reads σ² on one "
+                         f"basis; got [{','.join(tags)}] for {name}")
+    spec = Spec(e.name, None, sources[0] if sources else None, "calibrated" if "gains" in tags else "design",
+                "pooled" in tags)
+    e.check_variants(spec.gains, spec.pooled)
     if e.budget == "none":
         if bits:
             raise ValueError(f"{name} reads no budget; write it bare ({name!r})")
-        return e.name, None
+        return spec
     try:
         budget = float(bits)
     except ValueError:
         raise ValueError(f"{name} takes a budget: write {e.budget_form()}") from None
-    return e.name, budget
+    return spec._replace(budget=budget)
+
+
+def split_specs(text: str) -> list[str]:
+    """Comma-separated specs -> the specs, a tag list's commas kept: ``"fathom@48,fathom[gains,pooled]@48"`` is
+    ``["fathom@48", "fathom[gains,pooled]@48"]``."""
+    return re.split(r",(?![^\[\]]*\])", text)
 
 
 def parse(text: str, d: int, variance: str | None = None) -> Method:
     """The method a spec names at head dim ``d``: ``parse("sparq@68", 128)`` is ``sparq(16)``; ``"fathom@48"``
     water-fills 48 bits; bare names (``"dense"``, ``"thumbnail"``) read no budget. fathom-plan is planned on
     data (:func:`fathom.fidelity.plan_layers`): a spec gives only its mean budget, so it is refused here."""
-    name, budget = read_spec(text)
-    if entry(name).per_layer:
-        raise ValueError(f"{name}'s per-layer budgets are planned on data: build it with fathom_plan()")
-    if budget is not None:
-        check_budget(name, budget)
-    return build(name, d, budget, variance=variance)
+    spec = read_spec(text)
+    if entry(spec.name).per_layer:
+        raise ValueError(f"{spec.name}'s per-layer budgets are planned on data: build it with fathom_plan()")
+    if spec.budget is not None:
+        check_budget(spec.name, spec.budget)
+    if variance is not None and spec.variance is not None and variance != spec.variance:
+        raise ValueError(f"variance={variance!r} disagrees with the spec's tag {spec.variance!r}")
+    return build(spec.name, d, spec.budget, variance=spec.variance or variance, gains=spec.gains, pooled=spec.pooled)

@@ -140,8 +140,27 @@ def test_the_catalog_parses_every_spec_to_the_factory_method_and_the_label_of_to
         ["sparq@68", "thumbnail-2bit@288", "dense"]
 
 
+def test_a_specs_tags_name_the_water_filling_variants_as_the_labels_do():
+    d = 128
+    for method in (M.fathom(48, pooled=True), M.fathom(64, "calibration", gains="calibrated"),
+                   M.fathom_rotated(48, "store", "calibrated", True), M.fathom_mixed(48, "calibrated", True)):
+        spec = f"{method.name}@{method.policy.budget:g}"
+        assert M.parse(spec, d) == method  # a label's name reads back as the method it names
+    assert M.read_spec("fathom-mixed[gains,pooled]@48") == M.Spec("fathom-mixed", 48.0, None, "calibrated", True)
+    assert M.parse("fathom[store]@48", d) == M.fathom(48)  # the default σ² source spelled out
+    assert M.split_specs("fathom@48,fathom-mixed[gains,pooled]@48,dense") == \
+        ["fathom@48", "fathom-mixed[gains,pooled]@48", "dense"]
+
+
 @pytest.mark.parametrize("spec, message", [("sparq", "sparq takes a budget: write sparq@BITS"),
                                            ("dense@8", "dense reads no budget"),
+                                           ("sparq[pooled]@68", "pooled=True is taken by fathom, fathom-rotated, "
+                                                                "fathom-mixed only"),
+                                           ("fathom-plan[gains]@48", "gains='calibrated' is taken by"),
+                                           ("fathom[deep]@48", r"tags must be distinct names from store, "),
+                                           ("fathom[gains,gains]@48", "tags must be distinct"),
+                                           ("fathom-mixed[store]@48", "a σ² tag"),
+                                           ("fathom[store,calibration]@48", "a σ² tag"),
                                            ("sparq@67", "integer r in 1..128"),
                                            ("nope@1", "the name must be one of dense, oracle"),
                                            ("fathom@0", "budget must be a finite number"),

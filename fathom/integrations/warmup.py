@@ -45,8 +45,8 @@ from fathom.cuda.kernel_cache import KernelUse
 from fathom.host.cache import MAX_HEAD_DIM
 from fathom.host.decoder import MAX_GROUP_SIZE
 from fathom.integrations.settings import DEFAULT_BUDGET, FathomSettings, ModelShape
-from fathom.methods import CATALOG, Method, entry, read_spec
-from fathom.quantize import BLOCK
+from fathom.methods import BASES, CATALOG, VARIANTS, Method, entry, read_spec, split_specs
+from fathom.quantize import BLOCK, MAX_DEPTH
 from fathom.selection import Selection
 
 # The tiny cache each method runs on (the kernels' argument types do not depend on its sizes): two ragged sessions,
@@ -86,11 +86,12 @@ class Warmup:
 
 def every_method(head_dim: int) -> tuple[str, ...]:
     """A spec of every method FathomCache runs: the bits methods at FathomCache's default budget, the fixed-channel
-    ones at r = d/4, the others bare (the budget compiles nothing of its own)."""
+    ones at r = d/4, the others bare (the budget compiles nothing of its own); and fathom with every water-filling
+    variant (the calibrated gains are a planner of their own; the pooled plan launches it one block a session)."""
     bits = DEFAULT_BUDGET
     r_bits = fixed_channel_bits(max(1, head_dim // 4))
     return tuple(name if e.budget == "none" else f"{name}@{bits if e.budget == 'bits' else r_bits:g}"
-                 for name, e in CATALOG.items())
+                 for name, e in CATALOG.items()) + (f"fathom[{','.join(VARIANTS)}]@{bits:g}",)
 
 
 def check_shape(head_dim, group_size) -> None:
@@ -108,9 +109,10 @@ def method_of(spec: str, head_dim: int) -> Method:
     """The method a spec names (``fathom@48``, ``sparq@68``, ``dense``: bench.decoding's form), checked as
     FathomCache checks its settings; fathom-plan gets a flat plan of its budget."""
     try:
-        name, budget = read_spec(spec)
-        settings = FathomSettings(method=name, **({} if budget is None else {"budget": budget}))
-        plan = (settings.budget,) * LAYERS if entry(name).per_layer else None
+        spec_ = read_spec(spec)
+        settings = FathomSettings(method=spec_.name, **({} if spec_.budget is None else {"budget": spec_.budget}),
+                                  variance=spec_.variance, gains=spec_.gains, pooled=spec_.pooled)
+        plan = (settings.budget,) * LAYERS if entry(spec_.name).per_layer else None
         return settings.method_at(head_dim, plan)
     except ValueError as error:
         raise ValueError(f"method {spec!r}: {error}") from None
@@ -151,8 +153,10 @@ def _decode_one_token(method: Method, head_dim: int, group_size: int) -> tuple[i
     try:
         H, d, g = KV_HEADS, head_dim, torch.Generator().manual_seed(0)
         # neutral statistics; the per-head store's heads on the rotated basis (its raw heads run the same kernels)
+        planes = {basis: np.ones((H, d, MAX_DEPTH)) for basis in BASES}  # a flat gain table for each store
         stats = LayerStats(np.ones((H, d)), np.tile(np.eye(d, dtype=np.float32), (H, 1, 1)), np.ones((H, d)),
-                           np.tile(np.arange(d), (H, 1)), np.full(H, "rotated"))
+                           np.tile(np.arange(d), (H, 1)), np.full(H, "rotated"), planes,
+                           {basis: np.ones((H, d)) for basis in BASES})
         randn = lambda *size: torch.randn(*size, generator=g).to(DEVICE, torch.bfloat16)  # noqa: E731
         for layer in range(LAYERS):
             sessions.calibrate(layer, stats)
@@ -193,7 +197,7 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", action="append", default=[],
                         help="a transformers config to read d and G from: a folder, a config.json, or a hub id already "
                              "in the local cache (nothing is downloaded); may repeat")
-    parser.add_argument("--methods", type=lambda text: tuple(text.split(",")), default=None,
+    parser.add_argument("--methods", type=lambda text: tuple(split_specs(text)), default=None,
                         help="comma-separated method specs as FathomCache's: fathom@48, sparq@68 (4.25·r bits), dense "
                              "(default: every method)")
     return parser

@@ -10,6 +10,7 @@ import sys
 import pytest
 import transformers
 
+from fathom import methods as M
 from fathom.cuda import kernel_cache
 from fathom.integrations import warmup
 
@@ -66,7 +67,9 @@ def test_a_models_head_dim_and_group_size_are_read_from_its_config_as_fathomcach
 def test_the_default_is_every_method_at_a_budget_fathomcache_takes():
     specs = warmup.every_method(128)
     assert specs == ("dense", "oracle", "fathom@48", "fathom-rotated@48", "fathom-plan@48", "fathom-mixed@48",
-                     "sparq@136", "double-sparsity@136", "loki@136", "thumbnail", "landmark")
+                     "sparq@136", "double-sparsity@136", "loki@136", "thumbnail", "landmark",
+                     "fathom[gains,pooled]@48")
+    assert warmup.method_of(specs[-1], 128) == M.fathom(48, gains="calibrated", pooled=True)
     assert [warmup.method_of(spec, 64).name for spec in warmup.every_method(64)][6:9] == \
         ["sparq", "double-sparsity", "loki"]  # r = d/4 at any head dim
 
@@ -85,10 +88,11 @@ def test_warm_kernels_refuses_bad_input_before_any_work(kwargs, message):
 
 @pytest.mark.skipif(not kernel_cache.SIMULATED, reason="the simulator's run (on a GPU: the test below)")
 def test_under_the_simulator_every_method_given_decodes_a_token_through_fathomcaches_offloaded_path(capsys):
-    warmup.main(["--head-dim", "8", "--group-size", "1", "--methods", "fathom@48,dense"])
+    warmup.main(["--head-dim", "8", "--group-size", "1", "--methods", "fathom@48,fathom[gains,pooled]@48,dense"])
     out = capsys.readouterr().out
     held = f"(then held {tuple(n + 1 for n in warmup.PROMPTS)})"  # the prompts and the token, by the device's count
-    assert [line.split()[0] for line in out.splitlines() if held in line] == ["fathom@48", "dense"]
+    assert [line.split()[0] for line in out.splitlines() if held in line] == ["fathom@48", "fathom[gains,pooled]@48",
+                                                                              "dense"]
     assert "no kernel compiled or loaded (the CUDA simulator compiles nothing)" in out
     assert out.splitlines()[-1].endswith("Numba's kernel cache: none: the CUDA simulator compiles nothing")
 
