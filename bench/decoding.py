@@ -47,8 +47,9 @@ def spec_help(exclude: tuple[str, ...] = ()) -> str:
     bare = [m for m in NO_BUDGET if m not in exclude]
     flat = [m for m in methods.names("bits") if m not in exclude]
     return (f"method specs: {', '.join(bare)} bare (they read no budget); {', '.join(flat)} need @BITS, the scan "
-            f"bits per token (e.g. fathom@48); the fixed-channel methods {', '.join(FIXED_CHANNELS)} need @BITS = "
-            f"4.25·r for r channels (e.g. sparq@68 is r = 16)")
+            f"bits per token (e.g. fathom@48), and the water-filled ones take tags: a σ² source, gains (the "
+            f"calibrated plane gains), pooled (e.g. fathom-mixed[gains,pooled]@48); the fixed-channel methods "
+            f"{', '.join(FIXED_CHANNELS)} need @BITS = 4.25·r for r channels (e.g. sparq@68 is r = 16)")
 
 
 def choosable_tokens(n: int, positions: int, sel: Selection) -> int:

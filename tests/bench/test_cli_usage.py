@@ -171,7 +171,9 @@ def test_the_methods_help_says_which_methods_take_bits_and_it_is_true(capsys, mo
     for name in decoding.BUDGETED:  # never bare
         with pytest.raises(cli.UsageError, match=f"write {name}@BITS"):
             decoding.MethodSpec.parse(name, 128)
-    for example in re.findall(r"e\.g\. ([\w-]+@\d+)", decoding.spec_help()):
+    examples = re.findall(r"e\.g\. ([\w\-\[\],]+@\d+)", decoding.spec_help())
+    assert "fathom-mixed[gains,pooled]@48" in examples
+    for example in examples:
         decoding.MethodSpec.parse(example, 64)
     assert set(decoding.NO_BUDGET + decoding.BUDGETED) == set(methods.NAMES)
 
