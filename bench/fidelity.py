@@ -514,7 +514,8 @@ def _family_lines(summary: dict, shape: dict) -> list[str]:
                 + f"; the plan rule picks **{summary['plan_rule']}**"
                 + ("" if pick is None else f", here {pick['fathom48_error']:.4f} at 48 bits and "
                    f"{saving(pick, '_quarter')} vs {summary['ds_quarter_label']}")
-                + " (recorded; the headline reads fathom-mixed).", ""]
+                + f" (recorded; the headline reads fathom-mixed). FathomCache decodes with it as "
+                f"{_cache_call(summary['plan_rule'])}, or as the spec `{summary['plan_rule']}@48`.", ""]
     elif gains:
         rule = [f"Plane gains on calibration text ({at}): " + ", ".join(f"{k} {v:.4f}" for k, v in gains.items())
                 + f"; the gains rule picks **{summary['gains_rule']}** (recorded; the headline reads design §5's "
@@ -525,6 +526,15 @@ def _family_lines(summary: dict, shape: dict) -> list[str]:
             f"on calibration text instead of design §5's model; `[pooled]`: one water line for every KV head of a "
             f"layer{per_head}):", "",
             markdown_table(rows, columns), "", *rule]
+
+
+def _cache_call(family: str) -> str:
+    """The FathomCache call that decodes with a fathom curve of this run (``family``: its label's name), its
+    calibration this run's ``.calibration.npz``."""
+    spec = M.read_spec(f"{family}@48")
+    settings = [f'"{spec.name}"', "budget=48"] + ([f'variance="{spec.variance}"'] if spec.variance else []) + \
+        (['gains="calibrated"'] if spec.gains == "calibrated" else []) + (["pooled=True"] if spec.pooled else [])
+    return f"`FathomCache(model, {', '.join(settings)}, calibration=<this run's .calibration.npz>)`"
 
 
 def _plot(path: Path, results: list[MethodResult], shape: dict, sel: Selection, info: dict) -> None:
