@@ -126,7 +126,8 @@ class FathomSettings:
         return methods.channels(self.budget, d, self.r)
 
     def needs_calibration(self) -> bool:
-        """Whether the method reads calibration statistics (a basis, DS channels or calibration σ²)."""
+        """Whether the method reads calibration statistics (a basis, DS channels, calibration σ² or the calibrated
+        plane gains)."""
         return methods.entry(self.method).needs_calibration(self.variance, self.gains)
 
     def calibration_needs(self) -> set[str]:

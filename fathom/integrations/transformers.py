@@ -67,6 +67,7 @@ from fathom.integrations.attention import (ATTENTION, handoff, switch_to_fathom,
 from fathom.integrations.decoding import Decoding
 from fathom.integrations.prefill import (CALIBRATION_QUERIES, Prompt, calibration_queries, check_prompt,
                                          valid_keys, prefill)
+from fathom.integrations.sessions import LayerStats
 from fathom.integrations.settings import (BACKENDS, RESERVE_TOKENS, SETTINGS, FathomSettings, load_calibration,
                                           ModelShape)
 from fathom.methods import Method
@@ -260,6 +261,10 @@ class FathomCache(Cache):
             raise ValueError(f"method {method!r} scans the store each (layer, KV head) chose on calibration text: pass "
                              "calibration= with a per-head basis (a .calibration.npz written by python -m bench "
                              "fidelity); a prompt cannot make that choice")
+        if self.settings.gains == "calibrated" and calibration is not None:  # refused here, not after the prefill
+            gained = self.settings.method_at(shape.head_dim)
+            for slot in range(len(shape.fathom_layers)):
+                LayerStats.of(calibration, slot).check_for(gained, slot)
         self.decoding = Decoding(self.settings, shape, calibration, model.config)
         slots = {layer: slot for slot, layer in enumerate(shape.fathom_layers)}
         layers = [FathomLayer(self.decoding, i, slots[i]) if t == "full_attention"

@@ -28,7 +28,7 @@ def test_the_kernel_table_puts_the_largest_first_and_sums_every_kernel():
 def test_the_readme_throughput_section_is_the_committed_runs_table_with_the_peers(tmp_path):
     """--readme rewrites each section its file holds, the rest untouched; the README's throughput table is the one
     the committed runs make (so a new run that is not replotted into it shows here)."""
-    runs = [str(RESULTS / f"timing-{name}.json") for name in ("kernels-128k-final", "batch-128k-16-final", "1m-final")]
+    runs = [str(RESULTS / f"timing-{name}.json") for name in ("scan-kernels-128k", "scan-kernels-128k-16", "1m-final")]
     readme = tmp_path / "README.md"
     readme.write_text("before\n<!-- throughput:start -->\nold\n<!-- throughput:end -->\nbetween\n"
                       "<!-- timing:start -->\nold\n<!-- timing:end -->\nafter\n")
@@ -37,8 +37,8 @@ def test_the_readme_throughput_section_is_the_committed_runs_table_with_the_peer
     assert "old" not in text and text.startswith("before\n<!-- throughput:start -->\n`python -m bench timing")
     assert "\n<!-- throughput:end -->\nbetween\n<!-- timing:start -->\n" in text
     assert text.endswith("<!-- timing:end -->\nafter\n")
-    assert "| 128k × 16 ragged, t = 2, row cache 32768 | 6 | 46.46 | **344** | 80.30 | 199 | 1.73× | 0.973 / 0.983 " \
-           "| 8.0 |" in text
+    assert "| 128k × 16 ragged, t = 2, row cache 32768 | 6 | 44.17 | **362** | 79.57 | 201 | 1.80× | 0.973 / 0.983 " \
+           "| 7.7 |" in text
     assert all(f"| {name} | {setting} | {hardware} | {rate:g} |" in text for name, setting, hardware, rate in PEERS)
     merged = json.loads((tmp_path / "timing-x.json").read_text())
     assert throughput_table(merged) in (RESULTS.parents[1] / "README.md").read_text()

@@ -233,11 +233,17 @@ def test_calibrated_gains_and_the_pooled_plan_decode_the_same_tokens_on_both_bac
 
 
 def test_the_calibrated_gains_need_a_calibration_with_plane_tables():
+    """Refused when the cache is made, on either backend (the offloaded raw store is calibrated at the first step,
+    after the prompt entered it: too late to refuse), and a prompt shorter than a block cannot measure them."""
     model = tiny_offload_llama()
-    ids, mask = batch(n=70, pad=9)
-    with pytest.raises(ValueError, match="^layer 0's calibration has no plane table of the raw store"):
-        generate(model, ids, mask, FathomCache(model, "fathom", backend="reference", gains="calibrated",
-                                               calibration=_calibration(np.random.default_rng(0), 1, 1, 16)))
+    for backend in ("reference", "offloaded"):
+        with pytest.raises(ValueError, match="^layer 0's calibration has no plane table of the raw store"):
+            FathomCache(model, "fathom", backend=backend, gains="calibrated",
+                        calibration=_calibration(np.random.default_rng(0), 1, 1, 16))
+    ids, mask = batch(n=40, pad=9)
+    with pytest.raises(ValueError, match="^gains='calibrated' measures the plane gains on the prompt's sealed 64-token "
+                                         "blocks: row 0's prompt holds 40 tokens"):
+        generate(model, ids, mask, FathomCache(model, "fathom", backend="reference", gains="calibrated"))
     with pytest.raises(ValueError, match="^gains='calibrated' is taken by fathom, fathom-rotated, fathom-mixed only"):
         FathomCache(model, "sparq", budget=68, gains="calibrated")
     with pytest.raises(ValueError, match="^pooled=True is taken by fathom, fathom-rotated, fathom-mixed only"):
