@@ -95,11 +95,12 @@ class MethodSpec:
     pooled: bool = False
 
     @property
+    def spec(self) -> methods.Spec:
+        return methods.Spec(self.method, self.budget, self.variance, self.gains, self.pooled)
+
+    @property
     def label(self) -> str:
-        tags = ([self.variance] if self.variance else []) + (["gains"] if self.gains == "calibrated" else []) + \
-            (["pooled"] if self.pooled else [])
-        name = f"{self.method}[{','.join(tags)}]" if tags else self.method
-        return name if self.budget is None else f"{name}@{self.budget:g}"
+        return self.spec.label
 
     def method_at(self, head_dim: int):
         """The :class:`fathom.methods.Method` FathomCache decodes with at head dim ``head_dim``."""
@@ -125,9 +126,7 @@ class MethodSpec:
         e.g. ``max_tokens``)."""
         from fathom.integrations.transformers import FathomCache
 
-        budget = {} if self.budget is None else {"budget": self.budget}
-        return FathomCache(model, method=self.method, k=k, calibration=calibration, variance=self.variance,
-                           gains=self.gains, pooled=self.pooled, **budget, **settings)
+        return FathomCache(model, method=self.method, k=k, calibration=calibration, **self.spec.settings(), **settings)
 
 
 def hf_cache(model, prompt=None, offloading: bool = False):

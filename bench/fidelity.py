@@ -532,8 +532,7 @@ def _cache_call(family: str) -> str:
     """The FathomCache call that decodes with a fathom curve of this run (``family``: its label's name), its
     calibration this run's ``.calibration.npz``."""
     spec = M.read_spec(f"{family}@48")
-    settings = [f'"{spec.name}"', "budget=48"] + ([f'variance="{spec.variance}"'] if spec.variance else []) + \
-        (['gains="calibrated"'] if spec.gains == "calibrated" else []) + (["pooled=True"] if spec.pooled else [])
+    settings = [repr(spec.name)] + [f"{key}={value!r}" for key, value in spec.settings().items()]
     return f"`FathomCache(model, {', '.join(settings)}, calibration=<this run's .calibration.npz>)`"
 
 

@@ -359,6 +359,11 @@ class Method:
         return bool(getattr(self.policy, "pooled", False))
 
     @property
+    def calibrated_gains(self) -> bool:
+        """Whether it water-fills with the calibrated plane gains (:func:`gain_table`), not design §5's model."""
+        return getattr(self.policy, "gains", "design") == "calibrated"
+
+    @property
     def scans_rotated(self) -> bool:
         """Whether it scans the rotated store (fathom-rotated, loki, on some heads fathom-mixed): the store then
         needs a basis."""
@@ -610,6 +615,18 @@ class Spec(NamedTuple):
     variance: str | None = None
     gains: str = "design"
     pooled: bool = False
+
+    @property
+    def label(self) -> str:
+        """The spec written back: ``name[tags]@bits`` (tags as written, a σ² source first)."""
+        tags = ([self.variance] if self.variance else []) + _variant_tags(self.gains, self.pooled)
+        return _tagged(self.name, tags) + ("" if self.budget is None else f"@{self.budget:g}")
+
+    def settings(self) -> dict:
+        """FathomCache's keyword settings for it beside the method name: its budget and the tagged choices."""
+        return ({} if self.budget is None else {"budget": self.budget}) | \
+            ({"variance": self.variance} if self.variance else {}) | \
+            ({"gains": self.gains} if self.gains != "design" else {}) | ({"pooled": True} if self.pooled else {})
 
 
 def read_spec(text: str) -> Spec:

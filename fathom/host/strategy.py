@@ -60,7 +60,7 @@ class WaterfillDepths:
         self.cache, policy, shape = cache, method.policy, cache.shape
         # the calibrated relative plane gains γ per stream (fathom.methods.gain_table), else design §5's model
         self.gamma = torch.as_tensor(_gain_table_host(shape, gains), device=DEVICE) \
-            if policy.gains == "calibrated" else None
+            if method.calibrated_gains else None
         self._gamma_uploads = None if self.gamma is None else LayerUploads(self.gamma)
         budgets = policy.layer_budgets(shape.layers)
         if len(budgets) != shape.layers:

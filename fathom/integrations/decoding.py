@@ -98,8 +98,8 @@ class Decoding:
         """Record the prompt of one layer: ``k, v [B, H, n, d]`` at the positions :meth:`prompt_rows` gave, and
         ``queries [H·G, m, d]``, row 0's calibration queries (:func:`calibration_queries`)."""
         self._check_scale(scale)
-        prompt = count_positions(self.rows[0])
-        if self.calibrate_from_prompt and self.settings.gains == "calibrated" and prompt < BLOCK:
+        if self.calibrate_from_prompt and self.settings.gains == "calibrated" and \
+                (prompt := count_positions(self.rows[0])) < BLOCK:
             raise ValueError(f"gains='calibrated' measures the plane gains on the prompt's sealed {BLOCK}-token "
                              f"blocks: row 0's prompt holds {prompt} tokens; pass a calibration= instead")
         if self.selection is None:

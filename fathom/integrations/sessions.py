@@ -132,7 +132,7 @@ class LayerStats:
             raise ValueError(f"layer {layer}'s calibration has no per-head basis: method {method.name!r} scans the "
                              "store each (layer, KV head) chose on calibration text (a .calibration.npz written by "
                              "python -m bench fidelity holds it)")
-        if getattr(method.policy, "gains", "design") == "calibrated":
+        if method.calibrated_gains:
             missing = sorted({b for b in self._head_bases(method) if b not in self.plane_drops})
             if missing:
                 raise ValueError(f"layer {layer}'s calibration has no plane table of the {' and '.join(missing)} "
@@ -149,7 +149,7 @@ class LayerStats:
         """The calibrated relative plane gains ``[H, d, 4]`` the GPU planner holds for ``method``
         (:func:`fathom.methods.gain_table` of each head in its store's basis, for the σ² source that head reads);
         None where the method water-fills with design §5's gains."""
-        if getattr(method.policy, "gains", "design") != "calibrated":
+        if not method.calibrated_gains:
             return None
         return np.stack([methods.gain_table(self.head(h, basis, None), method.on_basis(basis).policy.variance)
                          for h, basis in enumerate(self._head_bases(method))])

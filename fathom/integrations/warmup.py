@@ -109,10 +109,9 @@ def method_of(spec: str, head_dim: int) -> Method:
     """The method a spec names (``fathom@48``, ``sparq@68``, ``dense``: bench.decoding's form), checked as
     FathomCache checks its settings; fathom-plan gets a flat plan of its budget."""
     try:
-        spec_ = read_spec(spec)
-        settings = FathomSettings(method=spec_.name, **({} if spec_.budget is None else {"budget": spec_.budget}),
-                                  variance=spec_.variance, gains=spec_.gains, pooled=spec_.pooled)
-        plan = (settings.budget,) * LAYERS if entry(spec_.name).per_layer else None
+        written = read_spec(spec)
+        settings = FathomSettings(method=written.name, **written.settings())
+        plan = (settings.budget,) * LAYERS if entry(written.name).per_layer else None
         return settings.method_at(head_dim, plan)
     except ValueError as error:
         raise ValueError(f"method {spec!r}: {error}") from None
