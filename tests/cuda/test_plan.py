@@ -144,6 +144,27 @@ def test_pooled_waterfill_is_one_line_for_a_sessions_kv_heads(seed, sessions, he
     np.testing.assert_array_equal(depths.copy_to_host(), np.concatenate(want))
 
 
+def test_nearly_every_gain_of_the_longest_line_between_the_bounds():
+    """A pooled line of the most channels (4 KV heads of 256) whose plane gains take two values 0.01% apart and a
+    small one (flat gain tables): after each of the first three rounds both larger values lie between the bounds,
+    so the candidate list holds 3,752 of the 4,096 gains (compacted in place over many chunks), until a later
+    round splits them. The budget reads the largest value's channels only."""
+    heads, d = 4, 256
+    channel = np.arange(heads * d).reshape(heads, d)
+    sigma2 = np.where(channel % 3 == 0, 1.0001, np.where(channel % 12 == 1, 1e-3, 1.0))
+    q = np.ones((heads, 1, d), np.float32)
+    gamma = np.full((heads, d, 4), 0.25)
+    largest = int((sigma2 > 1).sum())
+    budget = (largest * 4.25 + 1.0) / heads  # bits a token and stream: the largest gains' channels (4 planes + scale)
+    want = waterfill_batched(sigma2.reshape(1, -1), heads * budget, gamma.reshape(1, -1, 4)).reshape(heads, d)
+    assert (want == np.where(sigma2 > 1, 4, 0)).all()
+    depths = cuda.to_device(np.full((heads, d), -1, np.int8))
+    sigma2_gpu = cuda.to_device(sigma2)
+    waterfill(cuda.to_device(q), sigma2_gpu, sigma2_gpu, _sources(heads, 0), budget, depths, _lengths(1), heads,
+              threads=32, split_bits=5, gains=cuda.to_device(gamma), pooled=True)
+    np.testing.assert_array_equal(depths.copy_to_host(), want)
+
+
 def test_a_pooled_line_longer_than_the_planner_holds_is_refused():
     q = cuda.to_device(np.ones((8, 1, 256), np.float32))
     sigma2 = cuda.to_device(np.ones((8, 256)))
