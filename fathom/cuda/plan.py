@@ -18,8 +18,8 @@ exactly: 6 rounds of 31 midpoints replace 30 dependent steps.
 
 Only the first round counts the whole table. After each round the plane gains
 a later θ can still split, those between the new bounds, go to a list in shared
-memory, and those above the upper bound into a running count of quarter bits.
-The later rounds count the list, which shrinks as the interval does: on
+memory; those above the upper bound every later θ counts, and the round's cost
+at that bound has them. The later rounds count the list, which shrinks as the interval does: on
 Qwen2.5-Coder-1.5B's captured queries (8k prose, design gains at 48 bits, the
 rounds replayed in NumPy) 3% of the table is left after the first round (a mean
 of 14 of a stream's 512 gains, 30 of a pooled line's 1,024), one or two gains
@@ -104,10 +104,10 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
     # round r - 1 (before its barrier) and last read by round r - 3's walk (before round r - 2's barrier)
     cost = cuda.shared.array(3 * 32, np.int32)
     bounds = cuda.shared.array(3, np.float64)  # log_lo, log_hi, all_fit
-    # the plane gains (row · 4 + plane) a later θ can still split, and per round parity: how many were kept, the
-    # quarter bits of those above every later θ (``_narrow``)
+    # the plane gains (row · 4 + plane) a later θ can still split, and how many were kept, by round parity
+    # (``_narrow``)
     candidates = cuda.shared.array(LIST_CAPACITY, np.uint16)
-    tally = cuda.shared.array(4, np.int32)
+    tally = cuda.shared.array(2, np.int32)
 
     # every global load of a channel is issued up front, none waits on another (the σ² source is picked after)
     my_max = 0.0
@@ -165,9 +165,8 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
     while i < 32:
         cost[i] = 0
         i = np.int32(i + n_threads)
-    if t == 0:  # round 0's tallies (parity 0)
+    if t == 0:  # round 0's tally (parity 0)
         tally[0] = 0
-        tally[2] = 0
     # max, min and an integer sum: exact in any order (no NaN enters: max and min keep the first operand on NaN)
     cuda.syncthreads()
     if t < 32:  # entry t folds t + 32 k
@@ -206,6 +205,7 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
         listed = False  # the candidate list holds every plane gain a later θ can still split (round 0: the table)
         n_listed = np.int32(0)
         base = np.int32(0)  # quarter bits of the gains above every θ still to come
+        cost_hi = np.int32(0)  # the cost at the upper bound (none above twice the largest gain)
         pad = np.int32(MAX_DEPTH * line)  # plane 1 of the first zero row past the line: counts nowhere
         while done < BISECTION_STEPS:
             after = np.int32(buf + 32) if buf < 64 else np.int32(0)
@@ -256,8 +256,10 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
             for k in range(MAX_SPLIT_BITS):
                 if k < steps:
                     mid = 0.5 * (lo + hi)
-                    if base + cost[np.uint32(buf + node - 1)] <= fit:
+                    at_mid = np.int32(base + cost[np.uint32(buf + node - 1)])
+                    if at_mid <= fit:
                         hi = mid
+                        cost_hi = at_mid
                         node = np.int32(2 * node)
                     else:
                         lo = mid
@@ -265,10 +267,9 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
             buf = after
             done = np.int32(done + steps)
             if done < BISECTION_STEPS:
-                n_listed, above = _narrow(gain, candidates, tally, parity, listed, n_listed, line, lo, hi, t,
-                                          n_threads)
+                n_listed = _narrow(gain, candidates, tally, parity, listed, n_listed, line, lo, hi, t, n_threads)
                 listed = True
-                base = np.int32(base + above)
+                base = cost_hi  # the gains above the upper bound, counted at it (by the same exp of the same point)
                 parity = np.int32(1 - parity)
 
     theta = math.exp(hi)
@@ -286,21 +287,19 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
 @cuda.jit(device=True, inline=True)
 def _narrow(gain, candidates, tally, parity, listed, n_listed, line, lo, hi, t, n_threads):
     """After a round: keep the plane gains in ``(exp(lo), exp(hi)]``, the only ones a later θ (between the two)
-    can split, and count the quarter bits of those above ``exp(hi)``, which every later θ counts. Reads the list if
-    ``listed``, else every gain of the line's table; returns (entries kept, quarter bits above). The list is
-    compacted in place a chunk of ``n_threads`` entries at a time (a chunk is read before any of it is written,
-    and its writes land below its end). Every thread calls it; it syncs. The list's order is an atomic's: the
-    costs are integer sums, exact in any order.
+    can split; returns how many. Reads the list if ``listed``, else every gain of the line's table. (Those above
+    ``exp(hi)``, which every later θ counts, the caller has: the round's cost at ``hi``.) The list is compacted in
+    place a chunk of ``n_threads`` entries at a time (a chunk is read before any of it is written, and its writes
+    land below its end). Every thread calls it; it syncs. The list's order is an atomic's: the costs are integer
+    sums, exact in any order.
 
     A gain is classified against ``exp`` of the bounds, a later θ is ``exp`` of a point between them: the same
     function of a smaller or larger argument. The bounds lie at least ``log(w_max / w_min) / 2^30`` apart in log θ,
     ~1e-8 relative, far more than the last-ulp error of ``exp``, so no rounding reverses that order."""
     theta_lo = math.exp(lo)
     theta_hi = math.exp(hi)
-    if t == 0:  # the next round's tallies: last read before this round's first barrier
+    if t == 0:  # the next round's tally: last read before this round's first barrier
         tally[np.uint32(1 - parity)] = 0
-        tally[np.uint32(3 - parity)] = 0
-    above = np.int32(0)
     if listed:
         start = np.int32(0)
         while start < n_listed:  # (block-uniform)
@@ -310,10 +309,7 @@ def _narrow(gain, candidates, tally, parity, listed, n_listed, line, lo, hi, t, 
             if j < n_listed:
                 entry = np.int32(candidates[np.uint32(j)])
                 value = gain[np.uint32(entry >> 2), np.uint32(entry & 3)]
-                if value > theta_hi:
-                    above = np.int32(above + (5 if entry & 3 == 0 else 4))
-                elif value > theta_lo:
-                    keep = True
+                keep = theta_lo < value <= theta_hi
             cuda.syncthreads()
             if keep:
                 candidates[np.uint32(cuda.atomic.add(tally, np.uint32(parity), 1))] = np.uint16(entry)
@@ -322,15 +318,11 @@ def _narrow(gain, candidates, tally, parity, listed, n_listed, line, lo, hi, t, 
         entry = t
         while entry < MAX_DEPTH * line:
             value = gain[np.uint32(entry >> 2), np.uint32(entry & 3)]
-            if value > theta_hi:
-                above = np.int32(above + (5 if entry & 3 == 0 else 4))
-            elif value > theta_lo:
+            if theta_lo < value <= theta_hi:
                 candidates[np.uint32(cuda.atomic.add(tally, np.uint32(parity), 1))] = np.uint16(entry)
             entry = np.int32(entry + n_threads)
-    if above:
-        cuda.atomic.add(tally, np.uint32(2 + parity), above)
     cuda.syncthreads()
-    return tally[np.uint32(parity)], tally[np.uint32(2 + parity)]
+    return tally[np.uint32(parity)]
 
 
 @cuda.jit(device=True, inline=True)
