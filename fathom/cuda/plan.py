@@ -19,13 +19,14 @@ exactly: 6 rounds of 31 midpoints replace 30 dependent steps.
 Only the first round counts the whole table. After each round the plane gains
 a later θ can still split, those between the new bounds, go to a list in shared
 memory; those above the upper bound every later θ counts, and the round's cost
-at that bound has them. The later rounds count the list, which shrinks as the interval does: on
-Qwen2.5-Coder-1.5B's captured queries (8k prose, design gains at 48 bits, the
-rounds replayed in NumPy) 3% of the table is left after the first round (a mean
-of 14 of a stream's 512 gains, 30 of a pooled line's 1,024), one or two gains
-after the second. The costs are the whole table's, to the bit. (One CTA counting the pooled line's
-1,024 channels in every round took 1,105 µs a token on the H200 at 128k × 1,
-against 375 µs for 8 CTAs of 128.)
+at that bound has them. The later rounds count the list, which shrinks as the
+interval does: on Qwen2.5-Coder-1.5B's captured queries (8k prose, design gains
+at 48 bits, the rounds replayed in NumPy: docs/results.md) 3% of the table is
+left after the first round (a mean of 14 of a stream's 512 gains, 30 of a pooled
+line's 1,024), one or two gains after the second. The costs are the whole
+table's, to the bit. (One CTA counting the pooled line's 1,024 channels in every
+round took 1,105 µs a token on the H200 at 128k × 1, against 375 µs for 8 CTAs
+of 128.)
 
 Precision: the bisection runs in float64 like the reference. A float32 θ has a
 relative resolution of 6e-8, coarser than the bisection's final interval
