@@ -23,8 +23,8 @@ at that bound has them. The later rounds count the list, which shrinks as the
 interval does: on Qwen2.5-Coder-1.5B's captured queries (8k prose, design gains
 at 48 bits, the rounds replayed in NumPy: docs/results.md) 3% of the table is
 left after the first round (a mean of 14 of a stream's 512 gains, 30 of a pooled
-line's 1,024), one or two gains after the second. The costs are the whole
-table's, to the bit. (One CTA counting the pooled line's 1,024 channels in every
+line's 1,024), one or two gains after the second; a list that one trip of every
+warp counts is not narrowed again. The costs are the whole table's, to the bit. (One CTA counting the pooled line's 1,024 channels in every
 round took 1,105 µs a token on the H200 at 128k × 1, against 375 µs for 8 CTAs
 of 128.)
 
@@ -267,7 +267,8 @@ def _waterfill_kernel(q, sigma2, scale_sq_sum, from_store, lengths, heads_per_se
                         node = np.int32(2 * node + 1)
             buf = after
             done = np.int32(done + steps)
-            if done < BISECTION_STEPS:
+            # narrow, unless one trip of every warp already counts the list (block-uniform)
+            if done < BISECTION_STEPS and not (listed and n_listed <= 4 * parts):
                 n_listed = _narrow(gain, candidates, tally, parity, listed, n_listed, line, lo, hi, t, n_threads)
                 listed = True
                 base = cost_hi  # the gains above the upper bound, counted at it (by the same exp of the same point)
