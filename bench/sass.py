@@ -105,19 +105,20 @@ def channel_loop(sass: str) -> ChannelLoop:
     return ChannelLoop(fixed=last - first + 1 - per_plane, per_plane=per_plane, plane_loops=len(nested))
 
 
-def scan_kernel_sass(heads: int, cap: int = 128, warps: int = 32) -> tuple[str, str]:
+def scan_kernel_sass(heads: int, cap: int = 128, warps: int = 32, levels: bool = False) -> tuple[str, str]:
     """The scan kernel for ``heads`` query heads a KV head (as ``scan_planes`` launches it for ``cap``-block
-    segments and at most ``warps`` warps) compiled for :data:`ARCH` -> (nvdisasm's listing, ptxas's report)."""
+    segments and at most ``warps`` warps; ``levels``: the one reading reconstruction tables) compiled for
+    :data:`ARCH` -> (nvdisasm's listing, ptxas's report)."""
     from numba import cuda
     from numba import types as T
 
     from fathom.cuda import scan
 
     warps, per_warp = scan.launch_shape(heads, cap, warps)
-    kernel = scan._scan_kernel(heads, warps, per_warp)
+    kernel = scan._scan_kernel(heads, warps, per_warp, levels)
     f32, i64 = T.float32[:, :, ::1], T.int64
     signature = (f32, T.int8[:, ::1], T.int32[::1], i64, T.uint64[::1], T.uint64[::1]) + (i64,) * 8 \
-        + (f32, T.int32[:, :, ::1])
+        + (f32, T.int32[:, :, ::1], T.float32[::1] if levels else f32)  # the midpoint kernel is given q as its table
     ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0), launch_bounds=32 * warps)
     with tempfile.TemporaryDirectory() as tmp:
         source, cubin = Path(tmp) / "scan.ptx", Path(tmp) / "scan.cubin"
@@ -143,6 +144,8 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[1, 2, 4, 8],
                         help="query heads a KV head (G), each 1..8 (default 1 2 4 8)")
     parser.add_argument("--cap", type=int, default=128, help="blocks a segment, a power of two 1..128 (default 128)")
+    parser.add_argument("--levels", action="store_true",
+                        help="the kernel that reads each channel's reconstruction table (default: the midpoints)")
     args = parser.parse_args(argv)
     bad = [g for g in args.heads if not 1 <= g <= 8]
     if bad:
@@ -153,11 +156,12 @@ def main(argv=None) -> None:
         tools = [find_tool(name) for name in ("ptxas", "nvdisasm")]
     except FileNotFoundError as error:
         parser.exit(2, f"error: {error}\n")
-    print(f"plane scan, {ARCH} ({', '.join(str(t) for t in tools)})\n")
+    reads = "reconstruction tables" if args.levels else "midpoints"
+    print(f"plane scan through the {reads}, {ARCH} ({', '.join(str(t) for t in tools)})\n")
     print("| G | registers | spill stores / loads (bytes) | per-channel loop (instructions a channel and warp) |")
     print("|---|---|---|---|")
     for heads in args.heads:
-        listing, report = scan_kernel_sass(heads, args.cap)
+        listing, report = scan_kernel_sass(heads, args.cap, levels=args.levels)
         registers, stores, loads = _registers_and_spills(report)
         loop = channel_loop(listing)
         print(f"| {heads} | {registers} | {stores} / {loads} | {loop.fixed} + {loop.per_plane}·b |")

@@ -92,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-cache-rows", type=int, default=0,
                         help="HBM row cache slots per (session, layer, KV head), each method alone on it "
                              "(0: none; default %(default)s)")
+    parser.add_argument("--levels", action="store_true",
+                        help="every plane method's scan reads a reconstruction table per (layer, KV head), the "
+                             "kernel FathomCache(levels='calibrated') runs: the midpoints laid out as one, so the "
+                             "scores and selection are the midpoint run's and only the kernel differs")
     parser.add_argument("--kernels", action="store_true",
                         help="also profile each method's eager token per kernel (GPU µs per token, torch's profiler)")
     parser.add_argument("--host-gb", type=float, default=40.0,
@@ -246,5 +250,7 @@ def run(args: argparse.Namespace) -> Path:
         run_.close()
     payload = {"device": torch.cuda.get_device_name(), "link_GBps": link, "hbm_GBps": hbm,
                "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "group": GROUP_SIZE, "head_dim": HEAD_DIM},
-               "synthetic": True, "keys": f"per-channel statistics of {data.meta}", "records": all_records}
+               "synthetic": True, "keys": f"per-channel statistics of {data.meta}",
+               "scan_reads": "reconstruction tables (the midpoints as tables)" if args.levels else "midpoints",
+               "records": all_records}
     return timing_report.write(payload, args.out, args.name, args.command_line)

@@ -148,7 +148,9 @@ def markdown(payload: dict) -> str:
              f"GPU: CUDA events, the token queued behind a sleep kernel; wall: host time of an unqueued token; host: "
              f"enqueue time per layer; floor: link bytes at {rate} (one 1 GiB pinned copy, "
              f"same run). Medians. **Synthetic** keys and queries with the per-channel statistics of "
-             f"{payload['keys'].split('of ', 1)[1]}.", ""]
+             f"{payload['keys'].split('of ', 1)[1]}."
+             + (f" The plane scans read {payload['scan_reads']}." if payload.get("scan_reads", "midpoints")
+                != "midpoints" else ""), ""]
     groups: dict[tuple, list[dict]] = {}
     for r in payload["records"]:
         groups.setdefault((r["regime"], _setting_label(r)), []).append(r)

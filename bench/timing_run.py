@@ -62,11 +62,13 @@ class Run:
     """One setting: the cache filled once, a decoder (and a whole-token graph) per method, timed interleaved."""
 
     def __init__(self, setting: Setting, data: Synthetic, labels: list[str], args):
+        import numpy as np
         import torch
 
         from fathom.host.cache import CacheShape, HostKVCache
         from fathom.host.decoder import Decoder, DecoderSettings
         from fathom.host.graph import StepGraph
+        from fathom.quantize import CELLS, MAX_DEPTH, midpoint_levels
         from fathom.selection import Selection
 
         self.torch, self.setting = torch, setting
@@ -95,8 +97,12 @@ class Run:
         table = method_table()
         sel = Selection(k=setting.k)
         self.decoders, self.graphs = {}, {}
+        # --levels: the midpoints as each (layer, KV head)'s table, so only the scan's kernel differs
+        tables = np.broadcast_to(midpoint_levels(HEAD_DIM), (self.physical, KV_HEADS, HEAD_DIM, MAX_DEPTH, CELLS))
         for label in labels:
-            decoder = Decoder(self.cache, DecoderSettings(table[label], sel), GROUP_SIZE, ds_rank=ds_rank)
+            levels = tables if args.levels and table[label].scorer == "planes" else None
+            decoder = Decoder(self.cache, DecoderSettings(table[label], sel), GROUP_SIZE, ds_rank=ds_rank,
+                              levels=levels)
             self.decoders[label] = decoder
             if "graph" in args.modes:
                 self.graphs[label] = StepGraph(decoder, layers=self.layer_order, append=True)

@@ -38,7 +38,10 @@ G = 4 (was 196 + 40·b), 348 + 144·b at G = 1 (533 + 160·b) and 117 + 18·b at
 same to the bit (an A/B of both kernels under the simulator, subnormal scales included).
 
 Score of token ``j`` in channel ``c`` read to depth ``b`` (design §2): with ``P`` the ``b``-bit prefix of its code,
-``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``.
+``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``. Through a reconstruction table
+(``levels``, the calibrated cell means of ``fathom.calibration``) ``k̂ = levels[c, b - 1, P] · Δ``: the kernel reads
+the table :func:`scan_levels` lays out, indexed by the code as the plane loop gathers it (``P · 2^(4-b)``), so a
+token's read is one load where the midpoint is two FMAs (a kernel compiled per case: the midpoint one is unchanged).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from fathom.cuda.half import f16_bits_to_f32, f32_from_bits, f32_to_bits
 from fathom.cuda.interop import launch_bounds
 from fathom.cuda.layout import plane_in_near, plane_word, record_offset, scales_in_near
 from fathom.layout import SCALES_PER_WORD
-from fathom.quantize import BLOCK, PLANES
+from fathom.quantize import BLOCK, CELLS, PLANES
 
 MAX_D = 256
 MAX_HEADS = 8
@@ -122,8 +125,24 @@ def _load_chunk(held, near, far, start, chan, chunk_first, x, near_segment, far_
                                                            hbm_planes))]
 
 
-def _scan_kernel(heads: int, warps: int, per_warp: int):
-    key = (heads, warps, per_warp)
+def scan_levels(levels: np.ndarray) -> np.ndarray:
+    """A reconstruction table ``float32 [..., d, 4, 16]`` (``fathom.quantize.dequantize``'s, in units of Δ) laid
+    out as the scan reads it: entry ``[..., c, b - 1, C]`` is ``levels[..., c, b - 1, C >> (4 - b)] / 8``, the
+    level of the code whose ``b``-bit prefix, placed where the 4-bit code holds it, is ``C`` (the plane loop's
+    prefix), in units of the fp16 scale ``s = 8Δ`` (dividing by 8 is exact). Entries no prefix reaches are
+    repeats."""
+    levels = np.asarray(levels, np.float32)
+    if levels.ndim < 3 or levels.shape[-2:] != (PLANES, CELLS):
+        raise ValueError(f"levels must have shape [..., d, {PLANES}, {CELLS}], got {levels.shape}")
+    code = np.arange(CELLS)
+    out = np.empty_like(levels)
+    for b in range(1, PLANES + 1):
+        out[..., b - 1, :] = levels[..., b - 1, code >> (PLANES - b)] * np.float32(0.125)
+    return out
+
+
+def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
+    key = (heads, warps, per_warp, levels)
     if key in _KERNELS:
         return _KERNELS[key]
     threads = 32 * warps
@@ -141,7 +160,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
 
     @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only integers: cached on disk
     def kernel(q, depths, lengths, heads_per_session, near, far, n_seg, cap, scale_words, near_record_words,
-               far_record_words, hbm_planes, sink, local, scores, top_hist):
+               far_record_words, hbm_planes, sink, local, scores, top_hist, cells):
         g = cuda.blockIdx.x
         parts = cap // per_cta
         seg = cuda.blockIdx.y // parts
@@ -156,6 +175,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
         lane = np.uint32(t % 32)
         warp = t // 32
         d = q.shape[2]
+        # this KV head's table (levels; the midpoint kernel neither reads nor computes it)
+        kv_cells = np.uint32(g % heads_per_session) * np.uint32(d * PLANES * CELLS) if levels else np.uint32(0)
 
         chan = cuda.shared.array(MAX_D, np.int32)  # active channels, in channel order
         depth = cuda.shared.array(MAX_D, np.int32)
@@ -252,6 +273,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                 # is exact in float32 (small integers and halves, divided by 8) and s / 8 is exact, so the product
                 # rounds as the reference's does
                 offset = f32_from_bits((np.uint32(127) - t_read) << np.uint32(23)) - np.float32(1)  # 2^(-b) − 1
+                cell_row = kv_cells + (np.uint32(chan[i]) * np.uint32(PLANES) + t_read - np.uint32(1)) * np.uint32(
+                    CELLS) if levels else np.uint32(0)
                 for h in range(heads):
                     q_i[h] = q_read[i, h]
                 for first in range(0, per_warp, group):
@@ -281,8 +304,12 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
                         word = buffer[np.uint64(slot + scale_word + s_idx // SCALES_PER_WORD)]
                         shift = np.uint32(16 * (s_idx % SCALES_PER_WORD))
                         scale = f16_bits_to_f32(np.uint32(word >> shift) & np.uint32(0xFFFF))
-                        k_lo = (np.float32(np.int32(prefix[2 * x])) * np.float32(0.125) + offset) * scale
-                        k_hi = (np.float32(np.int32(prefix[2 * x + 1])) * np.float32(0.125) + offset) * scale
+                        if levels:  # the prefix indexes the channel's row of the table at its depth
+                            k_lo = cells[cell_row + prefix[2 * x]] * scale
+                            k_hi = cells[cell_row + prefix[2 * x + 1]] * scale
+                        else:
+                            k_lo = (np.float32(np.int32(prefix[2 * x])) * np.float32(0.125) + offset) * scale
+                            k_hi = (np.float32(np.int32(prefix[2 * x + 1])) * np.float32(0.125) + offset) * scale
                         for h in range(heads):
                             acc[2 * jb, h] += q_i[h] * k_lo
                             acc[2 * jb + 1, h] += q_i[h] * k_hi
@@ -318,7 +345,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int):
 
 
 def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, sink: int, local: int, scores,
-                top_hist, warps: int = 32, stream=0) -> None:
+                top_hist, warps: int = 32, stream=0, levels=None) -> None:
     """Scores of every sealed token and the top-byte histogram of the candidates, straight from the store.
 
     Args:
@@ -332,6 +359,12 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
             ``[streams, G, 256]``, counts added (``fathom.cuda.topk.select`` consumes and clears them).
         warps: warps per CTA (at most 32); a CTA scores ``warps · blocks_per_warp(G)`` blocks, at most a segment
             and at most :data:`MAX_CTA_BLOCKS` (:func:`launch_shape`).
+        levels: float32 ``[heads_per_session, d, 4, 16]`` on the GPU, each KV head's reconstruction table as
+            :func:`scan_levels` lays it out (finite: not checked here, on the GPU), or None (the cells' midpoints).
+
+    Example (the reference's scores, ``fathom.scoring.approx_scores(q[g], planes, scales, depths[g], table)``):
+        scan_planes(q, depths, lengths, H, near, far, layout, 0, 0, scores, top_hist,
+                    levels=cuda.to_device(scan_levels(tables)))  # tables: float32 [H, d, 4, 16]
     """
     streams, heads, d = q.shape
     if not 1 <= heads <= MAX_HEADS or d > MAX_D or not 1 <= warps <= 32:
@@ -342,6 +375,9 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
     if depths.shape != (streams, d) or depths.dtype != np.int8:
         raise ValueError(f"depths must be int8 [{streams}, {d}], got {depths.dtype} {depths.shape}")
     _checks.stream_sessions(streams, heads_per_session, lengths)
+    if levels is not None and (levels.shape != (heads_per_session, d, PLANES, CELLS) or levels.dtype != np.float32):
+        raise ValueError(f"levels must be float32 [{heads_per_session}, {d}, {PLANES}, {CELLS}], got "
+                         f"{levels.dtype} {levels.shape}")
     warps, per_warp = launch_shape(heads, layout.cap, warps)
     if layout.cap % (warps * per_warp):
         raise ValueError(f"segment capacity {layout.cap} must be a multiple of {warps * per_warp} blocks per CTA")
@@ -351,6 +387,9 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
                          "more blocks per CTA)")
     if streams:
         grid = (streams, parts)  # streams fastest: CTAs start segment by segment, the sessions' last ones last
-        _scan_kernel(heads, warps, per_warp)[grid, 32 * warps, stream](
+        # the midpoint kernel never reads the table: q stands in for it (no allocation, which a graph capture forbids)
+        cells = q if levels is None else levels.reshape(levels.size)
+        _scan_kernel(heads, warps, per_warp, levels is not None)[grid, 32 * warps, stream](
             q, depths, lengths, heads_per_session, near, far, layout.segments, layout.cap, layout.scale_words,
-            layout.near_record_words, layout.far_record_words, layout.hbm_planes, sink, local, scores, top_hist)
+            layout.near_record_words, layout.far_record_words, layout.hbm_planes, sink, local, scores, top_hist,
+            cells)

@@ -54,7 +54,7 @@ from fathom.cuda.topk import select, union_blocks, union_rows
 from fathom.decode import step_bits
 from fathom.host.cache import FLOAT_DTYPES, STATE, HostKVCache
 from fathom.host.launch import Launch, run_launches
-from fathom.host.strategy import StepBuffers, resolve
+from fathom.host.strategy import PlaneScan, StepBuffers, resolve
 from fathom.quantize import BLOCK
 from fathom.selection import Selection
 
@@ -101,11 +101,15 @@ class Decoder:
         gains: the calibrated relative plane gains ``[L, H, d, 4]`` of each (layer, KV head), in the basis its store
             holds, for the σ² source the method reads (fathom with ``gains='calibrated'``;
             ``fathom.methods.gain_table`` of the head's stats, as the reference planner uses them).
+        levels: the reconstruction tables ``[L, H, d, 4, 16]`` (float32, units of Δ: ``fathom.quantize.dequantize``'s)
+            every (layer, KV head)'s planes are scanned through, in the basis its store holds (the calibrated cell
+            means, ``Calibration.levels_raw`` / ``levels_rotated``); None (default): the cells' midpoints. A plane
+            scan's only; the kernel is chosen here, so :meth:`set_calibration` replaces tables, never adds them.
     """
 
     def __init__(self, cache: HostKVCache, settings: DecoderSettings, group_size: int,
                  sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None,
-                 gains: np.ndarray | None = None):
+                 gains: np.ndarray | None = None, levels: np.ndarray | None = None):
         if not isinstance(cache, HostKVCache):
             raise ValueError(f"cache must be a HostKVCache, got {type(cache).__name__}")
         cache.check()
@@ -116,7 +120,7 @@ class Decoder:
             raise ValueError(f"settings must be DecoderSettings, got {type(settings).__name__}")
         self.cache, self.settings, self.group_size = cache, settings, int(group_size)
         s, method, sel = cache.shape, settings.method, settings.selection
-        self.strategy = resolve(method, cache, self.group_size, sigma2, ds_rank, settings.scan_warps, gains)
+        self.strategy = resolve(method, cache, self.group_size, sigma2, ds_rank, settings.scan_warps, gains, levels)
         self.dense = self.strategy is None
         self.scale = settings.scale if settings.scale is not None else 1.0 / math.sqrt(s.head_dim)
         streams, d, tokens = s.streams, s.head_dim, s.max_tokens
@@ -202,13 +206,18 @@ class Decoder:
         return [launch for _, stage in self._build(layer, q, out) for launch in stage]
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None = None, ds_rank: np.ndarray | None = None,
-                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None) -> None:
+                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None,
+                        levels: np.ndarray | None = None) -> None:
         """Replace ``layer``'s calibration (``sigma2``, ``ds_rank`` ``[H, d]``, the per-head store's ``head_basis
-        [H]``, the plane ``gains [H, d, 4]``, where the method reads them) in the tensors the step reads, so steps
-        already captured in a CUDA graph read the new values."""
+        [H]``, the plane ``gains [H, d, 4]``, where the method reads them; the reconstruction tables ``levels [H, d,
+        4, 16]`` of a decoder made with tables, refused by one that reads midpoints) in the tensors the step reads,
+        so steps already captured in a CUDA graph read the new values."""
         self.cache.check(layer)
+        if levels is not None and not isinstance(self.strategy, PlaneScan):
+            raise ValueError(f"levels are read by plane scans only; {self.settings.method.name!r} reads no bit "
+                             "planes")
         if self.strategy is not None:
-            self.strategy.set_calibration(layer, sigma2, ds_rank, head_basis, gains)
+            self.strategy.set_calibration(layer, sigma2, ds_rank, head_basis, gains, levels)
 
     def check(self, layer: int, q: torch.Tensor | None = None) -> None:
         """Validate a step's input before any kernel runs (no sync): the cache open, no error flagged since the

@@ -28,9 +28,9 @@ from fathom.cuda.exact import scan_rows
 from fathom.cuda.interop import DEVICE, as_array
 from fathom.cuda.plan import THREADS as PLAN_THREADS
 from fathom.cuda.plan import top_channels, waterfill
-from fathom.cuda.scan import scan_planes
+from fathom.cuda.scan import scan_levels, scan_planes
 from fathom.host.launch import Launch
-from fathom.quantize import MAX_DEPTH
+from fathom.quantize import CELLS, MAX_DEPTH
 from fathom.scoring import LANDMARK_TOKENS
 from fathom.waterfill import check_gain_values
 
@@ -154,10 +154,12 @@ DEPTH_PLANS = {methods.Waterfill: WaterfillDepths, methods.LayerWaterfill: Water
 
 class PlaneScan:
     """Depths planned on the GPU (the policy's :data:`DEPTH_PLANS` entry), then the plane scan of the ``basis``
-    store."""
+    store: through the cells' midpoints, or through each (layer, KV head)'s reconstruction table ``levels [L, H, d,
+    4, 16]`` (units of Δ, in the basis its store holds; kept in a tensor that :meth:`set_calibration` refreshes)."""
 
     def __init__(self, method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
-                 ds_rank: np.ndarray | None, warps: int, gains: np.ndarray | None = None):
+                 ds_rank: np.ndarray | None, warps: int, gains: np.ndarray | None = None,
+                 levels: np.ndarray | None = None):
         if type(method.policy) not in DEPTH_PLANS:
             raise ValueError(f"no plane scan for the policy of {method.name!r}")
         d = cache.shape.head_dim
@@ -168,12 +170,23 @@ class PlaneScan:
         # the per-head store is the rotated store with each raw head's basis the identity
         self.cache, self.basis, self.warps = cache, "rotated" if method.scans_rotated else "raw", warps
         self.depth_plan = DEPTH_PLANS[type(method.policy)](method, cache, group_size, sigma2, ds_rank, gains)
+        self.levels = None if levels is None else torch.as_tensor(_levels_host(cache.shape, levels), device=DEVICE)
+        self._levels_uploads = None if levels is None else LayerUploads(self.levels)
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
-                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None) -> None:
-        """Copy one layer's calibration (``[H, d]`` each, ``head_basis [H]``; what the policy reads of it) into the
-        tensors the captured launches read: a CUDA graph of the step stays valid."""
+                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None,
+                        levels: np.ndarray | None = None) -> None:
+        """Copy one layer's calibration (``[H, d]`` each, ``head_basis [H]``; what the policy reads of it) and its
+        reconstruction tables ``levels [H, d, 4, 16]`` into the tensors the captured launches read: a CUDA graph of
+        the step stays valid. Tables are refused by a scan made to read the midpoints (its kernel has none)."""
+        table = None
+        if levels is not None:  # checked before anything is written: a refused call changes nothing
+            if self.levels is None:
+                raise ValueError("levels: this decoder reads the cells' midpoints (give levels when it is made)")
+            table = _levels_host(replace(self.cache.shape, layers=1), np.asarray(levels)[None])[0]
         self.depth_plan.set_calibration(layer, sigma2, ds_rank, head_basis, gains)
+        if table is not None:
+            self._levels_uploads.write(layer, table)
 
     def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
         """The query into the store's basis, then the depths."""
@@ -191,8 +204,9 @@ class PlaneScan:
         depths, lengths = as_array(buf.depths), cache_layer.arrays["lengths"]
         scores, top_hist = as_array(buf.scores), as_array(buf.top_hist)
         heads, layout, warps = self.cache.shape.kv_heads, self.cache.shape.layout, self.warps
+        levels = None if self.levels is None else as_array(self.levels[layer])
         return [lambda stream: scan_planes(q_store, depths, lengths, heads, near, far, layout, sel.sink, sel.local,
-                                           scores, top_hist, warps, stream)]
+                                           scores, top_hist, warps, stream, levels)]
 
 
 class RowScan:
@@ -202,8 +216,9 @@ class RowScan:
         self.cache, self.rows = cache, rows
 
     def set_calibration(self, layer: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
-                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None) -> None:
-        """Reads no calibration."""
+                        head_basis: np.ndarray | None = None, gains: np.ndarray | None = None,
+                        levels: np.ndarray | None = None) -> None:
+        """Reads no calibration (the decoder refuses ``levels`` for it)."""
 
     def plan(self, layer: int, buf: StepBuffers) -> list[Launch]:
         return []
@@ -219,11 +234,12 @@ class RowScan:
 
 
 def _plane_scan(method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None,
-                ds_rank: np.ndarray | None, warps: int, gains: np.ndarray | None) -> PlaneScan:
+                ds_rank: np.ndarray | None, warps: int, gains: np.ndarray | None,
+                levels: np.ndarray | None) -> PlaneScan:
     if method.scans_rotated and not cache.rotated:
         raise ValueError(f"method {method.name!r} scans the rotated store but the cache holds only the raw store "
                          f"(make the cache with a basis)")
-    return PlaneScan(method, cache, group_size, sigma2, ds_rank, warps, gains)
+    return PlaneScan(method, cache, group_size, sigma2, ds_rank, warps, gains, levels)
 
 
 # The scan of each scorer of fathom.methods (dense: none, every row is attended).
@@ -234,9 +250,13 @@ SCANS = {"planes": _plane_scan,
 
 
 def resolve(method: methods.Method, cache, group_size: int, sigma2: np.ndarray | None, ds_rank: np.ndarray | None,
-            warps: int, gains: np.ndarray | None = None) -> PlaneScan | RowScan | None:
-    """The scan of ``method`` on ``cache`` (None: dense, nothing scanned)."""
-    return SCANS[method.scorer](method, cache, group_size, sigma2, ds_rank, warps, gains)
+            warps: int, gains: np.ndarray | None = None, levels: np.ndarray | None = None
+            ) -> PlaneScan | RowScan | None:
+    """The scan of ``method`` on ``cache`` (None: dense, nothing scanned); ``levels``: the plane scan's
+    reconstruction tables (None: the cells' midpoints), refused for a method that reads no planes."""
+    if levels is not None and method.scorer != "planes":
+        raise ValueError(f"levels are read by plane scans only; {method.name!r} reads no bit planes")
+    return SCANS[method.scorer](method, cache, group_size, sigma2, ds_rank, warps, gains, levels)
 
 
 def _per_stream(s, name: str, x: np.ndarray | None, dtype) -> torch.Tensor:
@@ -262,6 +282,18 @@ def _gain_table_host(s, gains: np.ndarray | None) -> np.ndarray:
     table = _per_stream_host(s, "gains", gains, GAIN_TAIL)
     check_gain_values(table)
     return table
+
+
+def _levels_host(s, levels: np.ndarray) -> np.ndarray:
+    """Reconstruction tables ``[L, H, d, 4, 16]`` (finite, in units of Δ) checked and laid out as the scan reads
+    them (``fathom.cuda.scan.scan_levels``) -> float32, the same shape."""
+    want = (s.layers, s.kv_heads, s.head_dim, MAX_DEPTH, CELLS)
+    if np.shape(levels) != want:
+        raise ValueError(f"levels must have shape {want}")
+    levels = np.asarray(levels, np.float32)
+    if not np.all(np.isfinite(levels)):
+        raise ValueError("levels must be finite float32 values")
+    return scan_levels(levels)
 
 
 class LayerUploads:

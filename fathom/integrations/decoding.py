@@ -232,9 +232,10 @@ class Decoding:
             for i, slot in enumerate(from_prompt):
                 self.sessions.calibrate(slot, LayerStats.of(stacked, i))
         if self.given_calibration is not None:
+            levels = self.settings.levels == "calibrated"
             for slot in slots:
                 if slot not in self.layer_calibrations:
-                    self.sessions.calibrate(slot, LayerStats.of(self.given_calibration, slot))
+                    self.sessions.calibrate(slot, LayerStats.of(self.given_calibration, slot, levels))
 
     def _open(self, batch: int, device: torch.device, plan: tuple[float, ...] | None = None) -> None:
         if self.closed:
@@ -253,14 +254,15 @@ class Decoding:
 
             stores = 2 if self.method.scans_rotated else 1
             shape = replace(shape, hbm_planes=hbm_planes_for(self.settings.hbm_gb * 1e9, shape.cache_shape(), stores))
-        needs = self.settings.needs_calibration()
+        needs, levels = self.settings.needs_calibration(), self.settings.levels == "calibrated"
         if not offloaded:
             self.sessions = ReferenceSessions(shape, self.method, self.selection, self.scale,
-                                              needs_calibration=needs)
+                                              needs_calibration=needs, levels=levels)
             return
-        pooled = POOL.take((shape, self.method, self.selection, self.scale)) if self.settings.pool else None
+        key = (shape, self.method, self.selection, self.scale, levels)  # OffloadedSessions.key
+        pooled = POOL.take(key) if self.settings.pool else None
         self.sessions = pooled or OffloadedSessions(shape, self.method, self.selection, self.scale,
-                                                    needs_calibration=needs)
+                                                    needs_calibration=needs, levels=levels)
 
     @ordinary_tensors()
     def open_planned(self, batch: int, device: torch.device) -> None:

@@ -54,7 +54,7 @@ from fathom.calibration import Calibration
 from fathom.decode import DecodeStep, HeadIndex, decode_step, pooled_layer_depths
 from fathom.growing import GrowingRows
 from fathom.methods import BASES, PER_HEAD, HeadStats, Method
-from fathom.quantize import BLOCK, MAX_DEPTH
+from fathom.quantize import BLOCK, CELLS, MAX_DEPTH, midpoint_levels
 from fathom.selection import Selection
 
 
@@ -100,7 +100,9 @@ class LayerStats:
     """One layer's calibration as the sessions read it: NumPy ``[H, d]`` (``basis [H, d, d]``; ``head_basis [H]``:
     the basis each KV head of the per-head store scans, None where the calibration holds no per-head rule;
     ``plane_drops`` / ``scale2``: each store's calibrated plane table ``[H, d, 4]`` and mean squared block scale
-    ``[H, d]`` by basis, where the calibration holds them)."""
+    ``[H, d]`` by basis, where the calibration holds them; ``levels``: each store's reconstruction tables ``[H, d, 4,
+    16]`` by basis where the planes are read through them (``reads_levels``), the plane tables then the ones
+    measured through them)."""
 
     sigma2_raw: np.ndarray
     basis: np.ndarray
@@ -109,33 +111,48 @@ class LayerStats:
     head_basis: np.ndarray | None = None
     plane_drops: dict[str, np.ndarray] = field(default_factory=dict)
     scale2: dict[str, np.ndarray] = field(default_factory=dict)
+    levels: dict[str, np.ndarray] = field(default_factory=dict)
+    reads_levels: bool = False
 
     @classmethod
-    def of(cls, calibration: Calibration, layer: int) -> LayerStats:
+    def of(cls, calibration: Calibration, layer: int, levels: bool = False) -> LayerStats:
+        """One layer of ``calibration``; ``levels``: its planes read through the calibration's reconstruction
+        tables (and its plane tables those measured through them), as ``Calibration.head_stats(levels=True)``."""
         head_basis = None if calibration.head_basis is None else calibration.head_basis[layer]
-        drops, scale2 = {}, {}
+        drops, scale2, tables = {}, {}, {}
         for basis in BASES:
-            if getattr(calibration, f"plane_drops_{basis}") is not None:
-                drops[basis] = getattr(calibration, f"plane_drops_{basis}")[layer]
+            measured = getattr(calibration, f"level_drops_{basis}" if levels else f"plane_drops_{basis}")
+            if measured is not None:
+                drops[basis] = measured[layer]
                 scale2[basis] = getattr(calibration, f"scale2_{basis}")[layer]
+            if levels and getattr(calibration, f"levels_{basis}") is not None:
+                tables[basis] = getattr(calibration, f"levels_{basis}")[layer]
         return cls(calibration.sigma2_raw[layer], calibration.basis[layer], calibration.sigma2_rotated[layer],
-                   calibration.ds_rank[layer], head_basis, drops, scale2)
+                   calibration.ds_rank[layer], head_basis, drops, scale2, tables, levels)
 
     def sigma2(self, basis: str) -> np.ndarray:
         """σ² ``[H, d]`` in the ``basis`` ("raw" or "rotated") store."""
         return self.sigma2_rotated if basis == "rotated" else self.sigma2_raw
 
     def check_for(self, method: Method, layer: int) -> None:
-        """Refuse a calibration without the per-head rule for the per-head store (fathom-mixed), or without the
-        plane table of a store whose heads water-fill with the calibrated gains."""
+        """Refuse a calibration without the per-head rule for the per-head store (fathom-mixed), without the
+        reconstruction tables of a store it reads through them, or without the plane table of a store whose heads
+        water-fill with the calibrated gains."""
         if method.basis == PER_HEAD and self.head_basis is None:
             raise ValueError(f"layer {layer}'s calibration has no per-head basis: method {method.name!r} scans the "
                              "store each (layer, KV head) chose on calibration text (a .calibration.npz written by "
                              "python -m bench fidelity holds it)")
+        if self.reads_levels:
+            missing = sorted({b for b in self._head_bases(method) if b not in self.levels})
+            if missing:
+                raise ValueError(f"layer {layer}'s calibration has no reconstruction tables of the "
+                                 f"{' and '.join(missing)} store: levels='calibrated' reads them (a calibration "
+                                 "from fathom.calibration.calibrate holds them; one from a prompt does not)")
         if method.calibrated_gains:
             missing = sorted({b for b in self._head_bases(method) if b not in self.plane_drops})
             if missing:
-                raise ValueError(f"layer {layer}'s calibration has no plane table of the {' and '.join(missing)} "
+                what = "plane table measured through the levels" if self.reads_levels else "plane table"
+                raise ValueError(f"layer {layer}'s calibration has no {what} of the {' and '.join(missing)} "
                                  f"store: method {method.name!r} water-fills with the calibrated plane gains (a "
                                  "calibration from fathom.calibration.calibrate, or from the prompt, holds it)")
 
@@ -154,6 +171,13 @@ class LayerStats:
         return np.stack([methods.gain_table(self.head(h, basis, None), method.on_basis(basis).policy.variance)
                          for h, basis in enumerate(self._head_bases(method))])
 
+    def planner_levels(self, method: Method) -> np.ndarray | None:
+        """The reconstruction tables ``[H, d, 4, 16]`` the scan reads for ``method``, each head's in the basis of its
+        store; None where the planes are read at the cells' midpoints."""
+        if not self.reads_levels:
+            return None
+        return np.stack([self.levels[basis][h] for h, basis in enumerate(self._head_bases(method))])
+
     def store_basis(self, method: Method) -> np.ndarray:
         """The basis ``[H, d, d]`` the rotated store holds for ``method``: on the per-head store the identity on
         the heads that chose the raw basis (their planes are then the raw store's, bit for bit)."""
@@ -171,10 +195,10 @@ class LayerStats:
 
     def head(self, head: int, basis: str, layer: int | None) -> HeadStats:
         """The stats of one KV head in the ``basis`` ("raw" or "rotated") store (its plane table where held)."""
-        drops, scale2 = self.plane_drops.get(basis), self.scale2.get(basis)
+        drops, scale2, table = self.plane_drops.get(basis), self.scale2.get(basis), self.levels.get(basis)
         return HeadStats(sigma2=self.sigma2(basis)[head], ds_rank=self.ds_rank[head], layer=layer,
                          plane_drops=None if drops is None else drops[head],
-                         scale2=None if scale2 is None else scale2[head])
+                         scale2=None if scale2 is None else scale2[head], levels=None if table is None else table[head])
 
 
 def capacity(tokens: int) -> int:
@@ -215,11 +239,11 @@ class ReferenceSessions:
     """
 
     def __init__(self, shape: SessionShape, method: Method, selection: Selection, scale: float,
-                 calibration: Calibration | None = None, needs_calibration: bool = False):
+                 calibration: Calibration | None = None, needs_calibration: bool = False, levels: bool = False):
         self.shape, self.method, self.selection, self.scale = shape, method, selection, scale
         self.stats: list[LayerStats | None] = [None] * shape.layers
         if calibration is not None:
-            self.stats = [LayerStats.of(calibration, layer) for layer in range(shape.layers)]
+            self.stats = [LayerStats.of(calibration, layer, levels) for layer in range(shape.layers)]
             for layer, stats in enumerate(self.stats):
                 stats.check_for(method, layer)
         elif not (needs_calibration or method.scans_rotated):
@@ -350,24 +374,25 @@ class OffloadedSessions:
     """
 
     def __init__(self, shape: SessionShape, method: Method, selection: Selection, scale: float,
-                 calibration: Calibration | None = None, needs_calibration: bool = False):
+                 calibration: Calibration | None = None, needs_calibration: bool = False, levels: bool = False):
         from fathom.host.cache import HostKVCache
 
         if shape.max_tokens is None:
             raise ValueError("shape.max_tokens is needed: the offloaded cache reserves its memory up front")
         self.shape, self.method, self.selection, self.scale = shape, method, selection, scale
-        self.needs_calibration = needs_calibration or method.scans_rotated
+        self.levels = levels  # the scan reads reconstruction tables (its kernel is chosen when the decoder is made)
+        self.needs_calibration = needs_calibration or method.scans_rotated or levels
         self.cache = HostKVCache(shape.cache_shape(), rotated=method.scans_rotated)
         self.stats: list[LayerStats | None] = [None] * shape.layers
         self._make_decoder()
         if calibration is not None:
             for layer in range(shape.layers):
-                self.calibrate(layer, LayerStats.of(calibration, layer))
+                self.calibrate(layer, LayerStats.of(calibration, layer, levels))
 
     @property
     def key(self) -> tuple:
         """What the captured graphs depend on: sessions with the same key are interchangeable (:data:`POOL`)."""
-        return (self.shape, self.method, self.selection, self.scale)
+        return (self.shape, self.method, self.selection, self.scale, self.levels)
 
     def calibrate(self, layer: int, stats: LayerStats) -> None:
         """``layer``'s calibration, copied into the tensors its step reads. With a rotated store, before the layer
@@ -376,6 +401,10 @@ class OffloadedSessions:
         if self.cache.rotated and self.cache.lengths(layer).any():
             raise ValueError(f"layer {layer} already holds tokens: its calibration is fixed")
         stats.check_for(self.method, layer)
+        if stats.reads_levels != self.levels:
+            raise ValueError(f"layer {layer}'s calibration reads the planes {'through' if stats.reads_levels else 'without'}"
+                             f" reconstruction tables; these sessions read them {'through' if self.levels else 'at'}"
+                             f" {'tables' if self.levels else 'the midpoints'}")
         if self.cache.rotated:
             self.cache.set_basis(layer, stats.store_basis(self.method))
         self._calibrate_decoder(layer, stats)
@@ -437,7 +466,8 @@ class OffloadedSessions:
         store, each head's basis)."""
         per_head = self.method.basis == PER_HEAD
         self.decoder.set_calibration(layer, stats.planner_sigma2(self.method), stats.ds_rank,
-                                     stats.head_basis if per_head else None, stats.planner_gains(self.method))
+                                     stats.head_basis if per_head else None, stats.planner_gains(self.method),
+                                     stats.planner_levels(self.method))
 
     def begin_token(self) -> None:
         """Once per decode token, before its first layer's :meth:`step`: a flag raised by any kernel since the last
@@ -486,8 +516,10 @@ class OffloadedSessions:
         sigma2 = np.ones((s.layers, s.kv_heads, s.head_dim))
         ds_rank = np.broadcast_to(np.arange(s.head_dim), (s.layers, s.kv_heads, s.head_dim))
         gains = np.ones((s.layers, s.kv_heads, s.head_dim, MAX_DEPTH))
+        levels = np.broadcast_to(midpoint_levels(s.head_dim), (s.layers, s.kv_heads, s.head_dim, MAX_DEPTH, CELLS)) \
+            if self.levels else None
         self.decoder = Decoder(self.cache, DecoderSettings(self.method, self.selection, scale=self.scale),
-                               group_size=s.group_size, sigma2=sigma2, ds_rank=ds_rank, gains=gains)
+                               group_size=s.group_size, sigma2=sigma2, ds_rank=ds_rank, gains=gains, levels=levels)
         self.graphs: dict = {}  # layer -> its captured step (a StepGraph), made on the layer's first step
         # (id(model), batch) -> a whole decode token captured over these sessions (fathom.integrations.token_graph)
         self.token_graphs: dict = {}

@@ -15,8 +15,9 @@ from fathom.calibration import Calibration
 from fathom.methods import Method
 
 BACKENDS = ("auto", "reference", "offloaded")
-SETTINGS = ("r", "sink", "local", "variance", "gains", "pooled", "plan", "calibration", "backend", "max_tokens",
-            "hbm_gb", "row_cache_rows", "pool")
+SETTINGS = ("r", "sink", "local", "variance", "gains", "pooled", "levels", "plan", "calibration", "backend",
+            "max_tokens", "hbm_gb", "row_cache_rows", "pool")
+LEVELS = ("midpoint", "calibrated")  # how the scan reads a cell of the bit planes (FathomSettings.levels)
 DEFAULT_BUDGET = 48.0  # bits per token of the bit-budget methods when none is given
 RESERVE_TOKENS = 4096  # room reserved past the longest prompt when max_tokens is not given (grown beyond it)
 
@@ -33,7 +34,10 @@ class FathomSettings:
     ``"calibrated"`` (each (layer, KV head)'s table measured on calibration keys: the given calibration's plane drops,
     or the prompt's). ``pooled``: one water line for a layer's KV heads (their mean read is the budget), where
     design §5 plans each query group on its own. ``python -m bench fidelity`` chooses between the four on calibration
-    text (its plan rule, docs/results.md). ``plan``: fathom-plan's
+    text (its plan rule, docs/results.md). ``levels``: how a plane method's scan reads a cell of the bit planes:
+    ``"midpoint"`` (design §2) or ``"calibrated"`` (each cell read as the mean of the calibration keys in it: the
+    given calibration's reconstruction tables, ``Calibration.levels_raw`` / ``levels_rotated``; with
+    ``gains="calibrated"`` the plane tables measured through them); the same bits read. ``plan``: fathom-plan's
     per-layer budgets, one per full-attention layer (None: planned on the prompt). ``max_tokens``: per session,
     offloaded backend (None: the longest prompt plus :data:`RESERVE_TOKENS`, in a bucket of
     :func:`~fathom.integrations.sessions.capacity`; grown when needed). ``hbm_gb``: HBM the offloaded store's scales
@@ -55,6 +59,7 @@ class FathomSettings:
     variance: str | None = None  # None: the store basis' default σ² source (fathom.methods.DEFAULT_VARIANCE)
     gains: str = "design"
     pooled: bool = False
+    levels: str = "midpoint"
     plan: tuple[float, ...] | None = None
     backend: str = "auto"
     max_tokens: int | None = None
@@ -91,6 +96,10 @@ class FathomSettings:
         if self.r is not None and entry.budget != "channels":
             raise ValueError(f"r is read by {', '.join(methods.names('channels'))} only; method is {self.method!r}")
         entry.check_variants(self.gains, self.pooled)
+        if self.levels not in LEVELS:
+            raise ValueError(f"levels must be one of {LEVELS}, got {self.levels!r}")
+        if self.levels == "calibrated" and entry.basis is None:
+            raise ValueError(f"levels='calibrated' is how a scan reads the bit planes: {self.method} scans none")
         if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:
             raise ValueError(f"variance must be None or one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
         if self.variance is not None and entry.basis == methods.PER_HEAD:
@@ -126,9 +135,9 @@ class FathomSettings:
         return methods.channels(self.budget, d, self.r)
 
     def needs_calibration(self) -> bool:
-        """Whether the method reads calibration statistics (a basis, DS channels, calibration σ² or the calibrated
-        plane gains)."""
-        return methods.entry(self.method).needs_calibration(self.variance, self.gains)
+        """Whether the method reads calibration statistics (a basis, DS channels, calibration σ², the calibrated
+        plane gains or reconstruction tables)."""
+        return self.levels == "calibrated" or methods.entry(self.method).needs_calibration(self.variance, self.gains)
 
     def calibration_needs(self) -> set[str]:
         """What a calibration from the prompt computes for the method (``fathom.cuda.calibration.NEEDS``)."""

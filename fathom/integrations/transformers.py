@@ -261,10 +261,18 @@ class FathomCache(Cache):
             raise ValueError(f"method {method!r} scans the store each (layer, KV head) chose on calibration text: pass "
                              "calibration= with a per-head basis (a .calibration.npz written by python -m bench "
                              "fidelity); a prompt cannot make that choice")
-        if self.settings.gains == "calibrated" and calibration is not None:  # refused here, not after the prefill
-            gained = self.settings.method_at(shape.head_dim)
+        levels = self.settings.levels == "calibrated"
+        if levels and calibration is None:
+            raise ValueError("levels='calibrated' reads the reconstruction tables of the calibration given: pass "
+                             "calibration= (a .calibration.npz written by python -m bench fidelity holds them); a "
+                             "prompt's calibration has none")
+        if (self.settings.gains == "calibrated" or levels) and calibration is not None:  # here, not after the prefill
+            plan = self.settings.plan  # fathom-plan's budgets from the prompt: any stand in (the check reads bases)
+            if methods.entry(method).per_layer and plan is None:
+                plan = (self.settings.budget,) * len(shape.fathom_layers)
+            method_read = self.settings.method_at(shape.head_dim, plan)
             for slot in range(len(shape.fathom_layers)):
-                LayerStats.of(calibration, slot).check_for(gained, slot)
+                LayerStats.of(calibration, slot, levels).check_for(method_read, slot)
         self.decoding = Decoding(self.settings, shape, calibration, model.config)
         slots = {layer: slot for slot, layer in enumerate(shape.fathom_layers)}
         layers = [FathomLayer(self.decoding, i, slots[i]) if t == "full_attention"

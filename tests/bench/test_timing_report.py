@@ -5,7 +5,7 @@ import json
 
 from bench.__main__ import main
 from bench.report import RESULTS
-from bench.timing_report import PEERS, kernel_table, throughput_table
+from bench.timing_report import PEERS, kernel_table, markdown, throughput_table
 from bench.timing_run import kernel_name
 
 
@@ -14,6 +14,13 @@ def test_kernel_names_are_the_package_kernels_module_and_function():
     assert kernel_name("fathom::cuda::scan::_scan_kernel::_3clocals_3e::kernel[abi:v1]") == "scan._scan_kernel"
     assert kernel_name("void at::native::vectorized_gather_kernel<16, long>(char*, char*, long)") == \
         "void at::native::vectorized_gather_kernel<16, long>(char*, c"
+
+
+def test_a_run_whose_scans_read_tables_says_so_and_a_midpoint_run_says_nothing():
+    payload = json.loads((RESULTS / "timing-kernels-128k-h100.json").read_text())
+    assert "The plane scans read" not in markdown(payload)  # made before the field: the midpoints
+    payload["scan_reads"] = "reconstruction tables (the midpoints as tables)"
+    assert "The plane scans read reconstruction tables (the midpoints as tables)." in markdown(payload).split("\n")[0]
 
 
 def test_the_kernel_table_puts_the_largest_first_and_sums_every_kernel():

@@ -22,6 +22,7 @@ from fathom.host.cache import STATE, CacheShape, HostKVCache, RowSlab
 from fathom.host.decoder import Decoder, DecoderSettings
 from fathom.host.graph import StepGraph
 from fathom.host.launch import run_launches
+from fathom.quantize import midpoint_levels
 from fathom.scoring import landmarks
 from fathom.selection import Selection, select
 from fathom.store import PlaneStore
@@ -93,16 +94,17 @@ def _decoder(cache, method, data, sel=SEL) -> Decoder:
 
 
 def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis, sigma2, ds_rank,
-                              lengths: np.ndarray, sel=SEL, drops=None, scale2=None):
+                              lengths: np.ndarray, sel=SEL, drops=None, scale2=None, levels=None):
     """Every (session, KV head) of a step against ``decode_step`` on that session's first ``lengths[s]`` tokens
-    (``drops [L, H, d, 4]``, ``scale2 [L, H, d]``: the calibration's plane drops, for calibrated gains)."""
+    (``drops [L, H, d, 4]``, ``scale2 [L, H, d]``: the calibration's plane drops, for calibrated gains; ``levels
+    [L, H, d, 4, 16]``: the reconstruction tables the planes are read through)."""
     method, shape = decoder.settings.method, decoder.cache.shape
     got_masks = selected(decoder, LAYER)
     want_scan_bytes = 0.0
     for s in range(shape.sessions):
         n = int(lengths[s])
         blocks = np.array([n // 64])
-        indexes = [HeadIndex.build(k[s, h, :n], {b: _head_stats(sigma2, ds_rank, LAYER, h, drops, scale2)
+        indexes = [HeadIndex.build(k[s, h, :n], {b: _head_stats(sigma2, ds_rank, LAYER, h, drops, scale2, levels)
                                                  for b in ("raw", "rotated")}, basis=basis[LAYER, h])
                    for h in range(shape.kv_heads)]
         groups = q[s].reshape(shape.kv_heads, GROUP_SIZE, -1)
@@ -133,10 +135,11 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
     assert decoder.scan_nbytes(LAYER) == want_scan_bytes  # the same bit accounting as the reference
 
 
-def _head_stats(sigma2, ds_rank, layer: int, head: int, drops=None, scale2=None) -> methods.HeadStats:
+def _head_stats(sigma2, ds_rank, layer: int, head: int, drops=None, scale2=None, levels=None) -> methods.HeadStats:
     return methods.HeadStats(sigma2[layer, head], ds_rank[layer, head], layer=layer,
                              plane_drops=None if drops is None else drops[layer, head],
-                             scale2=None if scale2 is None else scale2[layer, head])
+                             scale2=None if scale2 is None else scale2[layer, head],
+                             levels=None if levels is None else levels[layer, head])
 
 
 def _assert_same_selection(got: np.ndarray, want: np.ndarray, scores: np.ndarray | None):
@@ -208,6 +211,59 @@ def test_calibrated_plane_gains_plan_as_the_reference(filled, variance):
                               drops=drops, scale2=scale2)
     with pytest.raises(ValueError, match="non-increasing in the plane"):
         decoder.set_calibration(LAYER, gains=table[LAYER][..., ::-1] + np.arange(4))
+
+
+def _moved_levels(rng, shape: CacheShape) -> np.ndarray:
+    """Reconstruction tables ``[L, H, d, 4, 16]``: the midpoints moved by up to half a cell, as calibrated cell
+    means lie."""
+    cell = np.exp2(np.float32(3) - np.arange(4, dtype=np.float32))[:, None]  # half a cell at depth b, in units of Δ
+    moved = rng.uniform(-1, 1, (shape.layers, shape.kv_heads, D, 4, 16)) * cell
+    return (midpoint_levels(D) + moved).astype(np.float32)
+
+
+@pytest.mark.parametrize("method", [methods.fathom(12.0), methods.double_sparsity(2)], ids=lambda m: m.name)
+def test_planes_read_through_levels_as_the_reference(filled, method):
+    """Every plane method scans through each (layer, KV head)'s reconstruction table as the reference reads it
+    (``HeadStats.levels``), selecting what the midpoints would not; a table set later (``set_calibration``) is the
+    one the next step reads."""
+    cache, data = filled(3, False)
+    rng = np.random.default_rng(5)
+    q = torch.from_numpy(data[2]).to(DEVICE)
+    midpoint = _decoder(cache, method, data)
+    midpoint.run(LAYER, q)
+    first, second = _moved_levels(rng, cache.shape), _moved_levels(rng, cache.shape)
+    decoder = Decoder(cache, DecoderSettings(method, SEL), GROUP_SIZE, sigma2=data[4], ds_rank=data[5], levels=first)
+    out = decoder.run(LAYER, q).cpu().numpy()
+    _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER), levels=first)
+    assert (selected(decoder, LAYER) != selected(midpoint, LAYER)).any()  # the tables change what is selected
+    decoder.set_calibration(LAYER, levels=second[LAYER])
+    out = decoder.run(LAYER, q).cpu().numpy()
+    _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER), levels=second)
+
+
+def test_levels_are_refused_where_no_plane_scan_reads_them(filled):
+    """A table for a method that reads no planes, of another shape or not finite, or given later to a decoder made
+    for the midpoints (its kernel reads none), is refused in one line, before anything is written."""
+    cache, data = filled(3, False)
+    levels = _moved_levels(np.random.default_rng(0), cache.shape)
+    settings = DecoderSettings(methods.fathom(12.0), SEL)
+    for method in (methods.oracle(), methods.dense()):
+        with pytest.raises(ValueError, match="levels are read by plane scans only"):
+            Decoder(cache, DecoderSettings(method, SEL), GROUP_SIZE, levels=levels)
+        with pytest.raises(ValueError, match="levels are read by plane scans only"):
+            _decoder(cache, method, data).set_calibration(LAYER, levels=levels[LAYER])
+    with pytest.raises(ValueError, match=r"levels must have shape \(2, 1, 8, 4, 16\)"):
+        Decoder(cache, settings, GROUP_SIZE, levels=levels[:, :, :4])
+    with pytest.raises(ValueError, match="levels must be finite"):
+        Decoder(cache, settings, GROUP_SIZE, levels=np.where(levels > 0, np.inf, levels))
+    decoder = Decoder(cache, DecoderSettings(methods.fathom(12.0, variance="calibration"), SEL), GROUP_SIZE,
+                      sigma2=data[4], levels=levels)
+    before = decoder.strategy.depth_plan.sigma2.clone()
+    with pytest.raises(ValueError, match="levels must be finite"):  # the σ² beside it stays as it was
+        decoder.set_calibration(LAYER, sigma2=data[4][LAYER] * 2, levels=np.full_like(levels[LAYER], np.nan))
+    assert torch.equal(decoder.strategy.depth_plan.sigma2, before)
+    with pytest.raises(ValueError, match="this decoder reads the cells' midpoints"):
+        Decoder(cache, settings, GROUP_SIZE).set_calibration(LAYER, levels=levels[LAYER])
 
 
 @pytest.mark.parametrize("method", [methods.fathom(12.0), methods.oracle(), methods.dense()], ids=lambda m: m.name)

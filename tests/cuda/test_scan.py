@@ -1,6 +1,7 @@
 """fathom.cuda.scan against fathom.scoring.approx_scores (float32 tolerance), straight from the store's records,
 with ragged sessions (lengths read on the device) and the candidates' top-byte histogram, at every tier of the store
-(the first ``t`` planes in the near array); and the tiered scans equal to the all-host one exactly."""
+(the first ``t`` planes in the near array), through the cells' midpoints and through a reconstruction table per KV
+head; and the tiered scans equal to the all-host one exactly."""
 
 import numpy as np
 import pytest
@@ -9,8 +10,9 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from fathom.cuda.interop import SIMULATED
-from fathom.cuda.scan import launch_shape, scan_planes
+from fathom.cuda.scan import launch_shape, scan_levels, scan_planes
 from fathom.layout import StoreLayout
+from fathom.quantize import midpoint_levels
 from fathom.scoring import approx_scores
 from fathom.store import PlaneStore
 from tests.cuda.helpers import top_byte_histogram, write_store
@@ -26,8 +28,9 @@ def _store(rng, tokens: np.ndarray, kv_heads: int, d: int, cap: int) -> list[Pla
     return stores
 
 
-def _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, warps, max_tokens):
-    """The stores written into a store layout of tier ``hbm_planes`` and scanned -> (scores, top_hist)."""
+def _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, warps, max_tokens, levels=None):
+    """The stores written into a store layout of tier ``hbm_planes`` and scanned (through ``levels [kv_heads, d, 4,
+    16]``, the reference's tables, if given) -> (scores, top_hist)."""
     streams, heads, d = q.shape
     layout = StoreLayout(streams, -(-max_tokens // 64 // cap), d, cap, hbm_planes)
     near, far = np.zeros(layout.near_words, np.uint64), np.zeros(layout.far_words, np.uint64)
@@ -36,7 +39,8 @@ def _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, war
     scores = cuda.to_device(np.full((streams, heads, max_tokens), np.nan, np.float32))
     top_hist = cuda.to_device(np.zeros((streams, heads, 256), np.int32))
     scan_planes(cuda.to_device(q), cuda.to_device(depths), cuda.to_device(tokens), kv_heads, cuda.to_device(near),
-                cuda.to_device(far), layout, sink, local, scores, top_hist, warps)
+                cuda.to_device(far), layout, sink, local, scores, top_hist, warps,
+                levels=None if levels is None else cuda.to_device(scan_levels(levels)))
     return scores.copy_to_host(), top_hist.copy_to_host()
 
 
@@ -62,6 +66,55 @@ def test_scan_matches_reference(hbm_planes, seed, sessions, kv_heads, heads, d, 
         assert np.isnan(got[g, :, n_sealed:]).all()  # nothing written past the sealed tokens
         candidates = got[g, :, sink:max(min(n_sealed, n - local), sink)]
         np.testing.assert_array_equal(hist[g], top_byte_histogram(candidates))
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**31), hbm_planes=st.integers(0, 4), kv_heads=st.sampled_from([1, 2]),
+       heads=st.sampled_from([1, 4]), cap=st.sampled_from([1, 2]), warps=st.sampled_from([1, 2]))
+def test_scan_through_levels_matches_reference(seed, hbm_planes, kv_heads, heads, cap, warps):
+    """Each KV head's table of its own (the midpoints moved by up to half a cell, as calibrated means lie): every
+    stream scores as ``approx_scores`` through its head's table."""
+    rng = np.random.default_rng(seed)
+    d, max_tokens = 12, 320
+    tokens = rng.integers(1, 300, 2).astype(np.int32)
+    stores = _store(rng, tokens, kv_heads, d, cap)
+    streams = 2 * kv_heads
+    depths = rng.integers(0, 5, (streams, d)).astype(np.int8)
+    q = rng.standard_normal((streams, heads, d)).astype(np.float32)
+    cell = np.exp2(np.float32(3) - np.arange(4, dtype=np.float32))[:, None]  # half a cell at depth b, in Δ
+    levels = (midpoint_levels(d) + rng.uniform(-1, 1, (kv_heads, d, 4, 16)) * cell).astype(np.float32)
+    got, hist = _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, 0, 0, warps, max_tokens, levels)
+    for g, store in enumerate(stores):
+        want = approx_scores(q[g], store.planes(), store.scales(), depths[g], levels[g % kv_heads])
+        np.testing.assert_allclose(got[g, :, :store.n_sealed], want, rtol=1e-5,
+                                   atol=1e-5 * np.abs(want).max(initial=1))
+        assert np.isnan(got[g, :, store.n_sealed:]).all()
+        np.testing.assert_array_equal(hist[g], top_byte_histogram(got[g, :, :store.n_sealed]))
+
+
+def test_the_midpoint_table_scans_as_the_midpoints_bit_for_bit():
+    """Through the midpoints as a table (``fathom.quantize.midpoint_levels``) the levels kernel reads, for every
+    token, the value the midpoint kernel computes: ``(P + 0.5) · 2^(4-b) − 8`` over 8 is ``C / 8 + 2^(-b) − 1``,
+    exact in float32 both ways."""
+    rng = np.random.default_rng(7)
+    d, cap, max_tokens = 8, 2, 256
+    tokens = np.array([250], np.int32)
+    stores = _store(rng, tokens, 1, d, cap)
+    depths = rng.integers(0, 5, (1, d)).astype(np.int8)
+    q = rng.standard_normal((1, 4, d)).astype(np.float32)
+    midpoints, _ = _scan(q, depths, tokens, 1, stores, cap, 2, 0, 0, 1, max_tokens)
+    table, _ = _scan(q, depths, tokens, 1, stores, cap, 2, 0, 0, 1, max_tokens, midpoint_levels(d)[None])
+    np.testing.assert_array_equal(table, midpoints)
+
+
+def test_scan_levels_lays_each_depths_levels_out_by_the_code_the_plane_loop_gathers():
+    levels = np.random.default_rng(0).standard_normal((3, 4, 16)).astype(np.float32)
+    laid = scan_levels(levels)
+    for b in range(1, 5):
+        for code in range(16):  # the b-bit prefix P sits at bits 3 .. 4 - b of the code C
+            assert laid[:, b - 1, code].tolist() == (levels[:, b - 1, code >> (4 - b)] / 8).tolist()
+    with pytest.raises(ValueError, match=r"levels must have shape \[..., d, 4, 16\], got \(3, 4, 8\)"):
+        scan_levels(levels[..., :8])
 
 
 def test_a_part_filled_segments_idle_warps_leave_its_sealed_blocks_scored_as_the_reference():
@@ -213,3 +266,8 @@ def test_the_scan_refuses_a_layout_or_group_it_cannot_address():
         with pytest.raises(ValueError, match=message):
             scan_planes(cuda.to_device(np.zeros((1, heads, d), np.float32)), cuda.to_device(np.zeros((1, d), np.int8)),
                         lengths, 1, store, store, layout, 0, 0, scores, top_hist)
+    scores, top_hist = cuda.to_device(np.zeros((1, 1, 64), np.float32)), cuda.to_device(np.zeros((1, 1, 256), np.int32))
+    for levels in (np.zeros((2, 8, 4, 16), np.float32), np.zeros((1, 8, 4, 16), np.float64)):  # a table a KV head
+        with pytest.raises(ValueError, match=r"levels must be float32 \[1, 8, 4, 16\]"):
+            scan_planes(cuda.to_device(np.zeros((1, 1, 8), np.float32)), cuda.to_device(np.zeros((1, 8), np.int8)),
+                        lengths, 1, store, store, layout, 0, 0, scores, top_hist, levels=cuda.to_device(levels))

@@ -4,15 +4,18 @@ generate the reference's tokens through FathomCache, are pooled and grown; the c
 and eviction and a layer's calibration view are checked on their own."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from fathom import methods as M
+from fathom.calibration import Calibration
 from fathom.decode import HeadIndex, decode_step
 from fathom.integrations.sessions import LayerStats, ReferenceSessions, SessionPool, SessionShape, capacity
 from fathom.integrations.transformers import FathomCache
+from fathom.quantize import midpoint_levels
 from fathom.selection import Selection
 from tests.integrations.test_transformers import (  # noqa: F401  (_quiet_and_single_threaded: autouse here too)
     _cached, _calibration, _quiet_and_single_threaded, batch, generate)
@@ -115,7 +118,28 @@ def test_layer_stats_reads_one_layer_of_a_calibration_in_each_store():
     head = stats.head(1, "rotated", layer=1)
     np.testing.assert_array_equal(head.sigma2, calibration.sigma2_rotated[1, 1])
     np.testing.assert_array_equal(head.ds_rank, calibration.ds_rank[1, 1])
-    assert head.layer == 1
+    assert head.layer == 1 and head.levels is None and not stats.reads_levels
+    with_levels = _with_levels(rng, calibration)
+    stats = LayerStats.of(with_levels, 1, levels=True)
+    head = stats.head(1, "rotated", layer=1)  # the table, and the plane table measured through it
+    np.testing.assert_array_equal(head.levels, with_levels.levels_rotated[1, 1])
+    np.testing.assert_array_equal(head.plane_drops, with_levels.level_drops_rotated[1, 1])
+    np.testing.assert_array_equal(stats.planner_levels(M.fathom(20.0)), with_levels.levels_raw[1])
+    assert LayerStats.of(with_levels, 1).head(1, "raw", layer=1).levels is None  # midpoints unless asked
+
+
+def _with_levels(rng, calibration: Calibration) -> Calibration:
+    """``calibration`` with reconstruction tables of both stores (the midpoints moved by up to half a cell, as
+    calibrated means lie) and plane tables measured through them (decreasing drops a plane)."""
+    L, H, d = calibration.sigma2_raw.shape
+    cell = np.exp2(np.float32(3) - np.arange(4, dtype=np.float32))[:, None]
+    tables = [(midpoint_levels(d) + rng.uniform(-1, 1, (L, H, d, 4, 16)) * cell).astype(np.float32) for _ in "ab"]
+    drops = [np.sort(rng.uniform(0, 1, (L, H, d, 4)), -1)[..., ::-1] * calibration.sigma2_raw[..., None]
+             for _ in "ab"]
+    scale2 = calibration.sigma2_raw.copy()
+    return replace(calibration, levels_raw=tables[0], levels_rotated=tables[1], level_drops_raw=drops[0],
+                   level_drops_rotated=drops[1], plane_drops_raw=drops[1], plane_drops_rotated=drops[0],
+                   scale2_raw=scale2, scale2_rotated=scale2)
 
 
 @pytest.mark.parametrize("field", ["sessions", "layers", "kv_heads", "group_size", "head_dim", "max_tokens"])
@@ -230,6 +254,47 @@ def test_calibrated_gains_and_the_pooled_plan_decode_the_same_tokens_on_both_bac
                             **settings)
     torch.testing.assert_close(generate(model, ids, mask, offloaded, new=3), reference, rtol=0, atol=0)
     offloaded.close()
+
+
+def test_planes_read_through_calibrated_levels_decode_the_same_tokens_on_both_backends():
+    """levels='calibrated': fathom-mixed with the calibrated gains reads each head's reconstruction table of its
+    store's basis (and the plane table measured through it) on the offloaded backend, generating the reference's
+    tokens; the decoder holds the tables as the scan reads them (``fathom.cuda.scan.scan_levels``)."""
+    from fathom.cuda.interop import DEVICE
+    from fathom.cuda.scan import scan_levels
+
+    model = tiny_offload_llama(layers=2, kv_heads=2)
+    ids, mask = (x.to(DEVICE) for x in batch(n=70, pad=9))
+    settings = dict(OFFLOAD_SETTINGS, gains="calibrated", levels="calibrated")
+    choice = np.array([["raw", "rotated"], ["rotated", "raw"]])
+    calibration = _with_levels(np.random.default_rng(3), _calibration(np.random.default_rng(2), 2, 2, 16)) \
+        .with_head_basis(choice)
+    reference = generate(model, ids, mask, FathomCache(model, "fathom-mixed", backend="reference",
+                                                       calibration=calibration, **settings), new=3)
+    offloaded = FathomCache(model, "fathom-mixed", backend="offloaded", calibration=calibration, **settings)
+    torch.testing.assert_close(generate(model, ids, mask, offloaded, new=3), reference, rtol=0, atol=0)
+    held = offloaded.decoding.sessions.decoder.strategy.levels.cpu().numpy()
+    for layer in range(2):
+        for head, basis in enumerate(choice[layer]):
+            want = getattr(calibration, f"levels_{basis}")[layer, head]
+            np.testing.assert_array_equal(held[layer, head], scan_levels(want))
+    offloaded.close()
+
+
+def test_calibrated_levels_need_a_calibration_with_tables_and_a_plane_scan():
+    """Refused when the cache is made: without a calibration (a prompt's has no tables), with one without tables,
+    for a method that scans no planes, and a value other than the two."""
+    model = tiny_offload_llama()
+    with pytest.raises(ValueError, match="^levels='calibrated' reads the reconstruction tables of the calibration"):
+        FathomCache(model, "fathom", backend="reference", levels="calibrated")
+    for backend in ("reference", "offloaded"):
+        with pytest.raises(ValueError, match="^layer 0's calibration has no reconstruction tables of the raw store"):
+            FathomCache(model, "fathom", backend=backend, levels="calibrated",
+                        calibration=_calibration(np.random.default_rng(0), 1, 1, 16))
+    with pytest.raises(ValueError, match="^levels='calibrated' is how a scan reads the bit planes: oracle scans none"):
+        FathomCache(model, "oracle", levels="calibrated")
+    with pytest.raises(ValueError, match="^levels must be one of"):
+        FathomCache(model, "fathom", levels="means")
 
 
 def test_the_calibrated_gains_need_a_calibration_with_plane_tables():
