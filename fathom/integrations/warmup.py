@@ -17,6 +17,10 @@ already in the local cache; repeat it for several models; ``--methods`` defaults
 
     python -m fathom.integrations.warmup --head-dim 128 --group-size 4
     python -m fathom.integrations.warmup --model Qwen/Qwen3-8B --methods fathom@48,double-sparsity@136
+    python -m fathom.integrations.warmup --model Qwen/Qwen3-8B --methods fathom-mixed[gains]@48 --levels
+
+``--levels`` warms the plane methods' scan through reconstruction tables instead (FathomCache's
+``levels="calibrated"``: a kernel of its own); run it beside the plain warm-up to have both.
 
 Run it with the environment the server will have (the same GPU model, the same ``NUMBA_CACHE_DIR`` if any), and
 again after upgrading the package: a changed source drops the cached kernels.
@@ -46,7 +50,7 @@ from fathom.host.cache import MAX_HEAD_DIM
 from fathom.host.decoder import MAX_GROUP_SIZE
 from fathom.integrations.settings import DEFAULT_BUDGET, FathomSettings, ModelShape
 from fathom.methods import BASES, CATALOG, VARIANTS, Method, entry, read_spec, split_specs
-from fathom.quantize import BLOCK, MAX_DEPTH
+from fathom.quantize import BLOCK, CELLS, MAX_DEPTH, midpoint_levels
 from fathom.selection import Selection
 
 # The tiny cache each method runs on (the kernels' argument types do not depend on its sizes): two ragged sessions,
@@ -72,6 +76,7 @@ class Warmup:
     seconds: tuple[float, ...]
     held: tuple[tuple[int, ...], ...]
     kernels: dict[str, KernelUse] = field(default_factory=dict)
+    levels: bool = False  # the plane scans read reconstruction tables
 
     @property
     def compiled(self) -> int:
@@ -117,12 +122,16 @@ def method_of(spec: str, head_dim: int) -> Method:
         raise ValueError(f"method {spec!r}: {error}") from None
 
 
-def warm_kernels(head_dim: int, group_size: int, methods: tuple[str, ...] | None = None) -> Warmup:
+def warm_kernels(head_dim: int, group_size: int, methods: tuple[str, ...] | None = None,
+                 levels: bool = False) -> Warmup:
     """Compile (on a GPU: and write to Numba's disk cache) every kernel FathomCache's offloaded backend launches for
     attention of head dim ``head_dim`` (4..256, a multiple of 4) with ``group_size`` query heads per KV head
-    (1..8), for each method spec of ``methods`` (default: :func:`every_method`). Kernels already in the cache are
-    loaded instead. Bad input raises a one-line ValueError before any work."""
+    (1..8), for each method spec of ``methods`` (default: :func:`every_method`); ``levels``: the plane methods'
+    scans through reconstruction tables (``FathomCache(..., levels="calibrated")``) instead of the midpoints.
+    Kernels already in the cache are loaded instead. Bad input raises a one-line ValueError before any work."""
     check_shape(head_dim, group_size)
+    if not isinstance(levels, bool):
+        raise ValueError(f"levels must be True or False, got {levels!r}")
     specs = every_method(head_dim) if methods is None else () if isinstance(methods, str) else tuple(methods)
     if not specs or any(not isinstance(spec, str) for spec in specs):
         raise ValueError(f"methods must be a non-empty sequence of method specs (e.g. 'fathom@48'), got {methods!r}")
@@ -131,31 +140,34 @@ def warm_kernels(head_dim: int, group_size: int, methods: tuple[str, ...] | None
     seconds, held = [], []
     for method in resolved:
         start = time.perf_counter()
-        held.append(_decode_one_token(method, head_dim, group_size))
+        held.append(_decode_one_token(method, head_dim, group_size, levels and method.scorer == "planes"))
         seconds.append(time.perf_counter() - start)
     after = kernel_cache.use()
     kernels = {name: KernelUse(use.compiled - before.get(name, KernelUse()).compiled,
                                use.loaded - before.get(name, KernelUse()).loaded) for name, use in after.items()}
     return Warmup(head_dim, group_size, specs, tuple(seconds), tuple(held),
-                  {name: use for name, use in kernels.items() if use.compiled or use.loaded})
+                  {name: use for name, use in kernels.items() if use.compiled or use.loaded}, levels)
 
 
-def _decode_one_token(method: Method, head_dim: int, group_size: int) -> tuple[int, ...]:
-    """FathomCache's offloaded path on a tiny cache: calibration, the prefill's appends, one decode token. Returns
-    the tokens each session holds by the device's lengths; a non-finite output or a flag a kernel raised is an
-    error (the warm-up is also a smoke test of the kernels on this device)."""
+def _decode_one_token(method: Method, head_dim: int, group_size: int, levels: bool = False) -> tuple[int, ...]:
+    """FathomCache's offloaded path on a tiny cache: calibration, the prefill's appends, one decode token (through
+    reconstruction tables, the midpoints', if ``levels``). Returns the tokens each session holds by the device's
+    lengths; a non-finite output or a flag a kernel raised is an error (the warm-up is also a smoke test of the
+    kernels on this device)."""
     from fathom.cuda.interop import DEVICE
     from fathom.integrations.sessions import LayerStats, OffloadedSessions, SessionShape
 
     shape = SessionShape(SESSIONS, LAYERS, KV_HEADS, group_size, head_dim, MAX_TOKENS, row_cache_rows=ROW_CACHE_ROWS)
-    sessions = OffloadedSessions(shape, method, SELECTION, scale=head_dim ** -0.5)
+    sessions = OffloadedSessions(shape, method, SELECTION, scale=head_dim ** -0.5, levels=levels)
     try:
         H, d, g = KV_HEADS, head_dim, torch.Generator().manual_seed(0)
         # neutral statistics; the per-head store's heads on the rotated basis (its raw heads run the same kernels)
         planes = {basis: np.ones((H, d, MAX_DEPTH)) for basis in BASES}  # a flat gain table for each store
+        tables = {basis: np.broadcast_to(midpoint_levels(d), (H, d, MAX_DEPTH, CELLS)) for basis in BASES} \
+            if levels else {}
         stats = LayerStats(np.ones((H, d)), np.tile(np.eye(d, dtype=np.float32), (H, 1, 1)), np.ones((H, d)),
                            np.tile(np.arange(d), (H, 1)), np.full(H, "rotated"), planes,
-                           {basis: np.ones((H, d)) for basis in BASES})
+                           {basis: np.ones((H, d)) for basis in BASES}, tables, levels)
         randn = lambda *size: torch.randn(*size, generator=g).to(DEVICE, torch.bfloat16)  # noqa: E731
         for layer in range(LAYERS):
             sessions.calibrate(layer, stats)
@@ -199,6 +211,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", type=lambda text: tuple(split_specs(text)), default=None,
                         help="comma-separated method specs as FathomCache's: fathom@48, sparq@68 (4.25·r bits), dense "
                              "(default: every method)")
+    parser.add_argument("--levels", action="store_true",
+                        help="the plane methods' scans through reconstruction tables (FathomCache's "
+                             "levels='calibrated'), instead of the midpoints")
     return parser
 
 
@@ -260,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     start = time.perf_counter()
     for d, g in shapes:
-        done = warm_kernels(d, g, args.methods)
+        done = warm_kernels(d, g, args.methods, args.levels)
         print(_report(done), flush=True)
     print(f"warmed in {time.perf_counter() - start:.1f} s; Numba's kernel cache: {kernel_cache.describe()}")
 
@@ -268,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
 def _report(done: Warmup) -> str:
     width = max(len(spec) for spec in done.methods)
     lines = [f"head dim {done.head_dim}, {done.group_size} query heads per KV head: a prompt of {PROMPTS} tokens "
-             "and one decode token per method"]
+             "and one decode token per method" + (", the plane scans through reconstruction tables"
+                                                  if done.levels else "")]
     lines += [f"  {spec:<{width}}  {seconds:6.2f} s  (then held {held})"
               for spec, seconds, held in zip(done.methods, done.seconds, done.held)]
     if not done.kernels:

@@ -80,6 +80,7 @@ def test_the_default_is_every_method_at_a_budget_fathomcache_takes():
     (dict(head_dim=128, group_size=4, methods="fathom@48"), "methods must be a non-empty sequence of method specs"),
     (dict(head_dim=128, group_size=4, methods=()), "methods must be a non-empty sequence"),
     (dict(head_dim=128, group_size=4, methods=("loki@136", "sparq")), "method 'sparq': sparq takes a budget"),
+    (dict(head_dim=128, group_size=4, levels=1), "levels must be True or False"),
 ])
 def test_warm_kernels_refuses_bad_input_before_any_work(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -95,6 +96,10 @@ def test_under_the_simulator_every_method_given_decodes_a_token_through_fathomca
                                                                               "dense"]
     assert "no kernel compiled or loaded (the CUDA simulator compiles nothing)" in out
     assert out.splitlines()[-1].endswith("Numba's kernel cache: none: the CUDA simulator compiles nothing")
+    warmup.main(["--head-dim", "8", "--group-size", "1", "--methods", "fathom-mixed[gains]@48,oracle", "--levels"])
+    out = capsys.readouterr().out  # the scan through tables (a plane method), and a method without planes beside it
+    assert "one decode token per method, the plane scans through reconstruction tables" in out
+    assert [line.split()[0] for line in out.splitlines() if held in line] == ["fathom-mixed[gains]@48", "oracle"]
 
 
 FATHOMCACHE = """
