@@ -468,7 +468,7 @@ def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, i
              f"{summary['sparq68_overlap']:.3f}. {fathom48} is less accurate than {ds} on "
              f"{summary['heads_fathom48_worse_than_ds_quarter']} and than {sparq} on "
              f"{summary['heads_fathom48_worse_than_sparq68']} of {summary['heads']} (layer, KV head) pairs.", "",
-             *_family_lines(summary, shape), markdown_table(kib, COLUMNS), ""]
+             *_family_lines(summary, shape, info.get("levels") == "calibrated"), markdown_table(kib, COLUMNS), ""]
     key = list(dict.fromkeys([fathom48, ds, "double-sparsity@136", sparq, M.oracle().label(shape['head_dim'])]))
     hit = [fathom48, ds, sparq]
     by_label = {r["label"]: r for r in records}
@@ -486,7 +486,7 @@ def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, i
     path.write_text("\n".join(lines) + "\n")
 
 
-def _family_lines(summary: dict, shape: dict) -> list[str]:
+def _family_lines(summary: dict, shape: dict, levels: bool = False) -> list[str]:
     """Every fathom curve's savings side by side (none in results written before the per-head rule)."""
     families = summary.get("families")
     if not families:
@@ -515,7 +515,8 @@ def _family_lines(summary: dict, shape: dict) -> list[str]:
                 + ("" if pick is None else f", here {pick['fathom48_error']:.4f} at 48 bits and "
                    f"{saving(pick, '_quarter')} vs {summary['ds_quarter_label']}")
                 + f" (recorded; the headline reads fathom-mixed). FathomCache decodes with it as "
-                f"{_cache_call(summary['plan_rule'])}, or as the spec `{summary['plan_rule']}@48`.", ""]
+                f"{_cache_call(summary['plan_rule'], levels)}, or as the spec `{summary['plan_rule']}@48`"
+                + (" at the midpoints." if levels else "."), ""]
     elif gains:
         rule = [f"Plane gains on calibration text ({at}): " + ", ".join(f"{k} {v:.4f}" for k, v in gains.items())
                 + f"; the gains rule picks **{summary['gains_rule']}** (recorded; the headline reads design §5's "
@@ -528,11 +529,12 @@ def _family_lines(summary: dict, shape: dict) -> list[str]:
             markdown_table(rows, columns), "", *rule]
 
 
-def _cache_call(family: str) -> str:
-    """The FathomCache call that decodes with a fathom curve of this run (``family``: its label's name), its
-    calibration this run's ``.calibration.npz``."""
+def _cache_call(family: str, levels: bool = False) -> str:
+    """The FathomCache call that decodes with a fathom curve of this run (``family``: its label's name; ``levels``:
+    a run through the calibrated levels), its calibration this run's ``.calibration.npz``."""
     spec = M.read_spec(f"{family}@48")
-    settings = [repr(spec.name)] + [f"{key}={value!r}" for key, value in spec.settings().items()]
+    settings = [repr(spec.name)] + [f"{key}={value!r}" for key, value in spec.settings().items()] + \
+        (["levels='calibrated'"] if levels else [])
     return f"`FathomCache(model, {', '.join(settings)}, calibration=<this run's .calibration.npz>)`"
 
 

@@ -253,3 +253,13 @@ def test_replot_refuses_a_result_it_cannot_remake_in_one_line(tmp_path, capsys):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(payload))
         assert messages[name] in refused(["fidelity", "--replot", str(path)], capsys)
+
+
+def test_the_plan_rules_cache_call_names_the_levels_a_run_read_through():
+    from bench.fidelity import _cache_call
+
+    calibration = "calibration=<this run's .calibration.npz>)`"
+    assert _cache_call("fathom-mixed[gains]") == \
+        f"`FathomCache(model, 'fathom-mixed', budget=48.0, gains='calibrated', {calibration}"
+    assert _cache_call("fathom-mixed[gains]", levels=True) == \
+        f"`FathomCache(model, 'fathom-mixed', budget=48.0, gains='calibrated', levels='calibrated', {calibration}"
