@@ -401,10 +401,9 @@ class OffloadedSessions:
         if self.cache.rotated and self.cache.lengths(layer).any():
             raise ValueError(f"layer {layer} already holds tokens: its calibration is fixed")
         stats.check_for(self.method, layer)
-        if stats.reads_levels != self.levels:
-            raise ValueError(f"layer {layer}'s calibration reads the planes {'through' if stats.reads_levels else 'without'}"
-                             f" reconstruction tables; these sessions read them {'through' if self.levels else 'at'}"
-                             f" {'tables' if self.levels else 'the midpoints'}")
+        if stats.reads_levels != self.levels:  # the scan's kernel was chosen when the sessions were made
+            want = "through reconstruction tables" if self.levels else "at the cells' midpoints"
+            raise ValueError(f"layer {layer}'s calibration must read the planes {want}, as these sessions do")
         if self.cache.rotated:
             self.cache.set_basis(layer, stats.store_basis(self.method))
         self._calibrate_decoder(layer, stats)

@@ -13,7 +13,8 @@ import torch
 from fathom import methods as M
 from fathom.calibration import Calibration
 from fathom.decode import HeadIndex, decode_step
-from fathom.integrations.sessions import LayerStats, ReferenceSessions, SessionPool, SessionShape, capacity
+from fathom.integrations.sessions import (LayerStats, OffloadedSessions, ReferenceSessions, SessionPool, SessionShape,
+                                          capacity)
 from fathom.integrations.transformers import FathomCache
 from fathom.quantize import midpoint_levels
 from fathom.selection import Selection
@@ -295,6 +296,10 @@ def test_calibrated_levels_need_a_calibration_with_tables_and_a_plane_scan():
         FathomCache(model, "oracle", levels="calibrated")
     with pytest.raises(ValueError, match="^levels must be one of"):
         FathomCache(model, "fathom", levels="means")
+    sessions = OffloadedSessions(SessionShape(1, 1, 1, 1, 16, 128), M.fathom(20.0), Selection(k=4), 0.25, levels=True)
+    with pytest.raises(ValueError, match="^layer 0's calibration must read the planes through reconstruction tables"):
+        sessions.calibrate(0, LayerStats.of(_calibration(np.random.default_rng(0), 1, 1, 16), 0))  # at the midpoints
+    sessions.close()
 
 
 def test_the_calibrated_gains_need_a_calibration_with_plane_tables():
