@@ -100,7 +100,7 @@ class Run:
         # --levels: the midpoints as each (layer, KV head)'s table, so only the scan's kernel differs
         tables = np.broadcast_to(midpoint_levels(HEAD_DIM), (self.physical, KV_HEADS, HEAD_DIM, MAX_DEPTH, CELLS))
         for label in labels:
-            levels = tables if args.levels and table[label].scorer == "planes" else None
+            levels = tables if args.levels and table[label].scans_planes else None
             decoder = Decoder(self.cache, DecoderSettings(table[label], sel), GROUP_SIZE, ds_rank=ds_rank,
                               levels=levels)
             self.decoders[label] = decoder

@@ -24,9 +24,10 @@ interval does: on Qwen2.5-Coder-1.5B's captured queries (8k prose, design gains
 at 48 bits, the rounds replayed in NumPy: docs/results.md) 3% of the table is
 left after the first round (a mean of 14 of a stream's 512 gains, 30 of a pooled
 line's 1,024), one or two gains after the second; a list that one trip of every
-warp counts is not narrowed again. The costs are the whole table's, to the bit. (One CTA counting the pooled line's 1,024 channels in every
-round took 1,105 µs a token on the H200 at 128k × 1, against 375 µs for 8 CTAs
-of 128.)
+warp counts is not narrowed again. The costs are the whole table's, to the bit.
+At 128k × 1 on an H100 the pooled line's plan (one CTA counting 1,024 channels)
+went from 1,115 to 657 µs a token, and the per-stream one (8 CTAs of 128) from
+382 to 354 µs (docs/results.md).
 
 Precision: the bisection runs in float64 like the reference. A float32 θ has a
 relative resolution of 6e-8, coarser than the bisection's final interval

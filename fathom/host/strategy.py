@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from fathom import methods
+from fathom import _checks, methods
 from fathom.cuda.exact import scan_rows
 from fathom.cuda.interop import DEVICE, as_array
 from fathom.cuda.plan import THREADS as PLAN_THREADS
@@ -254,7 +254,7 @@ def resolve(method: methods.Method, cache, group_size: int, sigma2: np.ndarray |
             ) -> PlaneScan | RowScan | None:
     """The scan of ``method`` on ``cache`` (None: dense, nothing scanned); ``levels``: the plane scan's
     reconstruction tables (None: the cells' midpoints), refused for a method that reads no planes."""
-    if levels is not None and method.scorer != "planes":
+    if levels is not None and not method.scans_planes:
         raise ValueError(f"levels are read by plane scans only; {method.name!r} reads no bit planes")
     return SCANS[method.scorer](method, cache, group_size, sigma2, ds_rank, warps, gains, levels)
 
@@ -291,8 +291,7 @@ def _levels_host(s, levels: np.ndarray) -> np.ndarray:
     if np.shape(levels) != want:
         raise ValueError(f"levels must have shape {want}")
     levels = np.asarray(levels, np.float32)
-    if not np.all(np.isfinite(levels)):
-        raise ValueError("levels must be finite float32 values")
+    _checks.finite("levels", levels)  # after the cast: a float64 beyond float32's range is refused too
     return scan_levels(levels)
 
 

@@ -140,7 +140,7 @@ def warm_kernels(head_dim: int, group_size: int, methods: tuple[str, ...] | None
     seconds, held = [], []
     for method in resolved:
         start = time.perf_counter()
-        held.append(_decode_one_token(method, head_dim, group_size, levels and method.scorer == "planes"))
+        held.append(_decode_one_token(method, head_dim, group_size, levels and method.scans_planes))
         seconds.append(time.perf_counter() - start)
     after = kernel_cache.use()
     kernels = {name: KernelUse(use.compiled - before.get(name, KernelUse()).compiled,
