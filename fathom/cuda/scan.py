@@ -130,12 +130,13 @@ def scan_levels(levels: np.ndarray) -> np.ndarray:
     out as the scan reads it: entry ``[..., c, b - 1, C]`` is ``levels[..., c, b - 1, C >> (4 - b)] / 8``, the
     level of the code whose ``b``-bit prefix, placed where the 4-bit code holds it, is ``C`` (the plane loop's
     prefix), in units of the fp16 scale ``s = 8Δ`` (dividing by 8 is exact). Entries no prefix reaches are
-    repeats."""
+    repeats. The result is C-contiguous whatever the input's strides (a broadcast or transposed table too): the
+    kernel reads it as one flat array."""
     levels = np.asarray(levels, np.float32)
     if levels.ndim < 3 or levels.shape[-2:] != (PLANES, CELLS):
         raise ValueError(f"levels must have shape [..., d, {PLANES}, {CELLS}], got {levels.shape}")
     code = np.arange(CELLS)
-    out = np.empty_like(levels)
+    out = np.empty(levels.shape, np.float32)  # not empty_like: it keeps a view's strides
     for b in range(1, PLANES + 1):
         out[..., b - 1, :] = levels[..., b - 1, code >> (PLANES - b)] * np.float32(0.125)
     return out
@@ -378,6 +379,8 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
     if levels is not None and (levels.shape != (heads_per_session, d, PLANES, CELLS) or levels.dtype != np.float32):
         raise ValueError(f"levels must be float32 [{heads_per_session}, {d}, {PLANES}, {CELLS}], got "
                          f"{levels.dtype} {levels.shape}")
+    if levels is not None and not levels.is_c_contiguous():  # read flat: a view's strides would be misread
+        raise ValueError("levels must be C-contiguous (scan_levels lays a table out so)")
     warps, per_warp = launch_shape(heads, layout.cap, warps)
     if layout.cap % (warps * per_warp):
         raise ValueError(f"segment capacity {layout.cap} must be a multiple of {warps * per_warp} blocks per CTA")

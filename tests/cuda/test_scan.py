@@ -117,6 +117,16 @@ def test_scan_levels_lays_each_depths_levels_out_by_the_code_the_plane_loop_gath
         scan_levels(levels[..., :8])
 
 
+def test_scan_levels_lays_a_views_table_out_c_contiguous():
+    """The kernel reads the table flat: a broadcast table (bench timing's midpoints) or a transposed one (a
+    calibration's) comes out C-contiguous with the same entries (on the GPU a strided one could not be flattened)."""
+    table = np.random.default_rng(1).standard_normal((8, 4, 16)).astype(np.float32)
+    for view in (np.broadcast_to(table, (3, 2, 8, 4, 16)), np.stack([table, -table], -1).transpose(3, 0, 1, 2)):
+        laid = scan_levels(view)
+        assert laid.flags.c_contiguous
+        np.testing.assert_array_equal(laid, scan_levels(np.ascontiguousarray(view)))
+
+
 def test_a_part_filled_segments_idle_warps_leave_its_sealed_blocks_scored_as_the_reference():
     """Two warps of 2 blocks a CTA (G = 8, 4-block segments): sessions whose last segment holds 1, 2 and 3 sealed
     blocks, so its second warp holds none (it skips the scoring) or one beside an unsealed one."""
@@ -271,3 +281,7 @@ def test_the_scan_refuses_a_layout_or_group_it_cannot_address():
         with pytest.raises(ValueError, match=r"levels must be float32 \[1, 8, 4, 16\]"):
             scan_planes(cuda.to_device(np.zeros((1, 1, 8), np.float32)), cuda.to_device(np.zeros((1, 8), np.int8)),
                         lengths, 1, store, store, layout, 0, 0, scores, top_hist, levels=cuda.to_device(levels))
+    strided = cuda.to_device(np.zeros((1, 16, 4, 16), np.float32))[:, ::2]  # the right shape, read flat it is not
+    with pytest.raises(ValueError, match="levels must be C-contiguous"):
+        scan_planes(cuda.to_device(np.zeros((1, 1, 8), np.float32)), cuda.to_device(np.zeros((1, 8), np.int8)),
+                    lengths, 1, store, store, layout, 0, 0, scores, top_hist, levels=strided)
