@@ -268,9 +268,10 @@ def choose_plan(calibration_capture: Capture, calibration: Calibration, sel: Sel
                 on_head=None, evaluate_fn: Evaluator = evaluate) -> tuple[str, dict]:
     """The plan rule, decided as the basis rule decides: the per-head store's four plans — design §5's or the
     calibrated plane gains, each planned per query group or pooled over a layer's KV heads — on calibration text
-    at the rule's budgets; the lowest mean error wins -> (its method name, every plan's error). Recorded beside
-    every run (``summary.plan_rule``, its curve ``summary.families[plan_rule]``); the headline curve stays
-    ``fathom-mixed`` until the rule is seen to hold on evaluation text at the long contexts (docs/decisions.md)."""
+    at the rule's budgets; the lowest mean error wins -> (its method name, every plan's error). Recorded with
+    every run (``summary.plan_rule``, its curve ``summary.families[plan_rule]``) and the run's headline curve: on
+    all 14 runs with the rule (4k-32k, four models, prose and code, midpoints and levels) its pick was the per-head
+    plan most accurate at 48 bits on the evaluation text (docs/decisions.md)."""
     methods = [M.fathom_mixed(b, g, p) for p in POOLING for g in M.GAIN_SOURCES for b in BASIS_RULE_BUDGETS]
     results = evaluate_fn(calibration_capture, calibration, methods, sel, on_head)
     n = len(BASIS_RULE_BUDGETS)
@@ -326,21 +327,25 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
     head) pairs fathom-48 is less accurate than DS r = d/4 and SparQ-68; the same savings for every fathom curve
     (``families``: each store, design or calibrated gains).
 
-    The headline curve is the basis rule's, with design §5's gains: the per-head store (``fathom-mixed``, each
-    head on the basis it chose on calibration text; ``heads_rotated`` of them rotated) where the results hold it,
-    else the store the rule chose for the whole model (``basis``; runs made before the per-head rule).
+    The headline curve is decided on calibration text: the plan rule's pick of the per-head store's plans
+    (:func:`choose_plan`) where the run recorded it; else the per-head store with design §5's gains
+    (``fathom-mixed``, each head on the basis it chose on calibration text; ``heads_rotated`` of them rotated)
+    where the results hold it (runs made before the plan rule); else the store the basis rule chose for the whole
+    model (``basis``; runs made before the per-head rule).
     ``plan_errors``: the plan rule's errors on calibration text (:func:`choose_plan`), recorded with its pick;
     ``gains_errors``: the gains rule's of runs made before the plan rule (design §5's or the calibrated gains on
     the per-head store, planned per query group), kept as they were recorded."""
     by_label = {r.label: r for r in results}
     present = {r.method for r in results}
-    family = "fathom-mixed" if "fathom-mixed" in present else ("fathom" if basis == "raw" else "fathom-rotated")
+    plan_rule = None if plan_errors is None else min(plan_errors, key=plan_errors.get)
+    family = plan_rule if plan_rule in present else "fathom-mixed" if "fathom-mixed" in present else \
+        "fathom" if basis == "raw" else "fathom-rotated"
     fathom48 = by_label[f"{family}@48"]
     sparq68 = by_label["sparq@68"]
     families = {f: family_summary(results, f, d) for f in FATHOM_FAMILIES if f in present}
     summary = {"basis": basis, "variance": M.DEFAULT_VARIANCE[basis], "basis_rule_errors": basis_errors,
                "heads_rotated": heads_rotated, "plan_rule_errors": plan_errors,
-               "plan_rule": None if plan_errors is None else min(plan_errors, key=plan_errors.get),
+               "plan_rule": plan_rule,
                **({} if gains_errors is None else {"gains_rule_errors": gains_errors,
                                                    "gains_rule": min(gains_errors, key=gains_errors.get)}),
                "families": families, "fathom_family": family,
@@ -514,7 +519,7 @@ def _family_lines(summary: dict, shape: dict, levels: bool = False) -> list[str]
                 + f"; the plan rule picks **{summary['plan_rule']}**"
                 + ("" if pick is None else f", here {pick['fathom48_error']:.4f} at 48 bits and "
                    f"{saving(pick, '_quarter')} vs {summary['ds_quarter_label']}")
-                + f" (recorded; the headline reads fathom-mixed). FathomCache decodes with it as "
+                + f" (the headline curve). FathomCache decodes with it as "
                 f"{_cache_call(summary['plan_rule'], levels)}, or as the spec `{summary['plan_rule']}@48`"
                 + (" at the midpoints." if levels else "."), ""]
     elif gains:

@@ -13,6 +13,7 @@ from bench.fidelity import FATHOM_FAMILIES
 from bench.report import RESULTS, context_label, markdown_table
 
 COLUMNS = [("setting", "model, context (text)", "s"), ("d", "d", "d"), ("basis", "store (basis rule), σ²", "s"),
+           ("curve", "fathom curve", "s"),
            ("ds_quarter", "DS r=d/4 err", ".4f"), ("fathom48", "fathom-48 err", ".4f"),
            ("sparq68", "sparq-68 err", ".4f"), ("plan48", "fathom-plan-48 err", ".4f"), ("oracle", "oracle err", ".4f"),
            ("saving_quarter", "saving vs DS r=d/4", "s"), ("saving", "saving vs DS-136", "s"),
@@ -61,6 +62,8 @@ def _row(payload: dict) -> dict:
     return {"setting": _setting(payload),
             "d": d, "basis": f"{s['basis']}, {s.get('variance', 'store (old run)')}" if s.get(
                 "heads_rotated") is None else f"per head: {s['heads_rotated']} of {s['heads']} rotated",
+            # results before the per-head rule did not name it: the curve of the store the basis rule chose
+            "curve": s.get("fathom_family", "fathom" if s["basis"] == "raw" else "fathom-rotated"),
             "ds_quarter": s["ds_quarter_error"], "fathom48": s["fathom48_error"],
             "sparq68": s["sparq68_error"], "oracle": s["oracle_error"],
             "plan48": next(r["rel_error"] for r in payload["records"] if r["label"] == plan),
@@ -157,7 +160,10 @@ def run(args: argparse.Namespace) -> Path:
                     "tuning step, calibrated on the calibration text) at a mean of 48 bits. Store, σ²: the store "
                     "the basis rule chose for the model and the σ² source fathom reads there; \"per head\": runs "
                     "since the per-head rule, whose fathom columns are the per-head store (fathom-mixed: each "
-                    "(layer, KV head) on the basis it chose on calibration text, with that basis' σ²). Prefills: the "
+                    "(layer, KV head) on the basis it chose on calibration text, with that basis' σ²). Fathom curve: "
+                    "the curve of the fathom columns, decided on calibration text: in the runs since the plan rule "
+                    "its pick of the per-head store's plans (below), before it fathom-mixed (design §5's gains, "
+                    "planned per query group). Prefills: the "
                     "dense fp32 prefills of the evaluation and calibration "
                     "windows (as recorded with the captures); evaluation: basis rule, per-layer plan and the "
                     "evaluation of every method.\n\n"
@@ -167,7 +173,7 @@ def run(args: argparse.Namespace) -> Path:
                     "water-filled with the plane gains measured on the calibration text instead of design §5's "
                     "model; `[pooled]`: one water line for every KV head of a layer. The plan rule's pick: the per-head "
                     "store's plan (gains, pooling) with the lowest error on calibration text (runs since the rule; "
-                    "recorded, not the headline curve).\n\n"
+                    "the fathom columns above).\n\n"
                     f"{markdown_table(families, family_columns(families))}\n")
     print(table)
     return path

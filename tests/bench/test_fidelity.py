@@ -45,7 +45,7 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
     assert records["oracle@2048"]["oracle_overlap"] == 1
     summary = payload["summary"]
     assert summary["heads"] == 8 and 0 <= summary["heads_fathom48_worse_than_sparq68"] <= 8
-    assert summary["fathom48_overlap"] == records["fathom@48"]["oracle_overlap"]
+    assert summary["fathom48_overlap"] == records[f"{summary['fathom_family']}@48"]["oracle_overlap"]
     assert "fathom-rotated[store]@48" not in records and "fathom[calibration]@48" in records  # raw store chosen
     plans = payload["per_layer_plans"]
     assert len(plans) == 2 and all(len(b) == 4 for b in plans.values())
@@ -53,16 +53,16 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
     assert records["oracle@2048"]["rel_error"] <= min(r["rel_error"] for r in payload["records"] if r["label"] != "dense")
     assert "synthetic" in (tmp_path / "fidelity-synthetic-quick.md").read_text()
     assert (tmp_path / "fidelity-synthetic-quick.png").read_bytes()[:4] == b"\x89PNG"
-    # every store × gain model × plan is reported; the headline is the per-head store (the basis rule per head)
+    # every store × gain model × plan is reported; the headline is the plan rule's pick of the per-head store
     assert set(summary["families"]) == {f"{store}{tags}" for store in ("fathom", "fathom-rotated", "fathom-mixed")
                                         for tags in ("", "[gains]", "[pooled]", "[gains,pooled]")}
     assert payload["levels"] == "midpoint" and records["fathom[pooled]@48"]["bits_read"] <= 48
-    assert summary["fathom_family"] == "fathom-mixed" and 0 <= summary["heads_rotated"] <= 8
-    assert summary["fathom48_error"] == records["fathom-mixed@48"]["rel_error"]
-    plans = summary["plan_rule_errors"]  # decided on calibration text like the basis rule, and recorded
+    plans = summary["plan_rule_errors"]  # decided on calibration text like the basis rule, recorded, the headline
     assert set(plans) == {"fathom-mixed", "fathom-mixed[gains]", "fathom-mixed[pooled]",
                           "fathom-mixed[gains,pooled]"} and summary["plan_rule"] == min(plans, key=plans.get)
     assert summary["plan_rule"] in summary["families"] and "gains_rule" not in summary
+    assert summary["fathom_family"] == summary["plan_rule"] and 0 <= summary["heads_rotated"] <= 8
+    assert summary["fathom48_error"] == records[f"{summary['plan_rule']}@48"]["rel_error"]
     assert payload["plan_rule_s"] >= 0
     # --replot remakes the same summary and files from the records alone
     path = tmp_path / "fidelity-synthetic-quick.json"
@@ -72,6 +72,12 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
     assert again["summary"] == summary and again["records"] == payload["records"]
     assert again["command"] == payload["command"] and again["replotted_by"].startswith("python -m bench fidelity")
     assert "fathom-mixed" in (tmp_path / "fidelity-synthetic-quick.md").read_text()
+    # a run made before the plan rule (none recorded) keeps fathom-mixed, design §5's plan, as its headline
+    path.write_text(json.dumps({**payload, "summary": {**summary, "plan_rule_errors": None}}))
+    main(["fidelity", "--replot", str(path)])
+    old = json.loads(path.read_text())["summary"]
+    assert old["plan_rule"] is None and old["fathom_family"] == "fathom-mixed"
+    assert old["fathom48_error"] == records["fathom-mixed@48"]["rel_error"]
 
 
 def test_fidelity_levels_reads_every_plane_through_the_calibrated_levels(tmp_path, capsys):

@@ -22,7 +22,7 @@ def test_headline_tables_the_real_settings_only(tmp_path):
     (tmp_path / "fidelity-synthetic.json").write_text(json.dumps({**real, "synthetic": True}))
     main(["headline", "--results", str(tmp_path)])
     table = (tmp_path / "headline.md").read_text()
-    assert ("| m 16k (t) | 64 | raw, store | 0.2500 | 0.1000 | 0.3000 | 0.0900 | 0.0500 | not reached | "
+    assert ("| m 16k (t) | 64 | raw, store | fathom | 0.2500 | 0.1000 | 0.3000 | 0.0900 | 0.0500 | not reached | "
             "2.50× (double-sparsity@136) | 0.800 / 0.700 / 0.750 | 31.0 / 64 | cuda | 1.0 | 2.0 |") in table
     assert table.count("| m 16k") == 1
     assert "| m 16k (t) | 0.2500 (double-sparsity@68)" not in table  # no curves reported: no second-table row
