@@ -270,8 +270,8 @@ def choose_plan(calibration_capture: Capture, calibration: Calibration, sel: Sel
     calibrated plane gains, each planned per query group or pooled over a layer's KV heads — on calibration text
     at the rule's budgets; the lowest mean error wins -> (its method name, every plan's error). Recorded with
     every run (``summary.plan_rule``, its curve ``summary.families[plan_rule]``) and the run's headline curve: on
-    all 14 runs with the rule (4k-32k, four models, prose and code, midpoints and levels) its pick was the per-head
-    plan most accurate at 48 bits on the evaluation text (docs/decisions.md)."""
+    every run that recorded it when it became the headline (4k-32k, four models, prose and code, midpoints and
+    levels) its pick was the per-head plan most accurate at 48 bits on the evaluation text (docs/decisions.md)."""
     methods = [M.fathom_mixed(b, g, p) for p in POOLING for g in M.GAIN_SOURCES for b in BASIS_RULE_BUDGETS]
     results = evaluate_fn(calibration_capture, calibration, methods, sel, on_head)
     n = len(BASIS_RULE_BUDGETS)
