@@ -35,7 +35,7 @@ def test_the_kernel_table_puts_the_largest_first_and_sums_every_kernel():
 def test_the_readme_throughput_section_is_the_committed_runs_table_with_the_peers(tmp_path):
     """--readme rewrites each section its file holds, the rest untouched; the README's throughput table is the one
     the committed runs make (so a new run that is not replotted into it shows here)."""
-    runs = [str(RESULTS / f"timing-{name}.json") for name in ("scan-kernels-128k", "scan-kernels-128k-16", "1m-final")]
+    runs = [str(RESULTS / f"timing-{name}.json") for name in ("kernels-128k-h200", "scan-kernels-128k-16", "1m-final")]
     readme = tmp_path / "README.md"
     readme.write_text("before\n<!-- throughput:start -->\nold\n<!-- throughput:end -->\nbetween\n"
                       "<!-- timing:start -->\nold\n<!-- timing:end -->\nafter\n")
