@@ -318,6 +318,12 @@ def family_summary(results: list[MethodResult], family: str, d: int) -> dict:
     return out
 
 
+def store_family(basis: str) -> str:
+    """The fathom curve of the store the basis rule chose for the whole model: the headline of runs made before the
+    per-head rule."""
+    return "fathom" if basis == "raw" else "fathom-rotated"
+
+
 def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dict,
               heads_rotated: int | None = None, plan_errors: dict | None = None,
               gains_errors: dict | None = None) -> dict:
@@ -339,7 +345,7 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
     present = {r.method for r in results}
     plan_rule = None if plan_errors is None else min(plan_errors, key=plan_errors.get)
     family = plan_rule if plan_rule in present else "fathom-mixed" if "fathom-mixed" in present else \
-        "fathom" if basis == "raw" else "fathom-rotated"
+        store_family(basis)
     fathom48 = by_label[f"{family}@48"]
     sparq68 = by_label["sparq@68"]
     families = {f: family_summary(results, f, d) for f in FATHOM_FAMILIES if f in present}

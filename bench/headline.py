@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench import cli
 from bench.capture import decode_positions
-from bench.fidelity import FATHOM_FAMILIES
+from bench.fidelity import FATHOM_FAMILIES, store_family
 from bench.report import RESULTS, context_label, markdown_table
 
 COLUMNS = [("setting", "model, context (text)", "s"), ("d", "d", "d"), ("basis", "store (basis rule), σ²", "s"),
@@ -62,8 +62,7 @@ def _row(payload: dict) -> dict:
     return {"setting": _setting(payload),
             "d": d, "basis": f"{s['basis']}, {s.get('variance', 'store (old run)')}" if s.get(
                 "heads_rotated") is None else f"per head: {s['heads_rotated']} of {s['heads']} rotated",
-            # results before the per-head rule did not name it: the curve of the store the basis rule chose
-            "curve": s.get("fathom_family", "fathom" if s["basis"] == "raw" else "fathom-rotated"),
+            "curve": s.get("fathom_family", store_family(s["basis"])),  # results before the per-head rule: unnamed
             "ds_quarter": s["ds_quarter_error"], "fathom48": s["fathom48_error"],
             "sparq68": s["sparq68_error"], "oracle": s["oracle_error"],
             "plan48": next(r["rel_error"] for r in payload["records"] if r["label"] == plan),

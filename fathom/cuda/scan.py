@@ -376,11 +376,12 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
     if depths.shape != (streams, d) or depths.dtype != np.int8:
         raise ValueError(f"depths must be int8 [{streams}, {d}], got {depths.dtype} {depths.shape}")
     _checks.stream_sessions(streams, heads_per_session, lengths)
-    if levels is not None and (levels.shape != (heads_per_session, d, PLANES, CELLS) or levels.dtype != np.float32):
-        raise ValueError(f"levels must be float32 [{heads_per_session}, {d}, {PLANES}, {CELLS}], got "
-                         f"{levels.dtype} {levels.shape}")
-    if levels is not None and not levels.is_c_contiguous():  # read flat: a view's strides would be misread
-        raise ValueError("levels must be C-contiguous (scan_levels lays a table out so)")
+    if levels is not None:
+        if levels.shape != (heads_per_session, d, PLANES, CELLS) or levels.dtype != np.float32:
+            raise ValueError(f"levels must be float32 [{heads_per_session}, {d}, {PLANES}, {CELLS}], got "
+                             f"{levels.dtype} {levels.shape}")
+        if not levels.is_c_contiguous():  # read flat: a view's strides would be misread
+            raise ValueError("levels must be C-contiguous (scan_levels lays a table out so)")
     warps, per_warp = launch_shape(heads, layout.cap, warps)
     if layout.cap % (warps * per_warp):
         raise ValueError(f"segment capacity {layout.cap} must be a multiple of {warps * per_warp} blocks per CTA")
