@@ -232,10 +232,10 @@ class Decoding:
             for i, slot in enumerate(from_prompt):
                 self.sessions.calibrate(slot, LayerStats.of(stacked, i))
         if self.given_calibration is not None:
-            levels = self.settings.levels == "calibrated"
             for slot in slots:
                 if slot not in self.layer_calibrations:
-                    self.sessions.calibrate(slot, LayerStats.of(self.given_calibration, slot, levels))
+                    self.sessions.calibrate(slot, LayerStats.of(self.given_calibration, slot,
+                                                                self.settings.reads_levels))
 
     def _open(self, batch: int, device: torch.device, plan: tuple[float, ...] | None = None) -> None:
         if self.closed:
@@ -254,7 +254,7 @@ class Decoding:
 
             stores = 2 if self.method.scans_rotated else 1
             shape = replace(shape, hbm_planes=hbm_planes_for(self.settings.hbm_gb * 1e9, shape.cache_shape(), stores))
-        needs, levels = self.settings.needs_calibration(), self.settings.levels == "calibrated"
+        needs, levels = self.settings.needs_calibration(), self.settings.reads_levels
         if not offloaded:
             self.sessions = ReferenceSessions(shape, self.method, self.selection, self.scale,
                                               needs_calibration=needs, levels=levels)

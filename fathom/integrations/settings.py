@@ -98,7 +98,7 @@ class FathomSettings:
         entry.check_variants(self.gains, self.pooled)
         if self.levels not in LEVELS:
             raise ValueError(f"levels must be one of {LEVELS}, got {self.levels!r}")
-        if self.levels == "calibrated" and entry.basis is None:
+        if self.reads_levels and entry.basis is None:
             raise ValueError(f"levels='calibrated' is how a scan reads the bit planes: {self.method} scans none")
         if self.variance is not None and self.variance not in methods.VARIANCE_SOURCES:
             raise ValueError(f"variance must be None or one of {methods.VARIANCE_SOURCES}, got {self.variance!r}")
@@ -134,10 +134,15 @@ class FathomSettings:
         """r of the fixed-channel methods (sparq, double-sparsity, loki) at head dim ``d``."""
         return methods.channels(self.budget, d, self.r)
 
+    @property
+    def reads_levels(self) -> bool:
+        """Whether the scan reads the planes through the given calibration's reconstruction tables."""
+        return self.levels == "calibrated"
+
     def needs_calibration(self) -> bool:
         """Whether the method reads calibration statistics (a basis, DS channels, calibration σ², the calibrated
         plane gains or reconstruction tables)."""
-        return self.levels == "calibrated" or methods.entry(self.method).needs_calibration(self.variance, self.gains)
+        return self.reads_levels or methods.entry(self.method).needs_calibration(self.variance, self.gains)
 
     def calibration_needs(self) -> set[str]:
         """What a calibration from the prompt computes for the method (``fathom.cuda.calibration.NEEDS``)."""

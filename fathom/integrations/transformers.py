@@ -261,7 +261,7 @@ class FathomCache(Cache):
             raise ValueError(f"method {method!r} scans the store each (layer, KV head) chose on calibration text: pass "
                              "calibration= with a per-head basis (a .calibration.npz written by python -m bench "
                              "fidelity); a prompt cannot make that choice")
-        levels = self.settings.levels == "calibrated"
+        levels = self.settings.reads_levels
         if levels and calibration is None:
             raise ValueError("levels='calibrated' reads the reconstruction tables of the calibration given: pass "
                              "calibration= (a .calibration.npz written by python -m bench fidelity holds them); a "
