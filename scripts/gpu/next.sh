@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# There: issue 14's planned runs, in three calls of at most LIMIT s (default 540) each. Every 128k run times both
+# stores: host (t = 2, the table's) and hbm (DS-136's scan then reads only its own channels: its label cache in HBM,
+# DS's own design; the README table's "DS-136 in HBM" column).
+#   part 1: the GPU tests (TESTS= skips them), then 128k x 1
+#   part 2: 16 ragged sessions of 128k
+#   part 3: 128k x 1 and x 16 through the calibrated levels, then 1M x 1
+# usage: LIMIT=540 bash scripts/gpu/next.sh 1
+set -uo pipefail
+source scripts/gpu/site.sh
+limit=${LIMIT:-540}
+common=(--hbm-planes 2 --modes graph --methods fathom@48,double-sparsity@136 --row-cache-rows 32768)
+run() {  # NAME MIN_SECONDS ARGS...: one timing run, skipped when fewer than MIN_SECONDS remain
+  local name=$1 need=$2; shift 2
+  if [ $((limit - SECONDS)) -lt "$need" ]; then echo "skipped $name: $((limit - SECONDS)) s left"; return; fi
+  bash scripts/gpu/timing.sh "$name" "${common[@]}" "$@"
+  echo "$name done at ${SECONDS} s"
+}
+case ${1:-} in
+  1)
+    if [ "${TESTS-all}" ]; then
+      FATHOM_GPU=1 timeout 300 python3 -m pytest -q -x -n 8 tests/cuda tests/integrations 2>&1 | tail -15
+      echo "tests done at ${SECONDS} s"
+    fi
+    run k128 150 --regimes host,hbm --reps 5 --host-gb 90 --contexts 131072 --sessions 1 --kernels ;;
+  2)
+    run k16 300 --regimes host,hbm --reps 3 --host-gb 90 --contexts 131072 --sessions 16 --kernels ;;
+  3)
+    run k128-levels 90 --regimes host --reps 5 --host-gb 90 --contexts 131072 --sessions 1 --kernels --levels
+    run k16-levels 150 --regimes host --reps 3 --host-gb 90 --contexts 131072 --sessions 16 --kernels --levels
+    run m1 120 --regimes host,hbm --reps 3 --host-gb 100 --contexts 1048576 --sessions 1 --skip-large-k-hbm ;;
+  *) echo "usage: bash scripts/gpu/next.sh 1|2|3" >&2; exit 2 ;;
+esac

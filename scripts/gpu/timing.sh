@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# There: one `python -m bench timing` run named NAME; its JSON (which records the command) comes back under $OUT.
+# Draw its table and plot here: python -m bench timing --replot $OUT/timing-NAME.json --out bench/results --name NAME
+# usage: bash scripts/gpu/timing.sh NAME [bench timing arguments...]
+set -uo pipefail
+source scripts/gpu/site.sh
+name=$1; shift
+python3 -m bench timing "$@" --out /tmp/timing --name "$name" 2>&1 | tail -40
+cp /tmp/timing/timing-"$name".json "$OUT"/ || echo "error: timing-$name.json not written" >&2
