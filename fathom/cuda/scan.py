@@ -35,13 +35,16 @@ widened by the GPU's fp16 conversion (one instruction, where integer operations 
 lands where the 4-bit code holds it (a shift and a masked OR a token, no shift of the prefix): read in the SASS
 (sm_90, ``ptxas``, ``nvdisasm``; docs/gpu.md), the per-channel loop of a warp's blocks is 143 + 36·b instructions at
 G = 4 (was 196 + 40·b), 348 + 144·b at G = 1 (533 + 160·b) and 117 + 18·b at G = 8 (140 + 20·b), the scores the
-same to the bit (an A/B of both kernels under the simulator, subnormal scales included).
+same to the bit (an A/B of both kernels under the simulator, subnormal scales included). The midpoint kernel gathers
+each prefix into the bits of a float (2^19 + C / 8), so a token's bracket is one exact add where an integer
+conversion and an FMA were: 137 + 36·b at G = 4, 319 + 144·b at G = 1, 113 + 18·b at G = 8, the same registers and
+spills, the scores the same to the bit (A/B under the simulator).
 
 Score of token ``j`` in channel ``c`` read to depth ``b`` (design §2): with ``P`` the ``b``-bit prefix of its code,
 ``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``. Through a reconstruction table
 (``levels``, the calibrated cell means of ``fathom.calibration``) ``k̂ = levels[c, b - 1, P] · Δ``: the kernel reads
 the table :func:`scan_levels` lays out, indexed by the code as the plane loop gathers it (``P · 2^(4-b)``), so a
-token's read is one load where the midpoint is two FMAs (a kernel compiled per case: the midpoint one is unchanged).
+token's read is one load where the midpoint is an add (an FMA and a conversion before) (a kernel compiled per case: the midpoint one is unchanged).
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ CHUNK_WORDS = 3072  # run words staged per chunk (24 KiB; a chunk may overrun by
 # 16 blocks (512) would declare 52 KB of static shared memory, past the 48 KB a CTA may (ptxas refuses the kernel).
 MAX_CTA_BLOCKS = 256
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension: a stream's CTAs
+MIDPOINT_BASE = 2.0 ** 19  # the float whose mantissa's unit is 2^-4: 2^19 + C / 8 is its bits OR C << 1
+MIDPOINT_BASE_BITS = 0x49000000  # its bits: exponent 127 + 19, mantissa 0
 _KERNELS: dict[tuple, object] = {}
 
 
@@ -158,6 +163,12 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
     group = 2 if per_warp % 2 == 0 else 1  # blocks whose planes one pass of the plane loop reads
     group_tokens = 2 * group  # a thread's tokens in them
     aligned = per_warp % SCALES_PER_WORD == 0  # a warp's scales start on a slot word
+    # The midpoint kernel gathers a prefix as the float 2^19 + C / 8 (its bits: 2^19's, and C one bit up, where the
+    # mantissa's unit is 2^-4), so a token's bracket is one exact add, with no integer conversion; the table kernel
+    # gathers C itself, an index into the channel's row.
+    prefix_base = 0 if levels else MIDPOINT_BASE_BITS
+    first_bit = 8 if levels else 16  # where plane 0's bit lands
+    first_shift = 29 if levels else 28  # the right shift taking a token's plane-0 bit there, less its lane
 
     @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only integers: cached on disk
     def kernel(q, depths, lengths, heads_per_session, near, far, n_seg, cap, scale_words, near_record_words,
@@ -272,8 +283,10 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                 # k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ with Δ = s / 8, s the fp16 scale widened, is
                 # (C / 8 + 2^(-b) − 1) · s with C = P · 2^(4-b), the prefix as the plane loop gathers it: the bracket
                 # is exact in float32 (small integers and halves, divided by 8) and s / 8 is exact, so the product
-                # rounds as the reference's does
-                offset = f32_from_bits((np.uint32(127) - t_read) << np.uint32(23)) - np.float32(1)  # 2^(-b) − 1
+                # rounds as the reference's does. The midpoint kernel's prefix is the float 2^19 + C / 8, so its
+                # bracket is one add of 2^(-b) − 1 − 2^19 (exact: a multiple of 2^-4 below 2^20), no conversion.
+                offset = f32_from_bits((np.uint32(127) - t_read) << np.uint32(23)) - np.float32(
+                    1 if levels else 1 + MIDPOINT_BASE)
                 cell_row = kv_cells + (np.uint32(chan[i]) * np.uint32(PLANES) + t_read - np.uint32(1)) * np.uint32(
                     CELLS) if levels else np.uint32(0)
                 for h in range(heads):
@@ -283,14 +296,15 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                     # the same in every lane, so the loop runs exactly b times and no unread plane issues an
                     # instruction (two blocks at a time: four at a time spilled the held chunk words at G = 4)
                     for x in range(group_tokens):
-                        prefix[x] = np.uint32(0)
+                        prefix[x] = np.uint32(prefix_base)
                     plane_at = np.uint32(slot + first_plane + first)
                     plane_end = np.uint32(plane_at + t_read * per_cta)
                     # plane p's bit of token ``lane`` (bit ``lane`` of the word's low half) and of token ``lane + 32``
-                    # (of its high half) lands at bit 3 - p, where the 4-bit code holds it: one shift and one
-                    # masked OR a token and plane, and the prefix reads P · 2^(4-b)
-                    to_bit = np.uint64(29) + np.uint64(lane)  # right shift to bit 3 - p: 29 + lane + p
-                    bit = np.uint32(8)
+                    # (of its high half) lands at bit 3 - p, where the 4-bit code holds it (one higher in the
+                    # midpoint kernel): one shift and one masked OR a token and plane, and the prefix reads
+                    # C = P · 2^(4-b) (the midpoint kernel's: 2^19 + C / 8 as a float)
+                    to_bit = np.uint64(first_shift) + np.uint64(lane)  # the right shift to plane p's bit: first_shift + lane + p
+                    bit = np.uint32(first_bit)
                     while plane_at < plane_end:
                         for x in range(group):
                             plane = buffer[np.uint32(plane_at + np.uint32(x))]
@@ -308,9 +322,9 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                         if levels:  # the prefix indexes the channel's row of the table at its depth
                             k_lo = cells[cell_row + prefix[2 * x]] * scale
                             k_hi = cells[cell_row + prefix[2 * x + 1]] * scale
-                        else:
-                            k_lo = (np.float32(np.int32(prefix[2 * x])) * np.float32(0.125) + offset) * scale
-                            k_hi = (np.float32(np.int32(prefix[2 * x + 1])) * np.float32(0.125) + offset) * scale
+                        else:  # (2^19 + C / 8) + (2^(-b) − 1 − 2^19): exact, one add
+                            k_lo = (f32_from_bits(prefix[2 * x]) + offset) * scale
+                            k_hi = (f32_from_bits(prefix[2 * x + 1]) + offset) * scale
                         for h in range(heads):
                             acc[2 * jb, h] += q_i[h] * k_lo
                             acc[2 * jb + 1, h] += q_i[h] * k_hi
