@@ -35,6 +35,8 @@ module                what it holds or does
                       store measured on a capture (centroids, histogram gains; research for issue 15)
 ``tier_split``        ``python -m bench.tier_split``: the share of each method's scan bits a t-plane HBM tier
                       leaves on the link, on a real capture (issue 14's tiered planes)
+``hbm_budget``        ``python -m bench.hbm_budget``: each method's scan bits over the link at an equal HBM
+                      budget, tiered as its reads allow (planes; a fixed read set held whole)
 ``sass``              ``python -m bench.sass``: the plane scan's registers, spills and per-channel loop's
                       instructions, read in its sm_90 machine code without a GPU
 ``decoding``          method specs ``name@bits`` for the decoding benches, their FathomCache, the model's

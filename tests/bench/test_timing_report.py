@@ -44,8 +44,30 @@ def test_the_readme_throughput_section_is_the_committed_runs_table_with_the_peer
     assert "old" not in text and text.startswith("before\n<!-- throughput:start -->\n`python -m bench timing")
     assert "\n<!-- throughput:end -->\nbetween\n<!-- timing:start -->\n" in text
     assert text.endswith("<!-- timing:end -->\nafter\n")
-    assert "| 128k × 16 ragged, t = 2, row cache 32768 | 6 | 44.17 | **362** | 79.57 | 201 | 1.80× | 0.973 / 0.983 " \
-           "| 7.7 |" in text
+    assert "| 128k × 16 ragged, t = 2, row cache 32768 | 6 | 44.17 | **362** | 79.57 | 201 | 1.80× | — | " \
+           "0.973 / 0.983 | 7.7 |" in text  # DS-136 with its label cache in HBM: not timed in these runs
     assert all(f"| {name} | {setting} | {hardware} | {rate:g} |" in text for name, setting, hardware, rate in PEERS)
     merged = json.loads((tmp_path / "timing-x.json").read_text())
     assert throughput_table(merged) in (RESULTS.parents[1] / "README.md").read_text()
+
+
+def _record(label, regime, gpu_ms, **extra):
+    return {"mode": "graph", "label": label, "regime": regime, "context": 131072, "sessions": 16, "k": 512,
+            "ragged": True, "row_cache_rows": 32768, "hbm_planes": 2 if regime == "host" else None,
+            "physical_layers": 6, "gpu_ms": gpu_ms, "row_hit_rate": 0.97, "gpu_over_floor": 7.7,
+            "speedup_vs_ds136": None, **extra}
+
+
+def test_ds136_with_its_label_cache_in_hbm_is_paired_with_fathom_on_the_host_store():
+    """DS's own design keeps its 136 bits a token in HBM: the hbm regime's DS-136 of the same sessions stands beside
+    fathom@48's host-store row, with fathom's lead over it; without such a record the cell is a dash."""
+    records = [_record("fathom@48", "host", 44.0, speedup_vs_ds136=1.8), _record("double-sparsity@136", "host", 79.2),
+               _record("double-sparsity@136", "hbm", 55.0)]
+    lines = throughput_table({"records": records}).splitlines()
+    assert "DS-136 in HBM ms (fathom vs it)" in lines[0]
+    assert lines[2] == ("| 128k × 16 ragged, t = 2, row cache 32768 | 6 | 44.00 | **364** | 79.20 | 202 | 1.80× | "
+                        "55.00 (1.25×) | 0.970 / 0.970 | 7.7 |")
+    other = [_record("fathom@48", "host", 44.0, speedup_vs_ds136=1.8),
+             _record("double-sparsity@136", "hbm", 55.0, row_cache_rows=8192)]  # another setting: not paired
+    assert "| 1.80× | — |" not in throughput_table({"records": other})  # no same-tier DS either
+    assert throughput_table({"records": other}).splitlines()[2].endswith("| — | — | — | — | 0.970 / — | 7.7 |")
