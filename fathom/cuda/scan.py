@@ -44,7 +44,9 @@ Score of token ``j`` in channel ``c`` read to depth ``b`` (design §2): with ``P
 ``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``. Through a reconstruction table
 (``levels``, the calibrated cell means of ``fathom.calibration``) ``k̂ = levels[c, b - 1, P] · Δ``: the kernel reads
 the table :func:`scan_levels` lays out, indexed by the code as the plane loop gathers it (``P · 2^(4-b)``), so a
-token's read is one load where the midpoint is an add (an FMA and a conversion before) (a kernel compiled per case: the midpoint one is unchanged).
+token's read is one load where the midpoint is an add (an FMA and a conversion before); its index is a 32-bit sum
+(Numba widens an unsigned sum to 64 bits, whose address arithmetic cost four instructions a token and made ptxas
+spill every held chunk word at G = 4: 166 -> 155 + 36·b a channel, 644 -> 328 bytes of spill stores) (a kernel compiled per case: the midpoint one is unchanged).
 """
 
 from __future__ import annotations
@@ -287,8 +289,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                 # bracket is one add of 2^(-b) − 1 − 2^19 (exact: a multiple of 2^-4 below 2^20), no conversion.
                 offset = f32_from_bits((np.uint32(127) - t_read) << np.uint32(23)) - np.float32(
                     1 if levels else 1 + MIDPOINT_BASE)
-                cell_row = kv_cells + (np.uint32(chan[i]) * np.uint32(PLANES) + t_read - np.uint32(1)) * np.uint32(
-                    CELLS) if levels else np.uint32(0)
+                cell_row = np.uint32(kv_cells + (np.uint32(chan[i]) * np.uint32(PLANES) + t_read - np.uint32(1))
+                                     * np.uint32(CELLS)) if levels else np.uint32(0)
                 for h in range(heads):
                     q_i[h] = q_read[i, h]
                 for first in range(0, per_warp, group):
@@ -320,8 +322,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                         shift = np.uint32(16 * (s_idx % SCALES_PER_WORD))
                         scale = f16_bits_to_f32(np.uint32(word >> shift) & np.uint32(0xFFFF))
                         if levels:  # the prefix indexes the channel's row of the table at its depth
-                            k_lo = cells[cell_row + prefix[2 * x]] * scale
-                            k_hi = cells[cell_row + prefix[2 * x + 1]] * scale
+                            k_lo = cells[np.uint32(cell_row + prefix[2 * x])] * scale
+                            k_hi = cells[np.uint32(cell_row + prefix[2 * x + 1])] * scale
                         else:  # (2^19 + C / 8) + (2^(-b) − 1 − 2^19): exact, one add
                             k_lo = (f32_from_bits(prefix[2 * x]) + offset) * scale
                             k_hi = (f32_from_bits(prefix[2 * x + 1]) + offset) * scale
