@@ -13,11 +13,15 @@ the query does:
   exactly: Double Sparsity's own offloading design keeps its label cache, those channels, in HBM, so its ``4.25 r``
   bits a token cost that much HBM and nothing crosses the link; a smaller budget holds that many of its channels
   whole and the rest crosses.
+* **Reads chosen by the query, tiered by how often each plane is read** (a store layout not built yet: a tier per
+  (layer, KV head, channel, plane) instead of one t): each channel's planes held in HBM most read first, the order
+  learned on one text and the link bits counted on another (``bench.tier_split``'s read shares of the same model on
+  two corpora). The query-chosen reads are skewed (a few channels carry most of the variance), so a small budget
+  serves most of them; a fixed read set is this order's special case (its shares are 1).
 
-So the question "at the same HBM budget" has one answer per budget: below DS's own bits fathom reads less over the
-link (at no budget, 48 against 136 bits), at and past them DS reads nothing. ``python -m bench.hbm_budget`` prints,
-for each committed tier split (``bench/results/tier-split-*.json``), every method's link bits at a range of budgets
-and where fathom@48's lead over each fixed read set falls to 2× and to 1×, and writes
+So the question "at the same HBM budget" has one answer per budget and per tiering. ``python -m bench.hbm_budget``
+prints, for each committed tier split (``bench/results/tier-split-*.json``), every method's link bits at a range of
+budgets and where fathom@48's lead over each fixed read set falls to 2× and to 1×, and writes
 ``bench/results/hbm-budget.{json,md,png}``; ``--hbm-gb`` turns a budget into the tokens in flight (and the host
 memory their K/V take) at which it is what an H200 has left for the scan, for Qwen3-8B's shape.
 
@@ -35,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fathom.bits import SCALE_BITS
 from fathom.quantize import MAX_DEPTH
 
 DEFAULT_BUDGETS = (0, 32, 64, 96, 128, 160, 288)  # bits a token of a (layer, KV head)'s scan held in HBM
@@ -57,20 +62,52 @@ def read_set_points(bits: float) -> list[tuple[float, float]]:
     return [(0.0, bits), (bits, 0.0)]
 
 
-def link_bits_at(points: list[tuple[float, float]], budget: float) -> float:
-    """The fewest link bits a token reachable within ``budget`` HBM bits a token: on the lower convex hull of
-    ``points`` (layers at different tiers mix two of them), the last point's past its HBM bits."""
-    if not budget >= 0:
-        raise ValueError(f"budget must be >= 0 bits a token, got {budget!r}")
+def read_tier_points(learned: np.ndarray, evaluated: np.ndarray, step: float = 0.25) -> list[tuple[float, float]]:
+    """(HBM bits, link bits) a token of a store tiered by how often each plane is read: plane p of channel c of each
+    (layer, KV head) is held in HBM in the order of its read share on a learning text (``learned``: ``[L, H, d, 4]``
+    shares, ``bench.tier_split.read_shares``), the most read first (ties: the shallower plane, so a channel's planes
+    stay a prefix), each a bit a token of its (layer, KV head) and plane 0 with the channel's scale (1.25); the link
+    carries the evaluated text's reads (``evaluated``, the same shape) of what is not held. Averaged over the
+    (layer, KV head)s; a point each ``step`` bits of HBM. A fixed read set (shares 1 on its planes, 0 elsewhere) is
+    held first and whole: the read-set line."""
+    if learned.shape != evaluated.shape or learned.ndim != 4 or learned.shape[-1] != MAX_DEPTH:
+        raise ValueError(f"learned and evaluated must be read shares [L, H, d, {MAX_DEPTH}] of one shape, got "
+                         f"{learned.shape} and {evaluated.shape}")
+    cost = np.where(np.arange(MAX_DEPTH) == 0, 1 + SCALE_BITS, 1.0)
+    plane = np.broadcast_to(np.arange(MAX_DEPTH), learned.shape)
+    order = np.lexsort((plane.ravel(), -learned.ravel()))
+    stores = learned.shape[0] * learned.shape[1]
+    hbm = np.concatenate([[0.0], np.cumsum(np.broadcast_to(cost, learned.shape).ravel()[order])]) / stores
+    read = (evaluated * cost).ravel()[order]
+    link = (read.sum() - np.concatenate([[0.0], np.cumsum(read)])) / stores
+    keep = np.unique(np.searchsorted(hbm, np.arange(0.0, hbm[-1], step)))  # the first point past each step
+    keep = np.union1d(keep, [len(hbm) - 1])
+    return list(zip(hbm[keep].tolist(), np.maximum(link[keep], 0.0).tolist()))
+
+
+def _hull(points: list[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """The lower convex hull of ``points`` where link bits fall as HBM grows (layers at different tiers mix two
+    points; more HBM for no fewer link bits is never the better choice) -> (HBM bits, link bits)."""
     hull: list[tuple[float, float]] = []
     for x, y in sorted(points):
-        if hull and y >= hull[-1][1]:  # more HBM for no fewer link bits: never the better choice
+        if hull and y >= hull[-1][1]:
             continue
         while len(hull) >= 2 and _turns_down(hull[-2], hull[-1], (x, y)):
             hull.pop()
         hull.append((x, y))
     xs, ys = zip(*hull)
-    return float(np.interp(budget, xs, ys))
+    return np.array(xs), np.array(ys)
+
+
+def link_bits_at(points: list[tuple[float, float]], budget):
+    """The fewest link bits a token reachable within ``budget`` HBM bits a token (a number, or an array of them): on
+    the lower convex hull of ``points``, the last point's past its HBM bits."""
+    budgets = np.asarray(budget, np.float64)
+    if not (budgets >= 0).all():
+        raise ValueError(f"budget must be >= 0 bits a token, got {budget!r}")
+    xs, ys = _hull(points)
+    out = np.interp(budgets, xs, ys)
+    return float(out) if out.ndim == 0 else out
 
 
 def _turns_down(a, b, c) -> bool:
@@ -83,11 +120,10 @@ def budget_where(lead: float, ours: list[tuple[float, float]], theirs: list[tupl
     """The smallest HBM budget (bits a token, to ``step``) at which ``theirs`` link bits are below ``lead`` × ours
     (fathom's lead falls under ``lead``), or None if it never does within the largest point's HBM."""
     top = max(x for x, _ in ours + theirs)
-    for budget in np.arange(0.0, top + step, step):
-        mine, other = link_bits_at(ours, budget), link_bits_at(theirs, budget)
-        if other < lead * mine or (other == 0.0 and mine == 0.0):
-            return float(budget)
-    return None
+    budgets = np.arange(0.0, top + step, step)
+    mine, other = link_bits_at(ours, budgets), link_bits_at(theirs, budgets)
+    below = (other < lead * mine) | ((other == 0.0) & (mine == 0.0))
+    return float(budgets[np.argmax(below)]) if below.any() else None
 
 
 def tokens_at(budget_bits: float, hbm_gb: float, layers: int = LAYERS, kv_heads: int = KV_HEADS) -> float:
@@ -120,21 +156,30 @@ def method_points(label: str, entry: dict, d: int) -> tuple[bool, list[tuple[flo
     return False, planes
 
 
-def summarize(split: dict, d: int, budgets: tuple[float, ...]) -> dict:
+def summarize(split: dict, d: int, budgets: tuple[float, ...], reads: tuple | None = None) -> dict:
     """One tier split's curves: every method's link bits at each budget, and where fathom@48's lead over each fixed
-    read set falls below 2× and 1× (the budgets in bits a token and as a share of the read set's own bits)."""
+    read set falls below 2× and 1× (the budgets in bits a token). ``reads``: (the learning text's corpus, the
+    methods' labels, their read shares there and on this split's text, ``[methods, L, H, d, 4]``) adds each
+    by-query method tiered by read frequency, labelled ``<method> by reads`` (:func:`read_tier_points`), and
+    fathom@48's crossings in that tiering too."""
     curves, fixed = {}, {}
     for label, entry in split["methods"].items():
         is_fixed, points = method_points(label, entry, d)
-        curves[label] = {"bits": entry["bits"], "fixed_read_set": is_fixed, "points": points,
-                         "link_at": [link_bits_at(points, b) for b in budgets]}
+        curves[label] = {"bits": entry["bits"], "fixed_read_set": is_fixed, "points": points}
         if is_fixed:
             fixed[label] = points
-    crossings = {}
-    if REFERENCE in curves:
-        ours = curves[REFERENCE]["points"]
-        for label, theirs in fixed.items():
-            crossings[label] = {f"lead_below_{lead}x": budget_where(lead, ours, theirs) for lead in (2, 1)}
+    if reads is not None:
+        corpus, labels, learned, evaluated = reads
+        for i, label in enumerate(labels):
+            if label in curves and not curves[label]["fixed_read_set"]:
+                curves[f"{label} by reads"] = {"bits": curves[label]["bits"], "fixed_read_set": False,
+                                               "learned_on": corpus,
+                                               "points": read_tier_points(learned[i], evaluated[i])}
+    for curve in curves.values():
+        curve["link_at"] = link_bits_at(curve["points"], np.array(budgets, np.float64)).tolist()
+    crossings = {ours: {label: {f"lead_below_{lead}x": budget_where(lead, curves[ours]["points"], theirs)
+                                for lead in (2, 1)} for label, theirs in fixed.items()}
+                 for ours in (REFERENCE, f"{REFERENCE} by reads") if ours in curves}
     return {"model": split["model"], "corpus": split["corpus"], "context": split["context"], "head_dim": d,
             "budgets": list(budgets), "curves": curves, "crossings": crossings}
 
@@ -143,13 +188,14 @@ def table(summary: dict) -> list[str]:
     budgets = summary["budgets"]
     lines = [f"**{summary['model']}**, {summary['corpus']} {summary['context']} (d = {summary['head_dim']}): link "
              "bits a token at an HBM budget of … bits a token", "",
-             "| method | reads | " + " | ".join(f"{b:g}" for b in budgets) + " |", "|---|---|" + "---|" * len(budgets)]
+             "| method | tiered | " + " | ".join(f"{b:g}" for b in budgets) + " |", "|---|---|" + "---|" * len(budgets)]
     for label, curve in summary["curves"].items():
-        reads = "fixed set" if curve["fixed_read_set"] else "by query"
-        lines.append(f"| {label} | {reads} | " + " | ".join(f"{x:.1f}" for x in curve["link_at"]) + " |")
-    if summary["crossings"]:
-        lines += ["", f"| {REFERENCE}'s lead over | falls below 2× at | below 1× at |", "|---|---|---|"]
-        for label, at in summary["crossings"].items():
+        tiered = ("its read set whole" if curve["fixed_read_set"] else
+                  f"by read share on {curve['learned_on']}" if "learned_on" in curve else "by plane")
+        lines.append(f"| {label} | {tiered} | " + " | ".join(f"{x:.1f}" for x in curve["link_at"]) + " |")
+    for ours, against in summary["crossings"].items():
+        lines += ["", f"| {ours}'s lead over | falls below 2× at | below 1× at |", "|---|---|---|"]
+        for label, at in against.items():
             bits = summary["curves"][label]["bits"]
             cells = ["never" if b is None else f"{b:g} bits ({b / bits:.0%} of its own)"
                      for b in (at["lead_below_2x"], at["lead_below_1x"])]
@@ -165,32 +211,28 @@ def deployment(summaries: list[dict], hbm_gb: float) -> list[str]:
     lines = [f"Qwen3-8B's shape ({LAYERS} layers × {KV_HEADS} KV heads, d = {HEAD_DIM}) with {hbm_gb:g} GB of HBM "
              "for the scan: the tokens in flight past which fathom@48's scan reads under half / less than the "
              f"method's over the link (their K/V: {kv_bytes / 1e3:.0f} KB a token of host memory)", "",
-             f"| capture | against | {REFERENCE} reads under half of its link bits past | fewer link bits past |",
-             "|---|---|---|---|"]
+             "| capture | fathom@48 tiered | against | under half of its link bits past | fewer link bits past |",
+             "|---|---|---|---|---|"]
     for s in summaries:
         if s["head_dim"] != HEAD_DIM:
             continue
-        for label, at in s["crossings"].items():
-            cells = []
-            for budget in (at["lead_below_2x"], at["lead_below_1x"]):
-                if budget is None:
-                    cells.append("any number of tokens")
-                elif budget == 0:
-                    cells.append("no number of tokens")
-                else:
-                    tokens = tokens_at(budget, hbm_gb)
-                    cells.append(f"{tokens / 1e6:.1f} M tokens ({tokens * kv_bytes / 1e12:.1f} TB of K/V; under "
-                                 f"{budget:g} bits a token of HBM)")
-            lines.append(f"| {s['model']} {s['corpus']} {s['context']} | {label} | " + " | ".join(cells) + " |")
+        for ours, against in s["crossings"].items():
+            tiered = f"by read share on {s['curves'][ours]['learned_on']}" if "learned_on" in s["curves"][ours] \
+                else "by plane"
+            for label, at in against.items():
+                cells = []
+                for budget in (at["lead_below_2x"], at["lead_below_1x"]):
+                    if budget is None:
+                        cells.append("any number of tokens")
+                    elif budget == 0:
+                        cells.append("no number of tokens")
+                    else:
+                        tokens = tokens_at(budget, hbm_gb)
+                        cells.append(f"{tokens / 1e6:.1f} M tokens ({tokens * kv_bytes / 1e12:.1f} TB of K/V; "
+                                     f"under {budget:g} bits a token of HBM)")
+                lines.append(f"| {s['model']} {s['corpus']} {s['context']} | {tiered} | {label} | "
+                             + " | ".join(cells) + " |")
     return lines
-
-
-def _shown(path: Path) -> str:
-    """``path`` relative to the repository where it lies inside it (a committed result names no machine's folder)."""
-    from bench.report import RESULTS
-
-    root = RESULTS.parents[1]
-    return str(path.resolve().relative_to(root) if path.resolve().is_relative_to(root) else path)
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -215,10 +257,48 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def reads_path(split: Path) -> Path:
+    """Where ``bench.tier_split`` left a split's read shares: beside its JSON."""
+    return split.with_suffix(".reads.npz")
+
+
+def _read_shares(split: Path) -> tuple[list[str], np.ndarray]:
+    """A split's read shares file -> (labels, shares ``[methods, L, H, d, 4]``), a malformed one refused naming it."""
+    from bench.cli import UsageError
+
+    path = reads_path(split)
+    try:
+        with np.load(path) as data:
+            labels, shares = [str(x) for x in data["labels"]], np.asarray(data["shares"], np.float64)
+    except (OSError, KeyError, ValueError) as error:
+        raise UsageError(f"{path}: not a tier split's read shares ({error})") from None
+    if shares.ndim != 5 or shares.shape[0] != len(labels) or shares.shape[-1] != MAX_DEPTH \
+            or not ((shares >= 0) & (shares <= 1)).all():
+        raise UsageError(f"{path}: read shares must be [methods, L, H, d, {MAX_DEPTH}] in 0..1, one row a label, "
+                         f"got {shares.shape}")
+    return labels, shares
+
+
+def _learned_elsewhere(path, split, paths, splits, shares) -> tuple | None:
+    """The read-tier input of ``split``: its read shares and those of the same model on another corpus (the first
+    such split), over the methods both hold; None where either is missing."""
+    if path not in shares:
+        return None
+    for other_path, other in zip(paths, splits):
+        if other_path in shares and other["model"] == split["model"] and other["corpus"] != split["corpus"]:
+            (mine, evaluated), (theirs, learned) = shares[path], shares[other_path]
+            if evaluated.shape[1:] != learned.shape[1:]:
+                continue
+            common = [label for label in mine if label in theirs]
+            return (other["corpus"], common, learned[[theirs.index(x) for x in common]],
+                    evaluated[[mine.index(x) for x in common]])
+    return None
+
+
 def main(argv=None) -> None:
     from bench import cli, models
     from bench.cli import plain
-    from bench.report import RESULTS, command_line, write_json
+    from bench.report import RESULTS, command_line, repo_path, write_json
 
     parser = argparse.ArgumentParser(prog="python -m bench.hbm_budget", description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("splits", nargs="*", type=Path,
@@ -253,9 +333,11 @@ def main(argv=None) -> None:
                 except ValueError as error:
                     raise cli.UsageError(f"{path}: method {label}: {error}") from None
         out = cli.writable_folder("--out", args.out)
+        shares = {path: _read_shares(path) for path in paths if reads_path(path).is_file()}
     except cli.UsageError as error:
         parser.exit(2, f"error: {error}\n")
-    summaries = [summarize(split, models.info(split["model"]).head_dim, tuple(args.budgets)) for split in splits]
+    summaries = [summarize(split, models.info(split["model"]).head_dim, tuple(args.budgets),
+                           _learned_elsewhere(path, split, paths, splits, shares)) for path, split in zip(paths, splits)]
     lines = []
     for summary in summaries:
         lines += table(summary) + [""]
@@ -263,7 +345,9 @@ def main(argv=None) -> None:
     print("\n".join(lines))
     command = command_line(argv, "python -m bench.hbm_budget")
     json_path = write_json(out / f"{args.name}.json", command, {
-        "splits": [_shown(p) for p in paths], "hbm_gb": args.hbm_gb, "summaries": summaries, "table": lines})
+        "splits": [str(repo_path(p)) for p in paths], "hbm_gb": args.hbm_gb, "table": lines,
+        "summaries": [{**s, "curves": {label: {k: v for k, v in c.items() if k != "points"}  # the splits' to remake
+                                       for label, c in s["curves"].items()}} for s in summaries]})
     (out / f"{args.name}.md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")
     reference = next((s for s in summaries if s["head_dim"] == HEAD_DIM), summaries[0])
     plot(reference, out / f"{args.name}.png")

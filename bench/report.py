@@ -12,6 +12,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 LOCAL_RESULTS = RESULTS / "local"  # quick runs' results: ignored by git, so a first run leaves the checkout clean
 
 
+def repo_path(path: str | Path) -> Path:
+    """``path`` relative to the repository where it lies inside it (what a committed result or a doc names: no
+    machine's folder), else as given."""
+    path, root = Path(path), RESULTS.parents[1]
+    return path.resolve().relative_to(root) if path.resolve().is_relative_to(root) else path
+
+
 def context_label(n: int) -> str:
     """A context length for file names and tables: ``4k`` for 4096 tokens, the token count when not whole k."""
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)

@@ -18,27 +18,26 @@ import argparse
 
 import numpy as np
 
+from fathom.bits import SCALE_BITS
 from fathom.quantize import BLOCK, MAX_DEPTH
 
 DEFAULT_METHODS = ("fathom@32", "fathom@48", "fathom@64", "sparq@68", "double-sparsity@68", "double-sparsity@136",
                    "thumbnail-2bit")
 
 
-def link_fractions(capture, calibration, methods: list) -> dict[str, dict]:
-    """Per method (``fathom.methods.Method``, plane methods only): ``bits`` (mean scan bits a token), ``link`` (the
-    share of its scan bits over the link with t = 0..4 planes in HBM, all layers) and ``worst_layer_link`` (the
-    largest layer's share at each t)."""
+def read_shares(capture, calibration, methods: list) -> np.ndarray:
+    """float64 ``[methods, L, H, d, 4]``: per method, (layer, KV head), channel c and plane p, the share of the
+    tokens its scans read whose read of channel c reaches plane p (depth > p), each decode position weighted by the
+    sealed tokens it scans (``fathom.decode.plane_depths``, what the decoder reads). Plane 0's share is also the
+    channel's: its scale is read with it."""
     from fathom import fidelity
-    from fathom.bits import tier_scan_bits
     from fathom.decode import HeadIndex, plane_depths
 
     L, H, _, d = capture.keys.shape
     blocks = (capture.positions + 1) // BLOCK
-    weight = blocks * BLOCK  # the sealed tokens each position's scan reads
+    weight = (blocks * BLOCK).astype(np.float64)  # the sealed tokens each position's scan reads
     rotated = fidelity.needs_rotated(methods, calibration)
-    tiers = range(MAX_DEPTH + 1)
-    # bits over the link per (method, layer, t), summed over heads and positions weighted by ``weight``
-    far = np.zeros((len(methods), L, len(tiers)))
+    shares = np.zeros((len(methods), L, H, d, MAX_DEPTH))
     for layer in range(L):
         for head in range(H):
             stats = None if calibration is None else \
@@ -50,14 +49,32 @@ def link_fractions(capture, calibration, methods: list) -> dict[str, dict]:
                 store = index.stores[method.basis]
                 q_store = q @ store.basis if store.basis is not None else q
                 depths = plane_depths(method, q_store, index.stats[method.basis],
-                                      index.store_variance(method.basis, blocks), layer)
-                for t in tiers:
-                    far[i, layer, t] += (tier_scan_bits(depths, t)[1] * weight).sum()
-    scan = far[:, :, 0]  # with no plane in HBM every bit of the scan crosses the link
-    return {method.label(d): {"bits": float(scan[i].mean() / (weight.sum() * H)),
-                              "link": [float(far[i, :, t].sum() / scan[i].sum()) for t in tiers],
-                              "worst_layer_link": [float((far[i, :, t] / scan[i]).max()) for t in tiers]}
-            for i, method in enumerate(methods)}
+                                      index.store_variance(method.basis, blocks), layer)  # [positions, d]
+                reached = depths[:, :, None] > np.arange(MAX_DEPTH)  # [positions, d, plane]
+                shares[i, layer, head] = np.tensordot(weight, reached, axes=1) / weight.sum()
+    return shares
+
+
+def link_fractions_of(shares: np.ndarray, labels: list[str]) -> dict[str, dict]:
+    """:func:`read_shares` summed into each method's ``bits`` (mean scan bits a token), ``link`` (the share of its
+    scan bits over the link with the scales and t = 0..4 planes in HBM, all layers: ``fathom.bits.tier_scan_bits``'
+    split) and ``worst_layer_link`` (the largest layer's share at each t)."""
+    planes = shares.sum(axis=3)  # [methods, L, H, plane]: bits a token read of each plane, over the channels
+    scales = SCALE_BITS * planes[..., 0]  # a channel read at all reads its scale
+    far = np.stack([planes[..., t:].sum(axis=-1) + (scales if t == 0 else 0.0) for t in range(MAX_DEPTH + 1)],
+                   axis=-1).sum(axis=2)  # [methods, L, t], summed over heads
+    scan = far[..., 0]
+    return {label: {"bits": float(scan[i].mean() / shares.shape[2]),
+                    "link": [float(far[i, :, t].sum() / scan[i].sum()) for t in range(MAX_DEPTH + 1)],
+                    "worst_layer_link": [float((far[i, :, t] / scan[i]).max()) for t in range(MAX_DEPTH + 1)]}
+            for i, label in enumerate(labels)}
+
+
+def link_fractions(capture, calibration, methods: list) -> dict[str, dict]:
+    """Per method (``fathom.methods.Method``, plane methods only), keyed by its label: ``bits``, ``link`` and
+    ``worst_layer_link`` (:func:`link_fractions_of` of :func:`read_shares`)."""
+    d = capture.keys.shape[-1]
+    return link_fractions_of(read_shares(capture, calibration, methods), [m.label(d) for m in methods])
 
 
 def table(result: dict[str, dict]) -> list[str]:
@@ -74,7 +91,7 @@ def main(argv=None) -> None:
     from bench import cli, decoding
     from bench.capture import add_probe_arguments, check_probe_arguments, probe_capture
     from bench.cli import plain
-    from bench.report import command_line, write_json
+    from bench.report import command_line, repo_path, write_json
     from fathom import methods as catalog
     from fathom.calibration import Calibration
 
@@ -97,16 +114,20 @@ def main(argv=None) -> None:
     except cli.UsageError as error:
         parser.exit(2, f"error: {error}\n")
     capture = probe_capture(parser, args)
-    result = link_fractions(capture, None if calibration is None else Calibration.load(calibration), methods)
+    shares = read_shares(capture, None if calibration is None else Calibration.load(calibration), methods)
+    labels = [m.label(info.head_dim) for m in methods]
+    result = link_fractions_of(shares, labels)
     lines = table(result)
     print("\n".join(lines))
     path = args.out / f"tier-split-{args.model}-{args.corpus}-{args.context}.json"
     command = command_line(argv, "python -m bench.tier_split")
     write_json(path, command, {"model": args.model, "corpus": args.corpus, "context": args.context,
                                "positions": args.positions,
-                               "calibration": None if calibration is None else str(calibration),
+                               "calibration": None if calibration is None else str(repo_path(calibration)),
                                "methods": result, "table": lines})
-    print(f"wrote {path}")
+    reads = path.with_suffix(".reads.npz")  # per (layer, KV head, channel, plane): bench.hbm_budget's read tiers
+    np.savez_compressed(reads, labels=np.array(labels), shares=shares.astype(np.float32))
+    print(f"wrote {path}, {reads}")
 
 
 if __name__ == "__main__":

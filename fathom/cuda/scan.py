@@ -44,9 +44,10 @@ Score of token ``j`` in channel ``c`` read to depth ``b`` (design §2): with ``P
 ``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``. Through a reconstruction table
 (``levels``, the calibrated cell means of ``fathom.calibration``) ``k̂ = levels[c, b - 1, P] · Δ``: the kernel reads
 the table :func:`scan_levels` lays out, indexed by the code as the plane loop gathers it (``P · 2^(4-b)``), so a
-token's read is one load where the midpoint is an add (an FMA and a conversion before); its index is a 32-bit sum
-(Numba widens an unsigned sum to 64 bits, whose address arithmetic cost four instructions a token and made ptxas
-spill every held chunk word at G = 4: 166 -> 155 + 36·b a channel, 644 -> 328 bytes of spill stores) (a kernel compiled per case: the midpoint one is unchanged).
+token's read is one load where the midpoint is an add (an FMA and a conversion before), in a kernel compiled per
+case. Its index is a 32-bit sum: Numba widens an unsigned sum to 64 bits, whose address arithmetic cost four
+instructions a token and made ptxas spill every held chunk word at G = 4 (166 -> 155 + 36·b a channel, 644 -> 328
+bytes of spill stores).
 """
 
 from __future__ import annotations
@@ -305,7 +306,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                     # (of its high half) lands at bit 3 - p, where the 4-bit code holds it (one higher in the
                     # midpoint kernel): one shift and one masked OR a token and plane, and the prefix reads
                     # C = P · 2^(4-b) (the midpoint kernel's: 2^19 + C / 8 as a float)
-                    to_bit = np.uint64(first_shift) + np.uint64(lane)  # the right shift to plane p's bit: first_shift + lane + p
+                    to_bit = np.uint64(first_shift) + np.uint64(lane)  # plane p's right shift: first_shift + lane + p
                     bit = np.uint32(first_bit)
                     while plane_at < plane_end:
                         for x in range(group):

@@ -4,6 +4,7 @@ tier splits summarized; bad arguments exit 2 with one line."""
 
 import json
 
+import numpy as np
 import pytest
 
 from bench import hbm_budget as hb
@@ -46,10 +47,11 @@ def test_the_method_decides_the_policy_double_sparsity_and_the_thumbnail_fixed_f
     assert fixed == {"fathom@48": False, "sparq@68": False, "double-sparsity@136": True, "thumbnail-2bit@288": True}
     assert summary["curves"]["double-sparsity@136"]["link_at"] == [136.0, 0.0, 0.0]
     assert summary["curves"]["sparq@68"]["link_at"][1] == pytest.approx(68 - 136 / 160 * 20)  # between t = 0 and 1
-    assert set(summary["crossings"]) == {"double-sparsity@136", "thumbnail-2bit@288"}
+    assert list(summary["crossings"]) == ["fathom@48"]  # no read shares given: no read-tier curve
+    assert set(summary["crossings"]["fathom@48"]) == {"double-sparsity@136", "thumbnail-2bit@288"}
     lines = hb.table(summary)
-    assert lines[2] == "| method | reads | 0 | 136 | 288 |" and lines[6] == \
-        "| double-sparsity@136 | fixed set | 136.0 | 0.0 | 0.0 |"
+    assert lines[2] == "| method | tiered | 0 | 136 | 288 |" and lines[6] == \
+        "| double-sparsity@136 | its read set whole | 136.0 | 0.0 | 0.0 |"
     assert hb.tokens_at(100.0, 100.0) == pytest.approx(100e9 * 8 / (100 * 36 * 8))
 
 
@@ -59,7 +61,7 @@ def test_the_committed_tier_splits_summarized(tmp_path, capsys):
     assert payload["command"] == f"python -m bench.hbm_budget --out {tmp_path}"
     assert len(payload["summaries"]) == len(list(RESULTS.glob("tier-split-*.json")))
     qwen = next(s for s in payload["summaries"] if s["model"] == "qwen2.5-coder-1.5b")
-    at = qwen["crossings"]["double-sparsity@136"]
+    at = qwen["crossings"]["fathom@48"]["double-sparsity@136"]
     assert 0 < at["lead_below_2x"] < at["lead_below_1x"] < 136  # fathom@48 reads less only below DS's own bits
     assert (tmp_path / "hbm-budget.png").stat().st_size > 0
     assert "Qwen3-8B's shape" in (tmp_path / "hbm-budget.md").read_text()
@@ -95,3 +97,50 @@ def test_a_bad_tier_split_is_refused_naming_it(capsys, tmp_path, content, messag
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_planes_held_by_their_read_share_on_another_text():
+    """Items (layer, head, channel, plane) held most read first on the learning text; the link carries what the
+    evaluated text reads of the rest; a plane 0 costs its channel's scale too."""
+    learned = np.zeros((1, 2, 2, 4))
+    learned[0, 0, 0, :2] = [1.0, 0.5]  # head 0 reads channel 0's planes 0 and 1 (half the time)
+    learned[0, 1, 1, 0] = 0.8
+    evaluated = learned * 0.5  # the other text reads the same, half as often
+    points = hb.read_tier_points(learned, evaluated, step=0.01)
+    total = (0.5 * 1.25 + 0.25 + 0.4 * 1.25) / 2  # link bits a token with nothing held, over 2 stores
+    assert points[0] == (0.0, pytest.approx(total))
+    assert hb.link_bits_at(points, 1.25 / 2) == pytest.approx(total - 0.5 * 1.25 / 2)  # channel 0's plane 0 first
+    assert hb.link_bits_at(points, 2.5 / 2) == pytest.approx(total - (0.5 + 0.4) * 1.25 / 2)  # then the 0.8 one
+    assert hb.link_bits_at(points, 3.5 / 2) == pytest.approx(0.0)
+    ds = np.zeros((1, 1, 8, 4))
+    ds[0, 0, :2] = 1.0  # a fixed read set of 2 channels: held first and whole
+    assert hb.link_bits_at(hb.read_tier_points(ds, ds), 2 * 4.25) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="of one shape"):
+        hb.read_tier_points(learned, evaluated[..., :2])
+
+
+def test_a_split_with_read_shares_gets_the_read_tier_curve_learned_on_the_other_corpus(tmp_path):
+    labels, shape = ["fathom@48", "double-sparsity@136"], (2, 1, 2, 128, 4)
+    rng = np.random.default_rng(0)
+    for corpus in ("prose", "code"):
+        shares = rng.uniform(0, 0.2, shape).astype(np.float32)
+        shares[1] = 0.0
+        shares[1, :, :, :32] = 1.0
+        split = {"model": "qwen2.5-coder-1.5b", "corpus": corpus, "context": 4096, "methods": {
+            labels[0]: {"bits": 48.0, "link": [1.0, 0.3, 0.1, 0.03, 0.0]},
+            labels[1]: {"bits": 136.0, "link": [1.0, 3 / 4.25, 2 / 4.25, 1 / 4.25, 0.0]}}}
+        (tmp_path / f"tier-split-{corpus}.json").write_text(json.dumps(split))
+        np.savez_compressed(tmp_path / f"tier-split-{corpus}.reads.npz", labels=np.array(labels), shares=shares)
+    hb.main([str(tmp_path / "tier-split-prose.json"), str(tmp_path / "tier-split-code.json"),
+             "--out", str(tmp_path / "out")])
+    summaries = json.loads((tmp_path / "out" / "hbm-budget.json").read_text())["summaries"]
+    prose = summaries[0]
+    assert prose["curves"]["fathom@48 by reads"]["learned_on"] == "code"
+    assert "double-sparsity@136 by reads" not in prose["curves"]  # a fixed read set is held whole already
+    assert set(prose["crossings"]) == {"fathom@48", "fathom@48 by reads"}
+    assert "points" not in prose["curves"]["fathom@48"]  # remade from the splits, not stored
+    (tmp_path / "tier-split-code.reads.npz").write_bytes(b"not npz")
+    with pytest.raises(SystemExit) as exit_:
+        hb.main([str(tmp_path / "tier-split-prose.json"), str(tmp_path / "tier-split-code.json"),
+                 "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2

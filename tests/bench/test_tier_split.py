@@ -74,9 +74,15 @@ def test_the_recorded_command_runs_again_as_it_ran(monkeypatch, tmp_path, capsys
     out = tmp_path / "a folder"  # a space: joined unquoted, the command split it into two arguments
     argv = ["--context", "256", "--positions", "4", "--methods", "fathom@24", "--out", str(out)]
     tier_split.main(argv)
-    (path,) = out.iterdir()
+    path = out / "tier-split-smollm2-135m-paul-graham-256.json"
+    assert sorted(out.iterdir()) == [path, out / "tier-split-smollm2-135m-paul-graham-256.reads.npz"]
     command = json.loads(path.read_text())["command"]
     assert shlex.split(command) == ["python", "-m", "bench.tier_split", *argv]
+    with np.load(out / "tier-split-smollm2-135m-paul-graham-256.reads.npz") as reads:  # bench.hbm_budget's input
+        assert reads["labels"].tolist() == ["fathom@24"] and reads["shares"].shape == (1, 2, 2, 64, 4)
+        bits = json.loads(path.read_text())["methods"]["fathom@24"]["bits"]
+        np.testing.assert_allclose(reads["shares"].sum(axis=(3, 4)).mean() + 0.25 * reads["shares"][..., 0].sum(
+            axis=3).mean(), bits, rtol=1e-5)  # a token's planes and scales read: its scan bits
 
 
 @pytest.mark.parametrize("probe", ["tier_split", "plane_probe"])
