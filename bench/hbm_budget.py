@@ -258,14 +258,11 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def reads_path(split: Path) -> Path:
-    """Where ``bench.tier_split`` left a split's read shares: beside its JSON."""
-    return split.with_suffix(".reads.npz")
-
-
 def _read_shares(split: Path) -> tuple[list[str], np.ndarray]:
     """A split's read shares file -> (labels, shares ``[methods, L, H, d, 4]``), a malformed one refused naming it."""
     from bench.cli import UsageError
+
+    from bench.tier_split import reads_path
 
     path = reads_path(split)
     try:
@@ -297,7 +294,7 @@ def _learned_elsewhere(path, split, paths, splits, shares) -> tuple | None:
 
 
 def main(argv=None) -> None:
-    from bench import cli, models
+    from bench import cli, models, tier_split
     from bench.cli import plain
     from bench.report import RESULTS, command_line, repo_path, write_json
 
@@ -334,7 +331,7 @@ def main(argv=None) -> None:
                 except ValueError as error:
                     raise cli.UsageError(f"{path}: method {label}: {error}") from None
         out = cli.writable_folder("--out", args.out)
-        shares = {path: _read_shares(path) for path in paths if reads_path(path).is_file()}
+        shares = {path: _read_shares(path) for path in paths if tier_split.reads_path(path).is_file()}
     except cli.UsageError as error:
         parser.exit(2, f"error: {error}\n")
     summaries = [summarize(split, models.info(split["model"]).head_dim, tuple(args.budgets),

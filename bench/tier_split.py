@@ -8,13 +8,16 @@ what the offloaded decoder counts (``Decoder.scan_nbytes_by_tier``) and ``bench 
 ``host_plane_fraction``, there on synthetic keys. Here the depths come from a real model's keys and queries
 (the fidelity bench's capture and calibration), every layer, KV head and decode position, each position's scan
 weighted by the sealed tokens it reads. ``python -m bench.tier_split --model smollm2-135m --corpus paul-graham
---context 8192`` prints the table and writes ``bench/results/tier-split-<model>-<corpus>-<context>.json`` (CPU:
-seconds once the capture is cached; the capture is the fidelity bench's, cached and shared with it).
+--context 8192`` prints the table and writes ``bench/results/tier-split-<model>-<corpus>-<context>.json`` and, beside
+it, ``.reads.npz``: each method's read share per (layer, KV head, channel, plane), what ``bench.hbm_budget`` holds
+planes in HBM by (CPU: seconds once the capture is cached; the capture is the fidelity bench's, cached and shared
+with it).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 
@@ -77,6 +80,11 @@ def link_fractions(capture, calibration, methods: list) -> dict[str, dict]:
     return link_fractions_of(read_shares(capture, calibration, methods), [m.label(d) for m in methods])
 
 
+def reads_path(split: Path) -> Path:
+    """Where a split's read shares (:func:`read_shares`, float32, with the methods' labels) lie: beside its JSON."""
+    return split.with_suffix(".reads.npz")
+
+
 def table(result: dict[str, dict]) -> list[str]:
     lines = ["| method | bits read | over the link with t = 1 | t = 2 | t = 3 | worst layer, t = 1 / 2 |",
              "|---|---|---|---|---|---|"]
@@ -125,7 +133,7 @@ def main(argv=None) -> None:
                                "positions": args.positions,
                                "calibration": None if calibration is None else str(repo_path(calibration)),
                                "methods": result, "table": lines})
-    reads = path.with_suffix(".reads.npz")  # per (layer, KV head, channel, plane): bench.hbm_budget's read tiers
+    reads = reads_path(path)
     np.savez_compressed(reads, labels=np.array(labels), shares=shares.astype(np.float32))
     print(f"wrote {path}, {reads}")
 
