@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import numpy as np
@@ -305,7 +306,7 @@ def main(argv=None) -> None:
                         help="HBM bits a token, comma-separated, each >= 0 (default "
                              f"{','.join(map(str, DEFAULT_BUDGETS))})")
     parser.add_argument("--hbm-gb", type=float, default=100.0,
-                        help="HBM left for the scan on the GPU, GB > 0 (default 100: an H200's 141 less an 8B "
+                        help="HBM left for the scan on the GPU, finite GB > 0 (default 100: an H200's 141 less an 8B "
                              "model's bf16 weights and the step's buffers)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="hbm-budget")
@@ -313,8 +314,8 @@ def main(argv=None) -> None:
     try:
         if any(b < 0 for b in args.budgets):
             raise cli.UsageError(f"--budgets must each be >= 0, got {min(args.budgets)}")
-        if not args.hbm_gb > 0:
-            raise cli.UsageError(f"--hbm-gb must be > 0, got {args.hbm_gb}")
+        if not 0 < args.hbm_gb < math.inf:
+            raise cli.UsageError(f"--hbm-gb must be a finite number > 0, got {args.hbm_gb}")
         cli.file_stem("--name", args.name)
         paths = args.splits or sorted(RESULTS.glob("tier-split-*.json"))
         if not paths:
@@ -335,7 +336,8 @@ def main(argv=None) -> None:
     except cli.UsageError as error:
         parser.exit(2, f"error: {error}\n")
     summaries = [summarize(split, models.info(split["model"]).head_dim, tuple(args.budgets),
-                           _learned_elsewhere(path, split, paths, splits, shares)) for path, split in zip(paths, splits)]
+                           _learned_elsewhere(path, split, paths, splits, shares))
+                 for path, split in zip(paths, splits)]
     lines = []
     for summary in summaries:
         lines += table(summary) + [""]

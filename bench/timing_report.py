@@ -96,8 +96,8 @@ def update_readme(readme: Path, payload: dict, source: Path) -> None:
         else:
             body = (f"\n{'; '.join(f'`{c}`' for c in commands)} on {payload['device']} (recorded in "
                     f"`{repo_path(source)}`): the attention of all {LAYERS} layers of Qwen3-8B's shape and each "
-                    f"token's append, synthetic keys, one CUDA graph a token, medians; the peers' figures are whole models "
-                    f"on other hardware. DS-136 is timed on fathom's store through the same plane tiers (at t = 2 "
+                    f"token's append, synthetic keys, one CUDA graph a token, medians; the peers' figures are whole "
+                    f"models on other hardware. DS-136 is timed on fathom's store through the same plane tiers (at t = 2 "
                     f"half of its planes cross the link) and, where the run timed it, as its own design keeps it: "
                     f"its 136 bits a token in HBM, less HBM than t = 2's 288, so no scan bytes cross the link "
                     f"(`python -m bench.hbm_budget`: at which HBM budget a token fathom's scan still reads less over "

@@ -73,7 +73,7 @@ CHUNK_WORDS = 3072  # run words staged per chunk (24 KiB; a chunk may overrun by
 MAX_CTA_BLOCKS = 256
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension: a stream's CTAs
 MIDPOINT_BASE = 2.0 ** 19  # the float whose mantissa's unit is 2^-4: 2^19 + C / 8 is its bits OR C << 1
-MIDPOINT_BASE_BITS = 0x49000000  # its bits: exponent 127 + 19, mantissa 0
+MIDPOINT_BASE_BITS = int(np.float32(MIDPOINT_BASE).view(np.uint32))  # its bits: exponent 127 + 19, mantissa 0
 _KERNELS: dict[tuple, object] = {}
 
 

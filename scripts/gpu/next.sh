@@ -27,7 +27,10 @@ case ${1:-} in
       python3 -m bench soak --cycles 120 --every 20 --out /tmp/soak 2>&1 | tail -8 && cp /tmp/soak/soak.json "$OUT"/
     else echo "skipped soak: $((limit - SECONDS)) s left"; fi ;;
   2)
-    run k16 300 --regimes host,hbm --reps 3 --host-gb 90 --contexts 131072 --sessions 16 --kernels ;;
+    # two runs: at --host-gb 90 the hbm regime asks for 160 GB of pinned memory (bench.timing_settings'
+    # physical_layers counts the ragged lengths, the cache reserves max_tokens a session)
+    run k16 150 --regimes host --reps 3 --host-gb 90 --contexts 131072 --sessions 16 --kernels
+    run k16-hbm 150 --regimes hbm --reps 3 --host-gb 45 --contexts 131072 --sessions 16 --kernels ;;
   3)
     run k128-levels 90 --regimes host --reps 5 --host-gb 90 --contexts 131072 --sessions 1 --kernels --levels
     run k16-levels 150 --regimes host --reps 3 --host-gb 90 --contexts 131072 --sessions 16 --kernels --levels

@@ -69,7 +69,9 @@ def test_the_committed_tier_splits_summarized(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--budgets", "0,-1"], "--budgets must each be >= 0"),
-    (["--hbm-gb", "0"], "--hbm-gb must be > 0"),
+    (["--hbm-gb", "0"], "--hbm-gb must be a finite number > 0"),
+    (["--hbm-gb", "inf"], "--hbm-gb must be a finite number > 0"),
+    (["--hbm-gb", "nan"], "--hbm-gb must be a finite number > 0"),
     (["--name", "a/b"], "--name must be a file name stem"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, tmp_path, argv, message):
