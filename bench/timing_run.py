@@ -58,6 +58,27 @@ def hbm_rate(torch) -> float:
     return (1 << 32) / statistics.median(times[1:]) / 1e6
 
 
+def cache_shape(setting: Setting, args, layers: int):
+    """The timed cache's shape, ``layers`` physical layers of ``setting`` (``args``: ``hbm_planes``,
+    ``row_cache_rows``)."""
+    from fathom.host.cache import CacheShape
+
+    return CacheShape(sessions=setting.sessions, layers=layers, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                      max_tokens=max(setting.lengths) + HEADROOM,
+                      store="host" if setting.regime == "host" else "device",
+                      hbm_planes=args.hbm_planes if setting.regime == "host" else None,
+                      row_cache_rows=args.row_cache_rows)
+
+
+def held_layers(setting: Setting, args) -> int:
+    """Physical layers pinned host memory holds within ``args.host_gb``, counted as the cache counts a layer's
+    pinned bytes (its K/V rows reserve ``max_tokens`` a session; it holds both stores, the timed cache being given
+    a basis)."""
+    from fathom.host.cache import PinnedLayer
+
+    return physical_layers(PinnedLayer.nbytes(cache_shape(setting, args, 1), ("raw", "rotated")), args.host_gb)
+
+
 class Run:
     """One setting: the cache filled once, a decoder (and a whole-token graph) per method, timed interleaved."""
 
@@ -65,20 +86,16 @@ class Run:
         import numpy as np
         import torch
 
-        from fathom.host.cache import CacheShape, HostKVCache
+        from fathom.host.cache import HostKVCache
         from fathom.host.decoder import Decoder, DecoderSettings
         from fathom.host.graph import StepGraph
         from fathom.quantize import CELLS, MAX_DEPTH, midpoint_levels
         from fathom.selection import Selection
 
         self.torch, self.setting = torch, setting
-        self.physical = physical_layers(setting, args.host_gb)
+        self.physical = held_layers(setting, args)
         self.layer_order = [layer % self.physical for layer in range(LAYERS)]  # the physical layer of each of the 36
-        shape = CacheShape(sessions=setting.sessions, layers=self.physical, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                           max_tokens=max(setting.lengths) + HEADROOM,
-                           store="host" if setting.regime == "host" else "device",
-                           hbm_planes=args.hbm_planes if setting.regime == "host" else None,
-                           row_cache_rows=args.row_cache_rows)
+        shape = cache_shape(setting, args, self.physical)
         started = time.perf_counter()
         ds_rank, basis = data.calibration(self.physical)
         self.cache = HostKVCache(shape, basis=basis)

@@ -59,11 +59,7 @@ def settings_for(args) -> list[Setting]:
     return out
 
 
-def physical_layers(setting: Setting, host_gb: float) -> int:
-    """How many layers' stores pinned host memory holds within ``host_gb``."""
-    tokens = sum(setting.lengths) + setting.sessions * HEADROOM
-    per_token = 4 * HEAD_DIM + HEAD_DIM * 2 // 8  # K/V rows + landmarks
-    if setting.regime == "host":
-        per_token += 2 * (HEAD_DIM * 4 + HEAD_DIM * 2 // 64) // 8 * 8  # raw + rotated store
-    per_layer = tokens * KV_HEADS * per_token
-    return int(max(1, min(LAYERS, host_gb * 1e9 // per_layer)))
+def physical_layers(layer_bytes: int, host_gb: float) -> int:
+    """How many layers pinned host memory holds within ``host_gb``, at ``layer_bytes`` pinned a layer (the cache's
+    own accounting, ``fathom.host.cache.PinnedLayer.nbytes``: it reserves ``max_tokens`` a session, ragged or not)."""
+    return int(max(1, min(LAYERS, host_gb * 1e9 // layer_bytes)))

@@ -5,5 +5,6 @@
 set -uo pipefail
 source scripts/gpu/site.sh
 name=$1; shift
-python3 -m bench timing "$@" --out /tmp/timing --name "$name" 2>&1 | tail -40
+# TIMEOUT (s): the run is cut there, so that a call's limit never loses what came before it
+timeout "${TIMEOUT:-600}" python3 -m bench timing "$@" --out /tmp/timing --name "$name" 2>&1 | tail -40
 cp /tmp/timing/timing-"$name".json "$OUT"/ || echo "error: timing-$name.json not written" >&2

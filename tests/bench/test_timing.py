@@ -19,3 +19,25 @@ def test_a_methods_warm_up_budget_is_split_between_its_modes():
     left, timed = 4096 // 6, 28
     each = warmup_most(left, 2, 2, timed)
     assert 2 * each + timed <= left // 2 and each < warmup_most(left, 2, 1, timed)
+
+
+def test_the_physical_layers_fit_the_pinned_budget_as_the_cache_counts_it():
+    """16 ragged sessions of 128k with the store in HBM: the cache reserves max_tokens a session, so the layers
+    chosen fit --host-gb by the cache's own count (the estimate from the ragged lengths chose 17 layers, 160 GB)."""
+    from argparse import Namespace
+
+    from bench.timing_run import cache_shape, held_layers
+    from bench.timing_settings import LAYERS, Setting
+    from fathom.host.cache import PinnedLayer
+
+    for regime, sessions, host_gb in (("hbm", 16, 90.0), ("host", 16, 90.0), ("host", 1, 90.0), ("hbm", 1, 1.0)):
+        setting = Setting(131072, sessions, regime, ragged=sessions == 16)
+        args = Namespace(host_gb=host_gb, hbm_planes=2, row_cache_rows=32768)
+        layers = held_layers(setting, args)
+        pinned = layers * PinnedLayer.nbytes(cache_shape(setting, args, layers), ("raw", "rotated"))  # a layer's
+        if layers > 1:  # one layer is the floor, whatever the budget
+            assert pinned <= host_gb * 1e9
+        if layers < LAYERS:
+            assert pinned * (layers + 1) / layers > host_gb * 1e9
+    assert held_layers(Setting(131072, 16, "hbm", ragged=True), Namespace(host_gb=90.0, hbm_planes=2,
+                                                                          row_cache_rows=32768)) == 9
