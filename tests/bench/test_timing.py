@@ -34,10 +34,11 @@ def test_the_physical_layers_fit_the_pinned_budget_as_the_cache_counts_it():
         setting = Setting(131072, sessions, regime, ragged=sessions == 16)
         args = Namespace(host_gb=host_gb, hbm_planes=2, row_cache_rows=32768)
         layers = held_layers(setting, args)
-        pinned = layers * PinnedLayer.nbytes(cache_shape(setting, args, layers), ("raw", "rotated"))  # a layer's
+        per_layer = PinnedLayer.nbytes(cache_shape(setting, args, layers), ("raw", "rotated"))  # bytes a layer
+        pinned = layers * per_layer
         if layers > 1:  # one layer is the floor, whatever the budget
             assert pinned <= host_gb * 1e9
         if layers < LAYERS:
-            assert pinned * (layers + 1) / layers > host_gb * 1e9
+            assert pinned + per_layer > host_gb * 1e9  # one layer more would not fit
     assert held_layers(Setting(131072, 16, "hbm", ragged=True), Namespace(host_gb=90.0, hbm_planes=2,
                                                                           row_cache_rows=32768)) == 9
