@@ -72,11 +72,11 @@ def cache_shape(setting: Setting, args, layers: int):
 
 def held_layers(setting: Setting, args) -> int:
     """Physical layers pinned host memory holds within ``args.host_gb``, counted as the cache counts a layer's
-    pinned bytes (its K/V rows reserve ``max_tokens`` a session; it holds both stores, the timed cache being given
-    a basis)."""
-    from fathom.host.cache import PinnedLayer
+    pinned bytes (its K/V rows reserve ``max_tokens`` a session; the timed cache is given a basis, so it holds the
+    rotated store too)."""
+    from fathom.host.cache import PinnedLayer, store_names
 
-    return physical_layers(PinnedLayer.nbytes(cache_shape(setting, args, 1), ("raw", "rotated")), args.host_gb)
+    return physical_layers(PinnedLayer.nbytes(cache_shape(setting, args, 1), store_names(rotated=True)), args.host_gb)
 
 
 class Run:

@@ -191,6 +191,11 @@ class PinnedLayer:
 STATE = ("slab", "slot_of", "position", "stamp", "clock", "counters")  # what a row cache holds
 
 
+def store_names(rotated: bool) -> tuple[str, ...]:
+    """The stores each layer of a cache holds: the raw one, and the rotated one beside it when ``rotated``."""
+    return ("raw", "rotated") if rotated else ("raw",)
+
+
 class RowSlab:
     """One layer's HBM row cache: the slab and the bookkeeping of ``fathom.row_cache.RowCache`` as torch tensors
     (``slot_of`` -1, ``position`` -1, ``stamp``, ``clock``; ``counters`` int64 ``[streams, 3]``: the last step's
@@ -290,7 +295,7 @@ class HostKVCache:
             for layer in range(s.layers):
                 self._check_basis(layer, basis[layer])
         self.rotated = basis is not None or bool(rotated)
-        self.store_names = ("raw", "rotated") if self.rotated else ("raw",)  # the stores each layer holds
+        self.store_names = store_names(self.rotated)
         _check_host_memory(s.layers * PinnedLayer.nbytes(s, self.store_names), s)
         self.closed = False
         self.status = MappedBuffer((s.layers, 4), np.int32)  # error flags, read by the host without a sync

@@ -28,7 +28,7 @@ case ${1:-} in
       python3 -m bench soak --cycles 120 --every 20 --out /tmp/soak 2>&1 | tail -8 && cp /tmp/soak/soak.json "$OUT"/
     else echo "skipped soak: $((limit - SECONDS)) s left"; fi ;;
   2)
-    run k16 150 --regimes host,hbm --reps 3 --host-gb 90 --contexts 131072 --sessions 16 --kernels ;;
+    run k16 300 --regimes host,hbm --reps 3 --host-gb 90 --contexts 131072 --sessions 16 --kernels ;;
   3)  # the levels A/B: each kernel beside the midpoint kernel, on the same warm machine
     run k128 90 --regimes host --reps 5 --host-gb 90 --contexts 131072 --sessions 1 --kernels
     run k128-levels 90 --regimes host --reps 5 --host-gb 90 --contexts 131072 --sessions 1 --kernels --levels

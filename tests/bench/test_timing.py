@@ -28,13 +28,13 @@ def test_the_physical_layers_fit_the_pinned_budget_as_the_cache_counts_it():
 
     from bench.timing_run import cache_shape, held_layers
     from bench.timing_settings import LAYERS, Setting
-    from fathom.host.cache import PinnedLayer
+    from fathom.host.cache import PinnedLayer, store_names
 
     for regime, sessions, host_gb in (("hbm", 16, 90.0), ("host", 16, 90.0), ("host", 1, 90.0), ("hbm", 1, 1.0)):
         setting = Setting(131072, sessions, regime, ragged=sessions == 16)
         args = Namespace(host_gb=host_gb, hbm_planes=2, row_cache_rows=32768)
         layers = held_layers(setting, args)
-        per_layer = PinnedLayer.nbytes(cache_shape(setting, args, layers), ("raw", "rotated"))  # bytes a layer
+        per_layer = PinnedLayer.nbytes(cache_shape(setting, args, layers), store_names(rotated=True))  # a layer's
         pinned = layers * per_layer
         if layers > 1:  # one layer is the floor, whatever the budget
             assert pinned <= host_gb * 1e9
