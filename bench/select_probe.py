@@ -4,9 +4,10 @@ are (the module notes of ``fathom.cuda.topk``). Every shape's selection must equ
 masks ``union_rows`` compacts from it; a difference is refused, not timed), so a faster shape is the same selection.
 
 ``python -m bench.select_probe [--context 131072] [--sessions 1,16] [--per-block 8192,16384,32768]
-[--threads 256,512] [--reps 20] [--out bench/results/select-probe.json]`` (needs a GPU). One layer of the timing
+[--threads 256,512] [--select-threads 1024] [--reps 20] [--out bench/results/select-probe.json]`` (needs a GPU). One layer of the timing
 bench's shape: 8 KV heads of G = 4 query heads, k = 512, sink 4, local 32; a batch of several sessions is ragged as
-``bench timing``'s (session i holds ``context · (1 + i) / S`` tokens, down to a block) in a buffer of ``context`` tokens a stream.
+``bench timing``'s (session i holds ``context · (1 + i) / S`` tokens, down to a block), in buffers of ``context``
+tokens.
 Each shape is captured in a CUDA graph of ``--reps`` selections (each after a copy that restores the scan's
 top-byte histogram, which a selection consumes), replayed five times; the median replay over ``--reps`` is the
 figure, the restoring copy included (the same in every shape).
@@ -140,8 +141,9 @@ def main(argv=None) -> None:
                         help="tokens a CTA of the candidate passes (default 8192,16384,32768; the first is the "
                              "reference selection)")
     parser.add_argument("--threads", type=int_list, default=[256, 512],
-                        help="threads a CTA of the candidate passes (default 256,512; the ties kernel: 4x, at most "
-                             "1024)")
+                        help="threads a CTA of the candidate passes (default 256,512)")
+    parser.add_argument("--select-threads", type=int_list, default=[1024],
+                        help="threads a CTA of the ties kernel (default 1024, the decoder's: 4 x 256)")
     parser.add_argument("--reps", type=int, default=20, help="selections a replay (default 20)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/select-probe.json"),
                         help="JSON written here, its table beside it (default bench/results/select-probe.json)")
@@ -155,6 +157,8 @@ def main(argv=None) -> None:
                 at_least(name, value, low)
         if any(not 32 <= t <= 1024 for t in args.threads):
             raise UsageError(f"--threads must be in 32..1024, got {args.threads}")
+        if any(not 32 <= t <= 1024 for t in args.select_threads):
+            raise UsageError(f"--select-threads must be in 32..1024, got {args.select_threads}")
 
     probe_ready(parser, 1, args.out, check)
     import torch
@@ -163,29 +167,31 @@ def main(argv=None) -> None:
     for sessions in args.sessions:
         sel = Selection(args.context, sessions)
         reference = None
-        for per_block, threads in itertools.product(args.per_block, args.threads):
-            select_threads = min(4 * threads, 1024)
+        for per_block, threads, select_threads in itertools.product(args.per_block, args.threads,
+                                                                     args.select_threads):
             us, rows = measure(sel, per_block, threads, select_threads, args.reps)
             if reference is None:
                 reference = rows
             elif not all(torch.equal(a, b) for a, b in zip(rows, reference)):
-                raise SystemExit(f"error: per_block {per_block}, threads {threads} selected other rows than "
-                                 f"per_block {args.per_block[0]}, threads {args.threads[0]} at {sessions} sessions")
+                raise SystemExit(f"error: per_block {per_block}, threads {threads} / {select_threads} selected "
+                                 f"other rows than the first shape at {sessions} sessions")
             records.append({"sessions": sessions, "context": args.context, "per_block": per_block,
                             "threads": threads, "select_threads": select_threads, "us": us,
                             "rows": int(reference[0].sum())})
-            print(f"{sessions} sessions, per_block {per_block}, threads {threads}: {us:.1f} µs", flush=True)
+            print(f"{sessions} sessions, per_block {per_block}, threads {threads} / {select_threads}: {us:.1f} µs",
+                  flush=True)
         del sel
         torch.cuda.empty_cache()
-    out = {"command": command_line(argv, "python -m bench.select_probe"), "device": torch.cuda.get_device_name(), "reps": args.reps,
-           "replays": REPLAYS, "records": records}
+    out = {"command": command_line(argv, "python -m bench.select_probe"), "device": torch.cuda.get_device_name(),
+           "reps": args.reps, "replays": REPLAYS, "records": records}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     for r in records:  # against the batch's first shape (the reference selection)
         r["speedup"] = next(x for x in records if x["sessions"] == r["sessions"])["us"] / r["us"]
         r["ms_36"] = r["us"] * 36e-3
     table = markdown_table(records, [("sessions", "sessions", "d"), ("per_block", "tokens a CTA", "d"),
-                                     ("threads", "threads", "d"), ("us", "µs a selection", ".1f"),
+                                     ("threads", "threads", "d"), ("select_threads", "ties threads", "d"),
+                                     ("us", "µs a selection", ".1f"),
                                      ("ms_36", "36 layers, ms", ".2f"), ("speedup", "vs the first shape", ".2f")])
     args.out.with_suffix(".md").write_text(f"`{out['command']}` on {out['device']}\n\n{table}\n")
     print(table)
