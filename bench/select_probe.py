@@ -5,12 +5,11 @@ masks ``union_rows`` compacts from it; a difference is refused, not timed), so a
 
 ``python -m bench.select_probe [--context 131072] [--sessions 1,16] [--per-block 8192,16384,32768]
 [--threads 256,512] [--select-threads 1024] [--reps 20] [--out bench/results/select-probe.json]`` (needs a GPU).
-One layer of the timing bench's shape: 8 KV heads of G = 4 query heads, k = 512, sink 4, local 32; a batch of several sessions is ragged as
-``bench timing``'s (session i holds ``context · (1 + i) / S`` tokens, down to a block), in buffers of ``context``
-tokens.
-Each shape is captured in a CUDA graph of ``--reps`` selections (each after a copy that restores the scan's
-top-byte histogram, which a selection consumes), replayed five times; the median replay over ``--reps`` is the
-figure, the restoring copy included (the same in every shape).
+One layer of the timing bench's shape: 8 KV heads of G = 4 query heads, k = 512, sink 4, local 32; a batch of
+several sessions is ragged as ``bench timing``'s (session i holds ``context · (1 + i) / S`` tokens, down to a
+block), in buffers of ``context`` tokens. Each shape is captured in a CUDA graph of ``--reps`` selections (each
+after a copy that restores the scan's top-byte histogram, which a selection consumes), replayed five times; the
+median replay over ``--reps`` is the figure, the restoring copy included (the same in every shape).
 """
 
 from __future__ import annotations
