@@ -256,11 +256,13 @@ class Decoder:
         steps: list[tuple[str, list[Launch]]] = []
         if not dense:
             buf = StepBuffers(q, self.q_store, self.depths, self.scores, self.top_hist)
+            # the ties kernel at the candidate passes' threads: at 256 a selection took 0.90x the time it took at
+            # 1024 for 16 ragged 128k sessions, 0.98x for one (``python -m bench.select_probe``, an H100)
             steps += [("plan", self.strategy.plan(layer, buf)), ("scan", self.strategy.scan(layer, buf, sel)),
                       ("select", [lambda stream: select(score_bits, lengths, heads, k, sel.sink, sel.local,
                                                         a["top_hist"], a["hist2"], cand_key, a["cand_idx"],
-                                                        a["cand_count"], winners, any_rows, threads,
-                                                        min(4 * threads, 1024), stream=stream)]),
+                                                        a["cand_count"], winners, any_rows, threads, threads,
+                                                        stream=stream)]),
                       ("union", [lambda stream: union_rows(any_rows, winners, lengths, heads, a["block_rows"],
                                                            a["row_index"], a["head_mask"], a["n_rows"], threads,
                                                            stream)])]

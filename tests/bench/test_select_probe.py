@@ -38,9 +38,9 @@ def test_its_selection_is_the_reference_selection():
     some head of the reference selects, with those heads' bits."""
     sel = Selection(640, 2, kv_heads=1, k=40)
     sel.select(per_block=256, threads=32, select_threads=64, stream=0)
-    n_rows, row_index, head_mask = (x.numpy() for x in sel.rows(0))
+    n_rows, row_index, head_mask = (x.cpu().numpy() for x in sel.rows(0))
     for g, n in enumerate(sel.lengths.tolist()):
-        chosen = ref_select(sel.scores[g, :, :n // 64 * 64].numpy(), n, Protocol(k=40, sink=SINK, local=LOCAL))
+        chosen = ref_select(sel.scores[g, :, :n // 64 * 64].cpu().numpy(), n, Protocol(k=40, sink=SINK, local=LOCAL))
         rows = np.flatnonzero(chosen.any(axis=0))
         assert np.array_equal(row_index[g, :n_rows[g]], rows)
         masks = (chosen[:, rows] * (1 << np.arange(chosen.shape[0]))[:, None]).sum(axis=0)
