@@ -31,6 +31,8 @@ module                what it holds or does
                       a registered anonymous map (what ``fathom.host.pinned`` chose rests on it)
 ``gather_probe``      ``python -m bench.gather_probe``: a GPU's gather of K/V rows from pinned host memory, by
                       where the rows lie (the step's row gather is paid per host page touched)
+``select_probe``      ``python -m bench.select_probe``: the selection alone at a step's sizes, by launch shape
+                      (tokens and threads a CTA of its passes), each shape's rows checked equal
 ``plane_probe``       ``python -m bench.plane_probe``: reconstruction and depth-allocation variants of the raw
                       store measured on a capture (centroids, histogram gains; research for issue 15)
 ``tier_split``        ``python -m bench.tier_split``: the share of each method's scan bits a t-plane HBM tier
