@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 from hypothesis import settings
@@ -9,10 +8,6 @@ from hypothesis import settings
 ON_GPU = os.environ.get("FATHOM_GPU") == "1"
 if not ON_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-    # The simulator runs a CTA's threads as Python threads while its own loop polls them, holding the GIL, until
-    # every one waits at a barrier; at the default 5 ms switch interval a thread let through a barrier waits out the
-    # poller's slice. At 0.5 ms the simulated kernels run about 3x faster (a row-cache decoder test: 99 -> 33 s).
-    sys.setswitchinterval(5e-4)
 
 # CI runs on 2 cores: keep property tests small and free of wall-clock deadlines.
 settings.register_profile("ci", max_examples=40, deadline=None)
