@@ -256,7 +256,7 @@ class Decoder:
         steps: list[tuple[str, list[Launch]]] = []
         if not dense:
             buf = StepBuffers(q, self.q_store, self.depths, self.scores, self.top_hist)
-            # the ties kernel at the candidate passes' threads: at 256 a selection took 0.90x the time it took at
+            # the ties kernel at the candidate passes' threads: at 256 a selection took 0.91x the time it took at
             # 1024 for 16 ragged 128k sessions, 0.98x for one (``python -m bench.select_probe``, an H100)
             steps += [("plan", self.strategy.plan(layer, buf)), ("scan", self.strategy.scan(layer, buf, sel)),
                       ("select", [lambda stream: select(score_bits, lengths, heads, k, sel.sink, sel.local,
