@@ -56,7 +56,7 @@ def top_histogram(scores, lengths, heads_per_session: int, sink: int, local: int
     return hist[..., :256].to(torch.int32).contiguous()
 
 
-class Selection:
+class SelectionBuffers:
     """One layer's selection buffers (as ``fathom.host.decoder.Decoder`` holds them) over synthetic scores of
     ``sessions`` (:func:`session_lengths`) of ``kv_heads`` KV heads, each a buffer of ``context`` tokens."""
 
@@ -106,7 +106,7 @@ class Selection:
         return [x.clone() for x in (self.n_rows, self.row_index, self.head_mask)]
 
 
-def measure(sel: Selection, per_block: int, threads: int, select_threads: int, reps: int):
+def measure(sel: SelectionBuffers, per_block: int, threads: int, select_threads: int, reps: int):
     """(median µs a selection, the selection's rows): ``reps`` selections in one CUDA graph, replayed
     :data:`REPLAYS` times after an eager run that yields the rows."""
     import torch
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
 
     records = []
     for sessions in args.sessions:
-        sel = Selection(args.context, sessions)
+        sel = SelectionBuffers(args.context, sessions)
         reference = None
         for per_block, threads, select_threads in itertools.product(args.per_block, args.threads,
                                                                      args.select_threads):

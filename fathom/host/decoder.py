@@ -261,8 +261,8 @@ class Decoder:
             steps += [("plan", self.strategy.plan(layer, buf)), ("scan", self.strategy.scan(layer, buf, sel)),
                       ("select", [lambda stream: select(score_bits, lengths, heads, k, sel.sink, sel.local,
                                                         a["top_hist"], a["hist2"], cand_key, a["cand_idx"],
-                                                        a["cand_count"], winners, any_rows, threads, threads,
-                                                        stream=stream)]),
+                                                        a["cand_count"], winners, any_rows, threads,
+                                                        select_threads=threads, stream=stream)]),
                       ("union", [lambda stream: union_rows(any_rows, winners, lengths, heads, a["block_rows"],
                                                            a["row_index"], a["head_mask"], a["n_rows"], threads,
                                                            stream)])]

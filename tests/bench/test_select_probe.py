@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from bench import select_probe
-from bench.select_probe import LOCAL, SINK, Selection, session_lengths, top_histogram
-from fathom.selection import Selection as Protocol
+from bench.select_probe import LOCAL, SINK, SelectionBuffers, session_lengths, top_histogram
+from fathom.selection import Selection
 from fathom.selection import select as ref_select
 from tests.cuda.helpers import top_byte_histogram
 
@@ -36,11 +36,11 @@ def test_the_histogram_counts_each_candidates_top_byte_as_the_scan_does():
 def test_its_selection_is_the_reference_selection():
     """Two ragged sessions of one KV head, k = 40: the rows ``union_rows`` compacts are each stream's tokens that
     some head of the reference selects, with those heads' bits."""
-    sel = Selection(640, 2, kv_heads=1, k=40)
+    sel = SelectionBuffers(640, 2, kv_heads=1, k=40)
     sel.select(per_block=256, threads=32, select_threads=64, stream=0)
     n_rows, row_index, head_mask = (x.cpu().numpy() for x in sel.rows(0))
     for g, n in enumerate(sel.lengths.tolist()):
-        chosen = ref_select(sel.scores[g, :, :n // 64 * 64].cpu().numpy(), n, Protocol(k=40, sink=SINK, local=LOCAL))
+        chosen = ref_select(sel.scores[g, :, :n // 64 * 64].cpu().numpy(), n, Selection(k=40, sink=SINK, local=LOCAL))
         rows = np.flatnonzero(chosen.any(axis=0))
         assert np.array_equal(row_index[g, :n_rows[g]], rows)
         masks = (chosen[:, rows] * (1 << np.arange(chosen.shape[0]))[:, None]).sum(axis=0)
