@@ -98,13 +98,17 @@ def _find_digit(hist, wanted, descending, out, t, n_threads):
 
 
 @cuda.jit(device=True, inline=True)
-def _stage(hist_src, g, h, hist, t, n_threads):
-    """Copy the 256-bin histogram ``hist_src[g, h]`` (global) into shared ``hist``; no barrier."""
+def _kth_digit(hist_src, g, h, wanted, hist, state, t, n_threads):
+    """From a 256-bin histogram (global ``hist_src[g, h]``, staged through shared ``hist``): state[0] = the digit
+    of the ``wanted``-th largest, state[1] = how many of the wanted fall in its bin, state[2] = the bin's count.
+    Every thread calls it; it syncs."""
     src = hist_src[g, h]
     i = np.uint32(t)
     while i < RADIX:
         hist[i] = src[i]
         i = np.uint32(i + n_threads)
+    cuda.syncthreads()
+    _find_digit(hist, wanted, True, state, t, n_threads)
 
 
 @cuda.jit(device=True, inline=True)
@@ -145,44 +149,37 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
             for j in range(start + t, stop, n_threads):
                 _mark(winners, any_rows, g, j, bit)
         return
+    hist = cuda.shared.array(RADIX, np.int32)
+    state = cuda.shared.array(6, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2 (its count
+    # then replaced by the CTA's list base)
+    _kth_digit(top_hist, g, h, k, hist, state, t, n_threads)
+    digit1 = np.uint32(state[0])
+    if level == 1:
+        _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
+    else:
+        for i in range(t, RADIX, n_threads):
+            hist[i] = 0
+        cuda.syncthreads()
+    digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
     # 32-bit unsigned indices and counts in the walks: Numba types int arithmetic and range() as int64, and a signed
     # index pays for a negative-index wraparound
     scores = score_bits[g, h]
     step = np.uint32(n_threads)
     end = np.uint32(stop)
     first = np.uint32(start + t)
-    # this thread's first scores are loaded before the digits are found (their raw bits: no use before the barriers),
-    # so they arrive while the histograms are read and walked
-    bits = cuda.local.array(SCORES_IN_FLIGHT, np.uint32)
-    for u in range(SCORES_IN_FLIGHT):
-        j = np.uint32(first + u * step)
-        bits[u] = scores[j] if j < end else np.uint32(0)
-    hist = cuda.shared.array(RADIX, np.int32)
-    second_hist = cuda.shared.array(RADIX, np.int32)  # level 1: hist2, staged beside the top byte's
-    state = cuda.shared.array(6, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2 (its count
-    # then replaced by the CTA's list base)
-    _stage(top_hist, g, h, hist, t, n_threads)
-    if level == 1:  # both histograms staged before one barrier: their loads fly together
-        _stage(hist2, g, h, second_hist, t, n_threads)
-    cuda.syncthreads()
-    _find_digit(hist, k, True, state, t, n_threads)
-    digit1 = np.uint32(state[0])
-    if level == 1:
-        _find_digit(second_hist, state[1], True, state[3:], t, n_threads)
-    else:
-        for i in range(t, RADIX, n_threads):
-            hist[i] = 0
-        cuda.syncthreads()
-    digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
     matches = np.int32(0)
     last = np.uint32(RADIX)
     run = np.int32(0)
+    keys = cuda.local.array(SCORES_IN_FLIGHT, np.uint32)
     j0 = first
     while j0 < end:
+        for u in range(SCORES_IN_FLIGHT):  # every load before any use: the loads fly together
+            j = np.uint32(j0 + u * step)
+            keys[u] = order_key(scores[j]) if j < end else np.uint32(0)
         for u in range(SCORES_IN_FLIGHT):
             j = np.uint32(j0 + u * step)
             if j < end:
-                key = order_key(bits[u])
+                key = keys[u]
                 top = np.uint32(key >> np.uint32(24))
                 second = np.uint32((key >> np.uint32(16)) & np.uint32(0xFF))
                 if level == 0:
@@ -196,9 +193,6 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
                     elif second == digit2:
                         matches = np.int32(matches + 1)
         j0 = np.uint32(j0 + SCORES_IN_FLIGHT * step)
-        for u in range(SCORES_IN_FLIGHT):  # every load before any use: the loads fly together
-            j = np.uint32(j0 + u * step)
-            bits[u] = scores[j] if j < end else np.uint32(0)
     if level == 0:
         if run:
             cuda.atomic.add(hist, last, run)
@@ -272,18 +266,14 @@ def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hist2, ca
     t = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
     hist = cuda.shared.array(RADIX, np.int32)
-    second_hist = cuda.shared.array(RADIX, np.int32)
     subs = cuda.shared.array((SUB_HISTOGRAMS, RADIX), np.int32)
     state = cuda.shared.array(9, np.int64)  # digit, wanted, count, digit 2, wanted 2, count 2, pass digit, wanted, -
     bit = np.uint32(1) << np.uint32(h)
     n, n_sealed, lo, hi = _bounds(lengths, g, heads_per_session, sink, local)
     if hi - lo > k:
         m = cand_count[g, h]
-        _stage(top_hist, g, h, hist, t, n_threads)  # both histograms before one barrier: their loads fly together
-        _stage(hist2, g, h, second_hist, t, n_threads)
-        cuda.syncthreads()
-        _find_digit(hist, k, True, state, t, n_threads)
-        _find_digit(second_hist, state[1], True, state[3:], t, n_threads)
+        _kth_digit(top_hist, g, h, k, hist, state, t, n_threads)
+        _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
         prefix = np.uint32(state[0] << 24) | np.uint32(state[3] << 16)
         mask = np.uint32(0xFFFF0000)
         remaining = state[4]
