@@ -62,19 +62,25 @@ STAGES = ("plan", "scan", "select", "union", "slots", "rows", "attention")  # a 
 # Launch sizes: the simulator runs every thread as a Python thread, so its defaults are the smallest that work.
 DEFAULT_SCAN_WARPS = 1 if SIMULATED else 32
 DEFAULT_THREADS = 32 if SIMULATED else 256
+# The ties kernel: one CTA per (query head, stream) walks the candidates of the k-th's bin. At 1,024 threads it took
+# 531 µs of a 128k token and 2.1 ms of a 16-session one; at 256, 1,010 µs and 3.0 ms (whole tokens on an H100,
+# 2026-12-06), though on the selection probe's synthetic scores 256 was faster (their lists are shorter).
+DEFAULT_TIES_THREADS = 32 if SIMULATED else 1024
 
 
 @dataclass(frozen=True)
 class DecoderSettings:
     """What a decoder does: the method (with its budget), the selection protocol, the softmax scale (None:
     ``1/sqrt(d)``), and launch sizes: ``scan_warps`` warps per CTA of the plane scan (at most 32), ``threads`` per
-    CTA of the selection and row compaction."""
+    CTA of the selection's passes over the scores and of the row compaction, ``ties_threads`` per CTA of the
+    selection's ties kernel (one CTA per query head and stream)."""
 
     method: methods.Method = field(default_factory=lambda: methods.fathom(48.0))
     selection: Selection = field(default_factory=lambda: Selection(k=512))
     scale: float | None = None
     scan_warps: int = DEFAULT_SCAN_WARPS
     threads: int = DEFAULT_THREADS
+    ties_threads: int = DEFAULT_TIES_THREADS
 
     def __post_init__(self):
         if not isinstance(self.method, methods.Method):
@@ -87,6 +93,8 @@ class DecoderSettings:
             raise ValueError(f"scan_warps must be an integer in 1..32, got {self.scan_warps!r}")
         if not _checks.is_integer(self.threads) or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads must be an integer in 32..1024, got {self.threads!r}")
+        if not _checks.is_integer(self.ties_threads) or not 32 <= self.ties_threads <= 1024:
+            raise ValueError(f"ties_threads must be an integer in 32..1024, got {self.ties_threads!r}")
 
 
 class Decoder:
@@ -256,13 +264,12 @@ class Decoder:
         steps: list[tuple[str, list[Launch]]] = []
         if not dense:
             buf = StepBuffers(q, self.q_store, self.depths, self.scores, self.top_hist)
-            # the ties kernel at the candidate passes' threads: at 256 a selection took 0.91x the time it took at
-            # 1024 for 16 ragged 128k sessions, 0.98x for one (``python -m bench.select_probe``, an H100)
             steps += [("plan", self.strategy.plan(layer, buf)), ("scan", self.strategy.scan(layer, buf, sel)),
                       ("select", [lambda stream: select(score_bits, lengths, heads, k, sel.sink, sel.local,
                                                         a["top_hist"], a["hist2"], cand_key, a["cand_idx"],
                                                         a["cand_count"], winners, any_rows, threads,
-                                                        select_threads=threads, stream=stream)]),
+                                                        select_threads=self.settings.ties_threads,
+                                                        stream=stream)]),
                       ("union", [lambda stream: union_rows(any_rows, winners, lengths, heads, a["block_rows"],
                                                            a["row_index"], a["head_mask"], a["n_rows"], threads,
                                                            stream)])]
