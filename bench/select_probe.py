@@ -9,10 +9,10 @@ One layer of the timing bench's shape: 8 KV heads of G = 4 query heads, k = 512,
 several sessions is ragged as ``bench timing``'s (session i holds ``context · (1 + i) / S`` tokens, down to a
 block), in buffers of ``context`` tokens. Each shape is captured in a CUDA graph of ``--reps`` selections (each
 after a copy that restores the scan's top-byte histogram, which a selection consumes), replayed five times; the
-median replay over ``--reps`` is the figure, the restoring copy included (the same in every shape). The scores are
-continuous, so the k-th's bin holds few exact ties; the plane scan's scores are sums of a few quantized terms and
-tie far more, which lengthens the ties kernel's walks: its timings here do not carry over (at 256 ties threads the
-probe's selection was 0.91x that at 1,024, the whole token's ties kernel 1.9x; results.md, 2026-12-06).
+median replay over ``--reps`` is the figure, the restoring copy included (the same in every shape). The ties
+kernel's timings here do not carry over to a decode step: at 256 ties threads the probe's selection took 0.91x its
+time at 1,024, where the whole token's ties kernel took 1.9x (results.md, 2026-12-06), likely because the plane
+scan's scores put more candidates (or more exact ties) in the k-th's bin than these continuous ones do.
 """
 
 from __future__ import annotations
