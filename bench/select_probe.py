@@ -11,8 +11,14 @@ block), in buffers of ``context`` tokens. Each shape is captured in a CUDA graph
 after a copy that restores the scan's top-byte histogram, which a selection consumes), replayed five times; the
 median replay over ``--reps`` is the figure, the restoring copy included (the same in every shape). The ties
 kernel's timings here do not carry over to a decode step: at 256 ties threads the probe's selection took 0.91x its
-time at 1,024, where the whole token's ties kernel took 1.9x (results.md, 2026-12-06), likely because the plane
-scan's scores put more candidates (or more exact ties) in the k-th's bin than these continuous ones do.
+time at 1,024, where the whole token's ties kernel took 1.9x (results.md, 2026-12-06).
+
+``python -m bench.select_probe --census [--context 131072] [--model M --corpus C]`` (on the CPU) counts why: the list
+the ties kernel walks (the k-th's bin of the top 16 key bits) for each query head at fathom@48 through the reference
+scan, over the timing bench's synthetic data (and this probe's scores) or, with ``--model``, a real model's capture
+at its last decode position. It holds ~100 candidates on every head of these scores; on the timing bench's data a
+median of 4-137 on most layers and up to ~10^5 on layer 0's heads, on Qwen2.5-Coder-1.5B at 16k up to 7,200 on
+layer 0's: the kernel's slowest CTA, one a head, sets its time.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cli import UsageError, at_least, int_list, plain, probe_ready
+from bench.cli import UsageError, at_least, int_list, plain, probe_ready, writable_file
 from bench.report import command_line, markdown_table
 
 KV_HEADS, GROUP, K, SINK, LOCAL = 8, 4, 512, 4, 32
@@ -59,6 +65,87 @@ def top_histogram(scores, lengths, heads_per_session: int, sink: int, local: int
     return hist[..., :256].to(torch.int32).contiguous()
 
 
+def synthetic_scores(streams: int, context: int, generator, device):
+    """float32 ``[streams, G, context]``: scores crowded into one binade, as real scores crowd (a shared offset
+    q · mean(k)): every candidate shares the top key byte."""
+    import torch
+
+    shape = (streams, GROUP, context)
+    return 24 + 2 * torch.rand(shape, generator=generator, device=device) * torch.randn(
+        shape, generator=generator, device=device).clamp(-3, 3)
+
+
+def bin_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = LOCAL) -> tuple[int, int]:
+    """(candidates in the k-th largest's bin of the top 16 key bits, candidates whose key equals the k-th's) among
+    the candidates ``sink .. n − local`` of ``scores float32 [n]`` (n a multiple of 64: every token sealed): the
+    list the second pass appends for the ties kernel, and the ties it breaks by index."""
+    bits = np.asarray(scores, np.float32)[sink:len(scores) - local].view(np.uint32).copy()
+    bits[bits == 0x80000000] = 0  # -0 counts as +0
+    keys = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
+    kth = np.partition(keys, len(keys) - k)[len(keys) - k]
+    return int(np.count_nonzero(keys >> 16 == kth >> 16)), int(np.count_nonzero(keys == kth))
+
+
+def head_census(keys: np.ndarray, q: np.ndarray, k: int) -> list[tuple[int, int]]:
+    """:func:`bin_census` of each query head of ``q float32 [G, d]`` over ``keys float32 [n, d]`` (n a multiple of
+    64) through the reference plane scan at fathom@48 (design §5's gains, the store's σ²)."""
+    from fathom.decode import running_scale_variance
+    from fathom.quantize import BLOCK, pack_planes, quantize
+    from fathom.scoring import approx_scores
+    from fathom.waterfill import importance, waterfill_batched
+
+    codes, scales = quantize(np.ascontiguousarray(keys, np.float32))
+    sigma2 = running_scale_variance(scales, np.array([len(keys) // BLOCK]))[0]
+    depths = waterfill_batched(importance(q, sigma2), 48.0)
+    scores = approx_scores(q, pack_planes(codes), scales, depths)
+    return [bin_census(row, k) for row in scores]
+
+
+def census(context: int, layers: list[int] | None = None, seed: int = 0) -> list[dict]:
+    """:func:`head_census` of every query head over the timing bench's synthetic data (its default channel
+    statistics: keys and queries drawn per channel, ``bench.synthetic_decode``), k = 512, per (layer, KV head) of the
+    statistics' model, then :func:`bin_census` of this probe's own scores (``layer`` None): one record each."""
+    import torch
+
+    from bench import channel_stats
+    from bench.synthetic_decode import Synthetic
+    from bench.timing import DEFAULT_STATS
+
+    data = Synthetic(channel_stats.load(DEFAULT_STATS), seed=seed, device="cpu")
+    n_layers, n_heads = data.stats["key_mean"].shape[:2]
+    records = []
+    for layer in range(n_layers) if layers is None else layers:
+        keys = data.keys(layer, 1, context)[0].numpy()  # [KV heads, n, d], KV head h drawn from statistics h % H
+        q = data.queries(layer, 1)[0].reshape(keys.shape[0], GROUP, -1).numpy()
+        for h in range(n_heads):
+            records += [{"layer": layer, "kv_head": h, "head": g, "in_bin": in_bin, "ties": ties}
+                        for g, (in_bin, ties) in enumerate(head_census(keys[h], q[h], K))]
+        print(f"layer {layer}: k-th's bin {[r['in_bin'] for r in records[-n_heads * GROUP:]]}", flush=True)
+    probe = synthetic_scores(1, context, torch.Generator().manual_seed(seed), "cpu")[0].numpy()
+    records += [{"layer": None, "kv_head": 0, "head": g, "in_bin": in_bin, "ties": ties}
+                for g, (in_bin, ties) in enumerate(bin_census(row) for row in probe)]
+    return records
+
+
+def capture_census(capture) -> list[dict]:
+    """:func:`head_census` of a real model's :class:`fathom.capture.Capture` at its last decode position (the sealed
+    tokens before it; k by context, ``Selection.for_context``), per (layer, KV head)."""
+    from fathom.quantize import BLOCK
+    from fathom.selection import Selection
+
+    position = len(capture.positions) - 1
+    n = int(capture.positions[position]) // BLOCK * BLOCK
+    k = Selection.for_context(n).k
+    records = []
+    for layer in range(capture.keys.shape[0]):
+        for h in range(capture.keys.shape[1]):
+            records += [{"layer": layer, "kv_head": h, "head": g, "in_bin": in_bin, "ties": ties}
+                        for g, (in_bin, ties) in enumerate(head_census(capture.keys[layer, h, :n],
+                                                                       capture.queries[layer, h, position], k))]
+        print(f"layer {layer}: k-th's bin {[r['in_bin'] for r in records if r['layer'] == layer]}", flush=True)
+    return records
+
+
 class SelectionBuffers:
     """One layer's selection buffers (as ``fathom.host.decoder.Decoder`` holds them) over synthetic scores of
     ``sessions`` (:func:`session_lengths`) of ``kv_heads`` KV heads, each a buffer of ``context`` tokens."""
@@ -72,10 +159,7 @@ class SelectionBuffers:
         self.lengths = torch.tensor(session_lengths(context, sessions), device=DEVICE)
         self.kv_heads, self.k = kv_heads, k
         streams = sessions * kv_heads
-        generator = torch.Generator(device=DEVICE).manual_seed(seed)
-        # one binade, as real scores crowd (a shared offset q · mean(k)): every candidate shares the top key byte
-        self.scores = (24 + 2 * torch.rand((streams, GROUP, context), generator=generator, device=DEVICE)
-                       * torch.randn((streams, GROUP, context), generator=generator, device=DEVICE).clamp(-3, 3))
+        self.scores = synthetic_scores(streams, context, torch.Generator(device=DEVICE).manual_seed(seed), DEVICE)
         self.saved_hist = top_histogram(self.scores, self.lengths, kv_heads, SINK, LOCAL)
         zeros = lambda shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=DEVICE)  # noqa: E731
         self.top_hist, self.hist2 = zeros(self.saved_hist.shape), zeros(self.saved_hist.shape)
@@ -147,9 +231,21 @@ def main(argv=None) -> None:
     parser.add_argument("--select-threads", type=int_list, default=[1024],
                         help="threads a CTA of the ties kernel (default 1024, the decoder's on a GPU)")
     parser.add_argument("--reps", type=int, default=20, help="selections a replay (default 20)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/select-probe.json"),
-                        help="JSON written here, its table beside it (default bench/results/select-probe.json)")
+    parser.add_argument("--census", action="store_true",
+                        help="instead of timing: how many candidates the k-th's bin holds for each query head of the "
+                             "timing bench's synthetic data through the reference scan, and of this probe's scores "
+                             "(on the CPU, about 2.5 min at 128k)")
+    parser.add_argument("--model", default=None,
+                        help="with --census: a real model's capture over --corpus instead (its last decode position)")
+    parser.add_argument("--corpus", default="paul-graham", help="with --census --model: the text (default "
+                                                                 "paul-graham)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON written here, its table beside it (default bench/results/select-probe.json, with "
+                             "--census select-probe-census.json)")
     args = parser.parse_args(argv)
+    if args.census:
+        return main_census(parser, args, argv)
+    args.out = args.out or Path("bench/results/select-probe.json")
 
     def check():
         at_least("--context", args.context, 4096)
@@ -196,6 +292,60 @@ def main(argv=None) -> None:
                                      ("us", "µs a selection", ".1f"),
                                      ("ms_36", "36 layers, ms", ".2f"), ("speedup", "vs the first shape", ".2f")])
     args.out.with_suffix(".md").write_text(f"`{out['command']}` on {out['device']}\n\n{table}\n")
+    print(table)
+
+
+
+def main_census(parser, args, argv) -> None:
+    """``--census``: :func:`census` at ``--context`` tokens, or with ``--model`` :func:`capture_census` of the
+    model's capture over ``--corpus``; its records as JSON and a table a layer."""
+    from bench import corpora, fetch, models
+    from bench.capture import load_capture
+
+    args.out = args.out or Path("bench/results/select-probe-census.json")
+    try:
+        highest = models.model_argument(args.model).context if args.model else None
+        at_least("--context", args.context, 4096)
+        if highest is not None and args.context > highest:
+            raise UsageError(f"--context must be at most {highest} for {args.model}, got {args.context}")
+        if args.context % 64:
+            raise UsageError(f"--context must be a multiple of 64 (whole blocks), got {args.context}")
+        if not corpora.is_corpus(args.corpus):
+            raise UsageError(f"--corpus must be one of {', '.join(corpora.CORPORA)}, got {args.corpus!r}")
+        writable_file("--out", args.out)
+    except UsageError as error:
+        parser.error(str(error))
+    if args.model:
+        try:
+            capture, _ = load_capture(args.model, args.corpus, args.context)
+        except UsageError as error:
+            parser.exit(2, f"error: {error}\n")
+        except fetch.FetchError as error:
+            parser.exit(1, f"error: {error}\n")
+        records = capture_census(capture)
+        source = (f"{args.model} on {args.corpus}, its last decode position (token {int(capture.positions[-1])}), "
+                  f"k by context")
+    else:
+        records = census(args.context)
+        source = f"the timing bench's synthetic data, {args.context} tokens, k = {K}"
+    rows = []
+    for layer in sorted({r["layer"] for r in records if r["layer"] is not None}) + [None]:
+        mine = [r for r in records if r["layer"] == layer]
+        if not mine:  # a capture's census has no probe row
+            continue
+        bins = [r["in_bin"] for r in mine]
+        rows.append({"layer": "this probe's scores" if layer is None else str(layer), "heads": len(mine),
+                     "median": float(np.median(bins)), "max": max(bins), "ties": max(r["ties"] for r in mine)})
+    out = {"command": command_line(argv, "python -m bench.select_probe"), "source": source,
+           "context": args.context, "records": records, "layers": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    table = markdown_table(rows, [("layer", "layer", "s"), ("heads", "query heads", "d"),
+                                  ("median", "k-th's bin, median", ".0f"), ("max", "k-th's bin, max", "d"),
+                                  ("ties", "ties at the k-th, max", "d")])
+    args.out.with_suffix(".md").write_text(f"`{out['command']}`: the candidates the selection's second pass appends "
+                                           f"for the ties kernel (the k-th largest's bin of the top 16 key bits) "
+                                           f"at fathom@48 through the reference scan; {source}\n\n{table}\n")
     print(table)
 
 

@@ -60,3 +60,50 @@ def test_bad_arguments_are_refused_in_one_line(argv, message, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("python -m bench.select_probe: error: ") and message in err
+
+
+def test_the_census_counts_the_kth_bin_and_its_ties():
+    """bin_census on scores whose k-th largest key shares its top 16 bits with known others; census at 4k over one
+    layer of the statistics' model: a record per query head, the bin at least the ties, at least one each."""
+    from bench.select_probe import bin_census, census
+
+    scores = np.full(64 + SINK + LOCAL, -5.0, np.float32)
+    scores[SINK:SINK + 3] = [8.0, 4.0, 4.0]  # the 2nd largest (k = 2) is 4.0, tied once more
+    scores[SINK + 3] = np.float32(4.0) + np.float32(2.0 ** -20)  # the same top 16 key bits as 4.0, a larger key
+    assert bin_census(scores, k=2) == (3, 1)  # 4.0 + 2^-20 is the 2nd largest; the bin holds it and both 4.0s
+    assert bin_census(scores, k=3) == (3, 2)
+    records = census(4096, layers=[0])
+    heads = {(r["layer"], r["kv_head"], r["head"]) for r in records}
+    assert len(heads) == len(records) == 2 * 4 + 4  # the model's 2 KV heads x G = 4, then the probe's 4
+    assert all(r["in_bin"] >= r["ties"] >= 1 for r in records)
+
+
+def test_a_captures_census_reads_its_last_position_at_the_contexts_k():
+    """capture_census over a small capture: one record per (layer, KV head, query head), counted over the sealed
+    tokens before the last decode position with design §6's k for that context (128 here), as head_census counts
+    them directly."""
+    from bench.select_probe import capture_census, head_census
+    from fathom.capture import Capture
+
+    rng = np.random.default_rng(1)
+    keys = rng.standard_normal((2, 1, 640, 64)).astype(np.float32) + np.float32(3.0)
+    queries = rng.standard_normal((2, 1, 2, 3, 64)).astype(np.float32)
+    capture = Capture(keys, keys.copy(), queries, np.array([300, 600]), 0.125)
+    records = capture_census(capture)
+    assert len(records) == 2 * 1 * 3
+    for layer in range(2):
+        want = head_census(keys[layer, 0, :576], queries[layer, 0, 1], 128)
+        assert [(r["in_bin"], r["ties"]) for r in records if r["layer"] == layer] == want
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--census", "--context", "4100"], "--context must be a multiple of 64"),
+    (["--census", "--model", "gpt-9"], "--model must be one of"),
+    (["--census", "--model", "smollm2-135m", "--context", "131072"], "--context must be at most"),
+    (["--census", "--corpus", "nowhere"], "--corpus must be one of"),
+])
+def test_the_census_refuses_bad_arguments_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        select_probe.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
