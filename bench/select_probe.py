@@ -80,6 +80,8 @@ def bin_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = LO
     the candidates ``sink .. n − local`` of ``scores float32 [n]`` (n a multiple of 64: every token sealed): the
     list the second pass appends for the ties kernel, and the ties it breaks by index."""
     bits = np.asarray(scores, np.float32)[sink:len(scores) - local].view(np.uint32).copy()
+    if len(bits) <= k:
+        raise ValueError(f"the census needs more than k = {k} candidates, got {len(bits)}")
     bits[bits == 0x80000000] = 0  # -0 counts as +0
     keys = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
     kth = np.partition(keys, len(keys) - k)[len(keys) - k]
@@ -245,6 +247,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.census:
         return main_census(parser, args, argv)
+    if args.model is not None:
+        parser.error("--model is read only with --census")
     args.out = args.out or Path("bench/results/select-probe.json")
 
     def check():
@@ -293,7 +297,6 @@ def main(argv=None) -> None:
                                      ("ms_36", "36 layers, ms", ".2f"), ("speedup", "vs the first shape", ".2f")])
     args.out.with_suffix(".md").write_text(f"`{out['command']}` on {out['device']}\n\n{table}\n")
     print(table)
-
 
 
 def main_census(parser, args, argv) -> None:

@@ -72,6 +72,8 @@ def test_the_census_counts_the_kth_bin_and_its_ties():
     scores[SINK + 3] = np.float32(4.0) + np.float32(2.0 ** -20)  # the same top 16 key bits as 4.0, a larger key
     assert bin_census(scores, k=2) == (3, 1)  # 4.0 + 2^-20 is the 2nd largest; the bin holds it and both 4.0s
     assert bin_census(scores, k=3) == (3, 2)
+    with pytest.raises(ValueError, match="more than k = 64 candidates"):
+        bin_census(scores, k=64)
     records = census(4096, layers=[0])
     heads = {(r["layer"], r["kv_head"], r["head"]) for r in records}
     assert len(heads) == len(records) == 2 * 4 + 4  # the model's 2 KV heads x G = 4, then the probe's 4
@@ -101,6 +103,7 @@ def test_a_captures_census_reads_its_last_position_at_the_contexts_k():
     (["--census", "--model", "gpt-9"], "--model must be one of"),
     (["--census", "--model", "smollm2-135m", "--context", "131072"], "--context must be at most"),
     (["--census", "--corpus", "nowhere"], "--corpus must be one of"),
+    (["--model", "qwen2.5-coder-1.5b"], "--model is read only with --census"),
 ])
 def test_the_census_refuses_bad_arguments_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
