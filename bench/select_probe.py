@@ -79,11 +79,11 @@ def bin_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = LO
     """(candidates in the k-th largest's bin of the top 16 key bits, candidates whose key equals the k-th's) among
     the candidates ``sink .. n − local`` of ``scores float32 [n]`` (n a multiple of 64: every token sealed): the
     list the second pass appends for the ties kernel, and the ties it breaks by index."""
-    bits = np.asarray(scores, np.float32)[sink:len(scores) - local].view(np.uint32).copy()
-    if len(bits) <= k:
-        raise ValueError(f"the census needs more than k = {k} candidates, got {len(bits)}")
-    bits[bits == 0x80000000] = 0  # -0 counts as +0
-    keys = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
+    from fathom.selection import order_keys
+
+    keys = order_keys(np.asarray(scores, np.float32)[sink:len(scores) - local])
+    if len(keys) <= k:
+        raise ValueError(f"the census needs more than k = {k} candidates, got {len(keys)}")
     kth = np.partition(keys, len(keys) - k)[len(keys) - k]
     return int(np.count_nonzero(keys >> 16 == kth >> 16)), int(np.count_nonzero(keys == kth))
 

@@ -33,6 +33,14 @@ class Selection:
         return Selection(k=128 if n <= 8192 else 256 if n <= 16384 else 512)
 
 
+def order_keys(scores: np.ndarray) -> np.ndarray:
+    """uint32 keys with the order of ``scores`` (float32, any shape; −0 counts as +0): the NumPy twin of the
+    selection kernels' ``fathom.cuda.block.order_key``, whose radix passes read them a byte at a time."""
+    bits = np.ascontiguousarray(scores, np.float32).view(np.uint32)
+    bits = np.where(bits == 0x80000000, np.uint32(0), bits)
+    return np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
+
+
 def always_kept(n: int, n_scored: int, sel: Selection) -> np.ndarray:
     """bool ``[n]``: sink, local and the tail (tokens ``n_scored..n``)."""
     return _always_kept(np.array([n]), np.array([n_scored]), sel, n)[0]

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from fathom.selection import Selection, always_kept, select, select_many, union_rows
+from fathom.selection import Selection, always_kept, order_keys, select, select_many, union_rows
 
 
 @given(st.integers(1, 300), st.integers(0, 300), st.integers(0, 150), st.integers(1, 4), st.integers(0, 2 ** 32 - 1))
@@ -72,3 +72,16 @@ def test_select_refuses_nan_scores_and_a_context_that_is_not_an_integer():
     with pytest.raises(ValueError, match="n must be an integer"):
         select(np.zeros((1, 64), np.float32), 100.7, sel)
 
+
+
+def test_order_keys_order_as_the_floats_do():
+    """order_keys (the NumPy twin of the kernels' order_key): keys sort as their floats, −0 and +0 share a key, and
+    every sign and magnitude (subnormals, infinities) keeps its place."""
+    values = np.array([-np.inf, -3e38, -1.5, -1e-45, -0.0, 0.0, 1e-45, 1.5, 3e38, np.inf], np.float32)
+    keys = order_keys(values)
+    assert keys.dtype == np.uint32
+    assert keys[4] == keys[5] == np.uint32(0x80000000)  # −0 and +0
+    assert np.all(np.diff(np.delete(keys, 4).astype(np.int64)) > 0)
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(1000) * 10.0 ** rng.integers(-30, 30, 1000)).astype(np.float32)
+    np.testing.assert_array_equal(np.argsort(order_keys(x), kind="stable"), np.argsort(x, kind="stable"))

@@ -7,6 +7,7 @@ from fathom.cuda.interop import SIMULATED
 from fathom.layout import StoreLayout
 from fathom.quantize import BLOCK, PLANES
 from fathom.scoring import LANDMARK_TOKENS
+from fathom.selection import order_keys
 
 
 def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, stream: int, near: np.ndarray,
@@ -25,10 +26,7 @@ def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, str
 
 def top_byte_histogram(scores: np.ndarray) -> np.ndarray:
     """Per head of ``scores float32 [G, n]``, counts of the top byte of the order-preserving key -> int32 [G, 256]."""
-    bits = np.ascontiguousarray(scores, np.float32).view(np.uint32)
-    bits = np.where(bits == 0x80000000, np.uint32(0), bits)  # −0 counts as +0
-    keys = np.where(bits >> 31, ~bits, bits | np.uint32(0x80000000))
-    return np.stack([np.bincount(row >> 24, minlength=256) for row in keys]).astype(np.int32)
+    return np.stack([np.bincount(row >> 24, minlength=256) for row in order_keys(scores)]).astype(np.int32)
 
 
 def selected(decoder, layer: int) -> np.ndarray:
