@@ -218,9 +218,7 @@ def check_probe_arguments(args):
         raise UsageError(f"--context must lie in {BLOCK * 2}..{info.context}, got {args.context}")
     if not 1 <= args.positions < args.context // 2:
         raise UsageError(f"--positions must lie in 1..{args.context // 2 - 1}, got {args.positions}")
-    if not corpora.is_corpus(args.corpus):
-        raise UsageError(f"--corpus must be one of {', '.join(corpora.CORPORA)} or austen:NOVEL "
-                         f"({', '.join(corpora.AUSTEN_NOVELS)}), got {args.corpus!r}")
+    corpora.check_argument("--corpus", args.corpus)
     calibration = args.calibration or decoding.default_calibration(args.model)
     if calibration is not None:
         decoding.check_calibration(calibration, args.model)

@@ -200,6 +200,16 @@ def is_corpus(name: str) -> bool:
     return name in CORPORA or (novel != name and novel in AUSTEN_NOVELS)
 
 
+def check_argument(flag: str, name: str) -> None:
+    """A corpus argument (``--corpus`` and the like) checked: :func:`is_corpus`, else a
+    :class:`~bench.cli.UsageError` naming ``flag`` and the corpora it takes."""
+    from bench.cli import UsageError
+
+    if not is_corpus(name):
+        raise UsageError(f"{flag} must be one of {', '.join(CORPORA)} or austen:NOVEL ({', '.join(AUSTEN_NOVELS)}), "
+                         f"got {name!r}")
+
+
 def _cached(name: str, cache: str | Path | None) -> tuple[Path, Callable[[Path], object]]:
     """Corpus `name`'s cached .txt and how to build it."""
     if not is_corpus(name):

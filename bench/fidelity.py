@@ -169,7 +169,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _check_real(args: argparse.Namespace) -> tuple[int, int]:
     """The real-model arguments' checks (see :func:`check_arguments`) -> (context, positions)."""
     from bench.capture import decode_positions
-    from bench.corpora import AUSTEN_NOVELS, CORPORA, is_corpus
+    from bench.corpora import check_argument
     from bench.models import model_argument
 
     args.model = args.model or QUICK_MODEL
@@ -185,10 +185,9 @@ def _check_real(args: argparse.Namespace) -> tuple[int, int]:
     if args.positions is None:  # a default too long for a short --context is reported as a too-short context
         args.positions = QUICK_POSITIONS if args.quick else decode_positions(args.context)
     args.calibration_corpus = args.calibration_corpus or CALIBRATION_CORPUS
-    known = f"{', '.join(CORPORA)} or austen:NOVEL ({', '.join(AUSTEN_NOVELS)})"
     for flag, name in (("--corpus", args.corpus), ("--calibration-corpus", args.calibration_corpus)):
-        if name is not None and not is_corpus(name):
-            raise cli.UsageError(f"{flag} must be one of {known}, got {name!r}")
+        if name is not None:
+            check_argument(flag, name)
     if args.text is not None:
         if args.corpus is not None:
             raise cli.UsageError("give --text or --corpus, not both (both name the evaluation text)")

@@ -313,8 +313,7 @@ def main_census(parser, args, argv) -> None:
             raise UsageError(f"--context must be at most {highest} for {args.model}, got {args.context}")
         if args.context % 64:
             raise UsageError(f"--context must be a multiple of 64 (whole blocks), got {args.context}")
-        if not corpora.is_corpus(args.corpus):
-            raise UsageError(f"--corpus must be one of {', '.join(corpora.CORPORA)}, got {args.corpus!r}")
+        corpora.check_argument("--corpus", args.corpus)
         writable_file("--out", args.out)
     except UsageError as error:
         parser.error(str(error))
