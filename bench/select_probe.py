@@ -88,9 +88,10 @@ def bin_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = LO
     return int(np.count_nonzero(keys >> 16 == kth >> 16)), int(np.count_nonzero(keys == kth))
 
 
-def head_census(keys: np.ndarray, q: np.ndarray, k: int) -> list[tuple[int, int]]:
+def head_census(keys: np.ndarray, q: np.ndarray, k: int, layer: int, kv_head: int) -> list[dict]:
     """:func:`bin_census` of each query head of ``q float32 [G, d]`` over ``keys float32 [n, d]`` (n a multiple of
-    64) through the reference plane scan at fathom@48 (design §5's gains, the store's σ²)."""
+    64) through the reference plane scan at fathom@48 (design §5's gains, the store's σ²): a record per query head,
+    labelled with ``layer`` and ``kv_head``."""
     from fathom.decode import running_scale_variance
     from fathom.quantize import BLOCK, pack_planes, quantize
     from fathom.scoring import approx_scores
@@ -100,7 +101,8 @@ def head_census(keys: np.ndarray, q: np.ndarray, k: int) -> list[tuple[int, int]
     sigma2 = running_scale_variance(scales, np.array([len(keys) // BLOCK]))[0]
     depths = waterfill_batched(importance(q, sigma2), 48.0)
     scores = approx_scores(q, pack_planes(codes), scales, depths)
-    return [bin_census(row, k) for row in scores]
+    return [{"layer": layer, "kv_head": kv_head, "head": g, "in_bin": in_bin, "ties": ties}
+            for g, (in_bin, ties) in enumerate(bin_census(row, k) for row in scores)]
 
 
 def census(context: int, layers: list[int] | None = None, seed: int = 0) -> list[dict]:
@@ -120,8 +122,7 @@ def census(context: int, layers: list[int] | None = None, seed: int = 0) -> list
         keys = data.keys(layer, 1, context)[0].numpy()  # [KV heads, n, d], KV head h drawn from statistics h % H
         q = data.queries(layer, 1)[0].reshape(keys.shape[0], GROUP, -1).numpy()
         for h in range(n_heads):
-            records += [{"layer": layer, "kv_head": h, "head": g, "in_bin": in_bin, "ties": ties}
-                        for g, (in_bin, ties) in enumerate(head_census(keys[h], q[h], K))]
+            records += head_census(keys[h], q[h], K, layer, h)
         print(f"layer {layer}: k-th's bin {[r['in_bin'] for r in records[-n_heads * GROUP:]]}", flush=True)
     probe = synthetic_scores(1, context, torch.Generator().manual_seed(seed), "cpu")[0].numpy()
     records += [{"layer": None, "kv_head": 0, "head": g, "in_bin": in_bin, "ties": ties}
@@ -141,9 +142,7 @@ def capture_census(capture) -> list[dict]:
     records = []
     for layer in range(capture.keys.shape[0]):
         for h in range(capture.keys.shape[1]):
-            records += [{"layer": layer, "kv_head": h, "head": g, "in_bin": in_bin, "ties": ties}
-                        for g, (in_bin, ties) in enumerate(head_census(capture.keys[layer, h, :n],
-                                                                       capture.queries[layer, h, position], k))]
+            records += head_census(capture.keys[layer, h, :n], capture.queries[layer, h, position], k, layer, h)
         print(f"layer {layer}: k-th's bin {[r['in_bin'] for r in records if r['layer'] == layer]}", flush=True)
     return records
 

@@ -94,8 +94,8 @@ def test_a_captures_census_reads_its_last_position_at_the_contexts_k():
     records = capture_census(capture)
     assert len(records) == 2 * 1 * 3
     for layer in range(2):
-        want = head_census(keys[layer, 0, :576], queries[layer, 0, 1], 128)
-        assert [(r["in_bin"], r["ties"]) for r in records if r["layer"] == layer] == want
+        want = head_census(keys[layer, 0, :576], queries[layer, 0, 1], 128, layer, 0)
+        assert [r for r in records if r["layer"] == layer] == want
 
 
 @pytest.mark.parametrize("argv, message", [
