@@ -238,16 +238,15 @@ def main(argv=None) -> None:
                              "(on the CPU, about 2.5 min at 128k)")
     parser.add_argument("--model", default=None,
                         help="with --census: a real model's capture over --corpus instead (its last decode position)")
-    parser.add_argument("--corpus", default="paul-graham", help="with --census --model: the text (default "
-                                                                 "paul-graham)")
+    parser.add_argument("--corpus", default=None, help="with --census --model: the text (default paul-graham)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON written here, its table beside it (default bench/results/select-probe.json, with "
                              "--census select-probe-census.json)")
     args = parser.parse_args(argv)
     if args.census:
         return main_census(parser, args, argv)
-    if args.model is not None:
-        parser.error("--model is read only with --census")
+    if args.model is not None or args.corpus is not None:
+        parser.error("--model and --corpus are read only with --census")
     args.out = args.out or Path("bench/results/select-probe.json")
 
     def check():
@@ -312,6 +311,9 @@ def main_census(parser, args, argv) -> None:
             raise UsageError(f"--context must be at most {highest} for {args.model}, got {args.context}")
         if args.context % 64:
             raise UsageError(f"--context must be a multiple of 64 (whole blocks), got {args.context}")
+        if args.corpus is not None and not args.model:
+            raise UsageError("--corpus is read only with --model")
+        args.corpus = args.corpus or "paul-graham"
         corpora.check_argument("--corpus", args.corpus)
         writable_file("--out", args.out)
     except UsageError as error:

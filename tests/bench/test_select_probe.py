@@ -102,8 +102,11 @@ def test_a_captures_census_reads_its_last_position_at_the_contexts_k():
     (["--census", "--context", "4100"], "--context must be a multiple of 64"),
     (["--census", "--model", "gpt-9"], "--model must be one of"),
     (["--census", "--model", "smollm2-135m", "--context", "131072"], "--context must be at most"),
-    (["--census", "--corpus", "nowhere"], "--corpus must be one of"),
-    (["--model", "qwen2.5-coder-1.5b"], "--model is read only with --census"),
+    (["--census", "--model", "qwen2.5-coder-1.5b", "--context", "16384", "--corpus", "nowhere"],
+     "--corpus must be one of"),
+    (["--census", "--corpus", "cpython"], "--corpus is read only with --model"),
+    (["--model", "qwen2.5-coder-1.5b"], "--model and --corpus are read only with --census"),
+    (["--corpus", "cpython"], "--model and --corpus are read only with --census"),
 ])
 def test_the_census_refuses_bad_arguments_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
