@@ -1,15 +1,26 @@
-"""The winners' K/V rows from host memory, and exact attention of each query head over its own selection
-(design §6, §8 steps 5-6); the twin of ``fathom.attention.attention`` (float32 tolerance).
+"""Exact attention of each query head over its own selection, each listed K/V row read where it lives (design §6,
+§8 steps 5-6); the twin of ``fathom.attention.attention`` (float32 tolerance).
 
-``gather_rows`` copies the rows of each KV head's row list (``fathom.cuda.topk.union_rows``: ascending, so
-neighbouring CTAs read neighbouring host pages) — or, for dense attention, rows ``0 .. n`` — from the K/V store
-``[streams, T, 2, d / 4]`` (K then V of a token side by side: one ``4·d``-byte read per row) into an HBM staging
-buffer, consecutive threads on consecutive 8-byte words, several rows in flight per thread. ``attend`` then runs
-a split softmax over chunks of :data:`CHUNK_ROWS` rows (one CTA per chunk: logits of every head, chunk max and sum,
-weighted values) and combines the chunks per (stream, head). Every per-step size (rows, context) is read on the GPU.
-Each stage keeps several loads in flight per thread: at a few thousand rows per KV head the kernels are bound by
-memory latency, not bandwidth (measured on the H200, 128k × 1: softmax and combine 1.58 ms a token with 256-row
-chunks, a thread per row and a CTA per stream for the combine).
+``attend_rows`` reads the rows of each KV head's row list (``fathom.cuda.topk.union_rows``: ascending, so
+neighbouring CTAs read neighbouring host pages) — or, for dense attention, rows ``0 .. n`` — from their source: the
+row cache's HBM slab on a hit, else the K/V store ``[streams, T, 2, d / 4]`` in pinned host memory (K then V of a
+token side by side; a fill also writes the slab), and runs the softmax over them in the same pass, so no row is
+staged in HBM and read again (the staged gather and the softmax after it took 7.3 + 4.2 ms of a 16-session 128k
+token on an H100, where the rows' bytes at HBM rate take ~1.2 ms).
+
+One CTA per (chunk of :data:`CHUNK_ROWS` rows, stream); its warps split into groups of ``row_lanes`` lanes, each
+group reading whole rows, a lane ``d / 4 / row_lanes`` 8-byte words of each row's K and V (one coalesced read per
+row and half), :data:`ROWS_IN_FLIGHT` rows at a time before any is used. A group keeps an online softmax per head
+(running maximum, sum and weighted values) in registers: each lane's partial logits of the batch's (row, head)
+pairs are summed across the group with a transposing butterfly (every exchange halves the values a lane holds, so
+``rows · G`` logits cost ``rows · G − 1`` shuffles, not ``5 · rows · G``), after which each lane holds one pair's
+logit; the batch's maximum and sum per head are exchanged the same way, and each pair's weight is broadcast to the
+lanes holding the values' channels. The groups of a CTA are combined in shared memory into the chunk's partial
+softmax, and ``_combine_kernel`` combines the chunks per (stream, head). Every per-step size (rows, context) is read
+on the GPU.
+
+The CUDA simulator has no warp shuffles: there the exchanges go through shared memory and barriers (the same values
+exchanged, so the same sums; every exchange sits where the whole CTA reaches it).
 """
 
 from __future__ import annotations
@@ -21,14 +32,34 @@ from numba import cuda
 
 from fathom import _checks
 from fathom.cuda.half import bf16_bits_to_f32
+from fathom.cuda.interop import SIMULATED, launch_bounds
 
-ROWS_IN_FLIGHT = 4  # rows each thread of the gather loads before it stores
-V_IN_FLIGHT = 8  # rows' values each thread of the softmax loads before it accumulates them
-CHUNK_ROWS = 64  # rows per CTA of the softmax
-ROW_THREADS = 4  # threads sharing a row's logits, each loading every ROW_THREADS-th word of its K before any use
-SOFTMAX_THREADS = CHUNK_ROWS * ROW_THREADS
+CHUNK_ROWS = 128  # rows per CTA of the attention (one partial softmax each)
+ROWS_IN_FLIGHT = 8  # rows whose K and V a group of lanes loads before it uses any (fewer where G · rows > lanes)
+ATTEND_WARPS = 1 if SIMULATED else 4  # warps per CTA (the simulator runs every thread as a Python thread)
+MAX_D = 256  # channels: a CTA's groups' weighted values are combined in shared memory (32 KiB at d = 256, G = 8)
+MAX_HEADS = 8  # query heads per KV head (G)
+V_IN_FLIGHT = 8  # chunks' partial outputs each thread of the combine loads before it adds them
 COMBINE_TILE = 256  # chunks whose weights the combine holds in shared memory at once
+FULL_MASK = 0xFFFFFFFF
 _KERNELS: dict[tuple, object] = {}
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def lane_layout(heads: int, words: int, rows_in_flight: int = ROWS_IN_FLIGHT) -> tuple[int, int, int, int]:
+    """How a group of lanes reads rows of ``words`` 8-byte words a half (``d / 4``) for ``heads`` query heads:
+    ``(row_lanes, per_lane, rows, spread)``: ``row_lanes`` lanes a row (a power of two, 8..32; the heads padded to a
+    power of two fit in it), ``per_lane`` words of each half a lane reads, ``rows`` a batch (at most
+    ``rows_in_flight``, a power of two, and ``rows · G_padded ≤ row_lanes``: after the butterfly each lane holds one
+    (row, head) logit), and ``spread`` lanes holding each such logit."""
+    padded = _pow2_at_least(heads)
+    row_lanes = min(32, max(8, _pow2_at_least(words), padded))
+    per_lane = -(-words // row_lanes)
+    rows = min(_pow2_at_least(rows_in_flight), row_lanes // padded)
+    return row_lanes, per_lane, rows, row_lanes // (rows * padded)
 
 
 @cuda.jit(device=True, inline=True)
@@ -38,195 +69,221 @@ def _row_count(n_rows, lengths, heads_per_session, dense, g):
     return lengths[np.uint32(g) // np.uint32(heads_per_session)] if dense else n_rows[g]
 
 
-@cuda.jit(cache=True)
-def _gather_kernel(row_index, n_rows, lengths, heads_per_session, dense, kv, staged, cached, source, slab):
-    """1-D grid over every stream's row slots in order (slot = g · max_rows + r): thread x moves word
-    x % (row words) of ROWS_IN_FLIGHT consecutive slots at a time, so the CTAs in flight read a window of about
-    one stream's ascending rows: neighbouring host pages (the GPU's reach over host pages is a few hundred MB).
-    ``cached``: each row read from its ``source`` (``fathom.cuda.row_cache``): the HBM ``slab`` on a hit, host
-    memory otherwise, and written to the slab on a fill.
+if SIMULATED:
+    def _xor_lane(swap, t, value, offset):
+        """``value`` of lane ``t ^ offset`` (simulator: through shared memory; every thread of the CTA calls it)."""
+        swap[t] = value
+        cuda.syncthreads()
+        other = swap[t ^ offset]
+        cuda.syncthreads()
+        return other
 
-    Slot arithmetic is unsigned 32-bit and divides once per thread: a slot's (stream, row) advances with the slot
-    (Numba types integer arithmetic as int64, and a 64-bit division per word moved made the kernel
-    instruction-bound)."""
-    row_words = np.uint32(kv.shape[2] * kv.shape[3])  # K and V
-    half_words = np.uint32(kv.shape[3])
-    max_rows = np.uint32(staged.shape[1])
-    slab_slots = np.int32(slab.shape[1])
-    slots = np.uint32(staged.shape[0]) * max_rows
-    per_cta = np.uint32(cuda.blockDim.x) // row_words  # row slots a CTA moves at once
-    lane_slot = np.uint32(cuda.threadIdx.x) // row_words
-    if lane_slot >= per_cta:
-        return
-    w = np.uint32(cuda.threadIdx.x) - lane_slot * row_words
-    half = w // half_words
-    word = w - half * half_words
-    step = np.uint32(cuda.gridDim.x) * per_cta * np.uint32(ROWS_IN_FLIGHT)
-    step_g = step // max_rows  # a step's streams and rows: the slot's (g, r) advance without a division
-    step_r = step - step_g * max_rows
-    base = (np.uint32(cuda.blockIdx.x) * per_cta + lane_slot) * np.uint32(ROWS_IN_FLIGHT)
-    g0 = base // max_rows
-    r0 = base - g0 * max_rows
-    held = cuda.local.array(ROWS_IN_FLIGHT, np.uint64)
-    rows = cuda.local.array(ROWS_IN_FLIGHT, np.int32)  # each slot's source row in kv, or -1: nothing to move
-    streams_of = cuda.local.array(ROWS_IN_FLIGHT, np.uint32)
-    from_slab = cuda.local.array(ROWS_IN_FLIGHT, np.int32)  # the slab slot a hit reads, a fill writes, or -1
-    while base < slots:
-        g = g0
-        r = r0
-        for u in range(ROWS_IN_FLIGHT):  # consecutive slots: a row past max_rows is the next stream's
-            while r >= max_rows:
-                r = np.uint32(r - max_rows)
-                g = np.uint32(g + 1)
-            streams_of[u] = g
-            rows[u] = -1
-            from_slab[u] = -1
-            if base + np.uint32(u) < slots:  # past the last slot, g is past the last stream
-                if np.int32(r) < _row_count(n_rows, lengths, heads_per_session, dense, g):
-                    rows[u] = np.int32(r) if dense else row_index[g, r]
-                    if cached:
-                        from_slab[u] = source[g, r]
-            r = np.uint32(r + 1)
-        for u in range(ROWS_IN_FLIGHT):  # every load before any store: the loads fly together
-            held[u] = np.uint64(0)
-            if rows[u] >= 0:
-                g = streams_of[u]
-                if 0 <= from_slab[u] < slab_slots:
-                    held[u] = slab[g, np.uint32(from_slab[u]), half, word]
-                else:
-                    held[u] = kv[g, np.uint32(rows[u]), half, word]
-        r = r0
-        for u in range(ROWS_IN_FLIGHT):
-            if rows[u] >= 0:
-                g = streams_of[u]
-                staged[g, r - (g - g0) * max_rows, half, word] = held[u]
-                if from_slab[u] >= slab_slots:
-                    slab[g, np.uint32(from_slab[u] - slab_slots), half, word] = held[u]
-            r = np.uint32(r + 1)
-        base = np.uint32(base + step)
-        g0 = np.uint32(g0 + step_g)
-        r0 = np.uint32(r0 + step_r)
-        if r0 >= max_rows:
-            r0 = np.uint32(r0 - max_rows)
-            g0 = np.uint32(g0 + 1)
+    def _from_lane(swap, t, value, source):
+        """``value`` of thread ``source`` of this warp (simulator: through shared memory)."""
+        swap[t] = value
+        cuda.syncthreads()
+        other = swap[source]
+        cuda.syncthreads()
+        return other
+else:
+    @cuda.jit(device=True, inline=True)
+    def _xor_lane(swap, t, value, offset):
+        """``value`` of lane ``t ^ offset`` (a warp shuffle; ``swap`` is the simulator's)."""
+        return cuda.shfl_xor_sync(FULL_MASK, value, offset)
+
+    @cuda.jit(device=True, inline=True)
+    def _from_lane(swap, t, value, source):
+        """``value`` of thread ``source`` of this warp (a warp shuffle)."""
+        return cuda.shfl_sync(FULL_MASK, value, source % 32)
 
 
-def _softmax_kernel(heads: int, words: int):
-    """CTA per (chunk of CHUNK_ROWS rows, stream): partial softmax of every head over the chunk's rows."""
-    key = (heads, words)
+def _attend_kernel(heads: int, words: int, warps: int, in_flight: int):
+    """CTA per (chunk of CHUNK_ROWS rows, stream): each head's partial softmax over the chunk's rows."""
+    key = (heads, words, warps, in_flight)
     if key in _KERNELS:
         return _KERNELS[key]
     d = 4 * words
-    words_per_part = -(-words // ROW_THREADS)
+    threads = 32 * warps
+    padded = _pow2_at_least(heads)
+    row_lanes, per_lane, rows_in_flight, spread = lane_layout(heads, words, in_flight)
+    values = rows_in_flight * padded  # (row, head) logits of a batch, row-major
+    groups = warps * (32 // row_lanes)  # groups of lanes in a CTA
+    batch = groups * rows_in_flight  # rows a CTA reads at once
+    lane_steps = row_lanes.bit_length() - 1  # butterfly steps across a group
+    row_steps = rows_in_flight.bit_length() - 1  # steps across a batch's rows (one head)
+    channels = 4 * per_lane  # channels a lane holds
+    row_words = 2 * words  # a row's K and V
+    exact = row_lanes * per_lane == words  # every lane reads words: no bounds check
+    neg_inf = np.float32(-np.inf)
 
-    @cuda.jit(cache=True)  # its closure holds only integers: cached on disk
-    def kernel(q, staged, head_mask, n_rows, lengths, heads_per_session, dense, scale, status, part_m, part_l,
-               part_o):
+    @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only integers: cached on disk
+    def kernel(q, row_index, head_mask, list_rows, n_rows, lengths, heads_per_session, dense, kv, kv_rows, cached,
+               source, slab, slab_rows, scale, status, part_m, part_l, part_o):
         chunk = cuda.blockIdx.x
         g = cuda.blockIdx.y
         t = cuda.threadIdx.x
-        n_threads = cuda.blockDim.x
         rows = _row_count(n_rows, lengths, heads_per_session, dense, g)
-        if chunk * CHUNK_ROWS >= rows:
+        first = chunk * CHUNK_ROWS
+        if first >= rows:
             return
+        last = min(first + CHUNK_ROWS, rows)
+        swap = cuda.shared.array(threads, np.float32)  # the simulator's exchanges
         q_s = cuda.shared.array((heads, d), np.float32)
-        p = cuda.shared.array((heads, CHUNK_ROWS), np.float32)
-        red = cuda.shared.array((heads, CHUNK_ROWS), np.float32)
-        stats = cuda.shared.array((2, heads), np.float32)  # chunk max, chunk sum
-        partial = cuda.shared.array((heads, SOFTMAX_THREADS), np.float32)  # each thread's part of its row's logits
-        for x in range(t, heads * d, n_threads):
+        top_s = cuda.shared.array((groups, heads), np.float32)
+        sum_s = cuda.shared.array((groups, heads), np.float32)
+        out_s = cuda.shared.array((groups, heads, d), np.float32)
+        for x in range(t, heads * d, threads):
             value = q[g, x // d, x % d]
             q_s[x // d, x % d] = value
             if chunk == 0 and not abs(value) < np.float32(np.inf):
                 status[2] = 1  # a NaN/inf query: flagged, the host raises at its next call
         cuda.syncthreads()
-        # logits: ROW_THREADS threads per row, each over every ROW_THREADS-th word of its K (all loaded before
-        # any is used), their partial sums added in shared memory (one thread per row walking its 256-byte row one
-        # load at a time was the kernel's longest chain)
-        row = t // ROW_THREADS
-        part = t % ROW_THREADS
-        r = chunk * CHUNK_ROWS + row
-        mask = np.uint32(0)
-        if r < rows:
-            mask = np.uint32(0xFFFFFFFF) if dense else np.uint32(head_mask[g, r])
-        acc = cuda.local.array(heads, np.float32)
+        lane = t % row_lanes
+        group = t // row_lanes
+        group_base = t - lane
+        mine = lane // spread  # the (row, head) logit this lane holds after the butterfly
+        my_row = mine // padded
+        my_head = mine % padded
+        # the arrays are flat (attend_rows): a stream's rows, slots and row list start at these words
+        slab_slots = np.int32(slab_rows)
+        kv_base = np.uint64(g) * np.uint64(kv_rows) * np.uint64(row_words)
+        slab_base = np.uint64(g) * np.uint64(slab_rows) * np.uint64(row_words)
+        list_base = np.uint32(g) * np.uint32(list_rows)
+
+        q_r = cuda.local.array((heads, channels), np.float32)  # this lane's channels of every head's query
+        o = cuda.local.array((heads, channels), np.float32)  # its channels of every head's weighted values
         for h in range(heads):
-            acc[h] = np.float32(0)
-        if mask:
-            k_words = cuda.local.array(words_per_part, np.uint64)
-            for i in range(words_per_part):
-                if part + ROW_THREADS * i < words:
-                    k_words[i] = staged[g, r, 0, part + ROW_THREADS * i]
-            for i in range(words_per_part):
-                w = part + ROW_THREADS * i
+            for i in range(per_lane):
+                w = lane + row_lanes * i
+                for e in range(4):
+                    q_r[h, 4 * i + e] = q_s[h, 4 * w + e] if w < words else np.float32(0)
+                    o[h, 4 * i + e] = np.float32(0)
+        top = neg_inf  # my_head's running maximum and sum of exponentials (every lane holding the head: the same)
+        total = np.float32(0)
+        k_held = cuda.local.array((rows_in_flight, per_lane), np.uint64)
+        v_held = cuda.local.array((rows_in_flight, per_lane), np.uint64)
+        masks = cuda.local.array(rows_in_flight, np.uint32)
+        slots = cuda.local.array(rows_in_flight, np.int32)  # each row's slab slot (a hit; a fill: + slots) or -1
+        part = cuda.local.array(values, np.float32)
+        weight = cuda.local.array(heads, np.float32)
+        for b0 in range(first, last, batch):  # the same trips in every thread: the exchanges are CTA-uniform
+            for u in range(rows_in_flight):  # every load before any use: the rows fly together
+                r = np.uint32(b0 + group * rows_in_flight + u)
+                masks[u] = np.uint32(0)
+                slots[u] = -1
+                for i in range(per_lane):
+                    k_held[u, i] = np.uint64(0)
+                    v_held[u, i] = np.uint64(0)
+                if r < last:
+                    listed = np.uint32(list_base + r)
+                    masks[u] = np.uint32(FULL_MASK) if dense else np.uint32(head_mask[listed])
+                    slot = np.int32(source[listed]) if cached else np.int32(-1)
+                    slots[u] = slot
+                    hit = 0 <= slot < slab_slots
+                    # 32-bit offsets within the stream's rows (or slots), one 64-bit add of the stream's base
+                    row = np.uint32(slot) if hit else (r if dense else np.uint32(row_index[listed]))
+                    at = (slab_base if hit else kv_base) + np.uint64(row * np.uint32(row_words) + lane)
+                    for i in range(per_lane):
+                        if exact or lane + row_lanes * i < words:
+                            if hit:
+                                k_held[u, i] = slab[at + np.uint64(row_lanes * i)]
+                                v_held[u, i] = slab[at + np.uint64(words + row_lanes * i)]
+                            else:
+                                k_held[u, i] = kv[at + np.uint64(row_lanes * i)]
+                                v_held[u, i] = kv[at + np.uint64(words + row_lanes * i)]
+            # this lane's part of every (row, head) logit of the batch
+            for x in range(values):
+                part[x] = np.float32(0)
+            for u in range(rows_in_flight):
+                for i in range(per_lane):
+                    for e in range(4):
+                        k = bf16_bits_to_f32(np.uint32(k_held[u, i] >> np.uint64(16 * e)) & np.uint32(0xFFFF))
+                        for h in range(heads):
+                            part[u * padded + h] += q_r[h, 4 * i + e] * k
+            # the butterfly: at each step a lane keeps half its values (its partner the other half) and adds the
+            # partner's share of them, so after log2(values) steps lane ``l`` holds value l // spread of the group;
+            # the steps left add the lanes holding the same value
+            for step in range(lane_steps):  # constant trip counts: unrolled, every index a constant (registers)
+                offset = row_lanes >> (step + 1)
+                upper = (lane & offset) != 0
+                half = values >> (step + 1)  # values a lane holds after this step (0: every step past the split)
+                for x in range(values // 2):
+                    if x < half:
+                        send = part[x] if upper else part[x + half]
+                        keep = part[x + half] if upper else part[x]
+                        part[x] = keep + _xor_lane(swap, t, send, offset)
+                if half == 0:
+                    part[0] += _xor_lane(swap, t, part[0], offset)
+            mask = np.uint32(0)
+            for u in range(rows_in_flight):
+                if u == my_row:
+                    mask = masks[u]
+            selected = my_head < heads and (mask >> np.uint32(my_head)) & np.uint32(1) != np.uint32(0)
+            logit = part[0] * np.float32(scale) if selected else neg_inf
+            # the batch's maximum and sum per head: across the lanes of the same head (rows differ in bits
+            # log2(spread · padded) .. of the lane)
+            batch_top = logit
+            for step in range(row_steps):
+                batch_top = max(batch_top, _xor_lane(swap, t, batch_top, (spread * padded) << step))
+            new_top = max(top, batch_top)
+            rescale = math.exp(top - new_top) if new_top > neg_inf else np.float32(1)
+            p = math.exp(logit - new_top) if logit > neg_inf else np.float32(0)
+            batch_sum = p
+            for step in range(row_steps):
+                batch_sum += _xor_lane(swap, t, batch_sum, (spread * padded) << step)
+            total = total * rescale + batch_sum
+            top = new_top
+            # weighted values: every head's rescale, then each row's weights from the lanes holding them
+            for h in range(heads):
+                weight[h] = _from_lane(swap, t, rescale, group_base + h * spread)
+            for h in range(heads):
+                for c in range(channels):
+                    o[h, c] *= weight[h]
+            for u in range(rows_in_flight):
+                for h in range(heads):
+                    weight[h] = _from_lane(swap, t, p, group_base + (u * padded + h) * spread)
+                for i in range(per_lane):
+                    for e in range(4):
+                        v = bf16_bits_to_f32(np.uint32(v_held[u, i] >> np.uint64(16 * e)) & np.uint32(0xFFFF))
+                        for h in range(heads):
+                            o[h, 4 * i + e] += weight[h] * v
+            if cached:  # a miss that fills a slot: the row into the slab (after its use: the stores wait for loads)
+                for u in range(rows_in_flight):
+                    if slots[u] >= slab_slots:
+                        at = slab_base + np.uint64(np.uint32(slots[u] - slab_slots) * np.uint32(row_words) + lane)
+                        for i in range(per_lane):
+                            if exact or lane + row_lanes * i < words:
+                                slab[at + np.uint64(row_lanes * i)] = k_held[u, i]
+                                slab[at + np.uint64(words + row_lanes * i)] = v_held[u, i]
+
+        # the chunk's partial softmax: the groups' combined in shared memory
+        if my_row == 0 and lane % spread == 0 and my_head < heads:
+            top_s[group, my_head] = top
+            sum_s[group, my_head] = total
+        for h in range(heads):
+            for i in range(per_lane):
+                w = lane + row_lanes * i
                 if w < words:
                     for e in range(4):
-                        k = bf16_bits_to_f32(np.uint16((k_words[i] >> np.uint64(16 * e)) & np.uint64(0xFFFF)))
-                        for h in range(heads):
-                            acc[h] += q_s[h, 4 * w + e] * k
-        for h in range(heads):
-            partial[h, t] = acc[h]
+                        out_s[group, h, 4 * w + e] = o[h, 4 * i + e]
         cuda.syncthreads()
-        if part == 0:
-            for h in range(heads):
-                logit = partial[h, t]
-                for other in range(1, ROW_THREADS):
-                    logit += partial[h, t + other]
-                selected = (mask >> np.uint32(h)) & np.uint32(1)
-                p[h, row] = logit * np.float32(scale) if selected else -np.inf
-                red[h, row] = p[h, row]
-        cuda.syncthreads()
-        step = CHUNK_ROWS // 2
-        while step > 0:  # chunk max per head
-            if t < step:
-                for h in range(heads):
-                    red[h, t] = max(red[h, t], red[h, t + step])
-            cuda.syncthreads()
-            step //= 2
-        if t < CHUNK_ROWS:
-            for h in range(heads):
-                top = red[h, 0]
-                p[h, t] = math.exp(p[h, t] - top) if top > -np.inf else np.float32(0)
-        cuda.syncthreads()
-        if t == 0:
-            for h in range(heads):
-                stats[0, h] = red[h, 0]
-        cuda.syncthreads()
-        if t < CHUNK_ROWS:
-            for h in range(heads):
-                red[h, t] = p[h, t]
-        cuda.syncthreads()
-        step = CHUNK_ROWS // 2
-        while step > 0:  # chunk sum per head
-            if t < step:
-                for h in range(heads):
-                    red[h, t] += red[h, t + step]
-            cuda.syncthreads()
-            step //= 2
-        valid = min(CHUNK_ROWS, rows - chunk * CHUNK_ROWS)
-        # weighted values: a thread per (head, word of 4 channels); V_IN_FLIGHT rows' words loaded before any is
-        # used, so loads overlap (one at a time, each row waited for its load: ~70 µs a layer); rows in order
-        for x in range(t, heads * words, n_threads):
-            h = x // words
-            w = x % words
-            o = cuda.local.array(4, np.float32)
-            for e in range(4):
-                o[e] = np.float32(0)
-            held = cuda.local.array(V_IN_FLIGHT, np.uint64)
-            for base in range(0, valid, V_IN_FLIGHT):
-                for u in range(V_IN_FLIGHT):
-                    if base + u < valid:
-                        held[u] = staged[g, chunk * CHUNK_ROWS + base + u, 1, w]
-                for u in range(V_IN_FLIGHT):
-                    if base + u < valid and p[h, base + u] != 0:
-                        for e in range(4):
-                            v = bf16_bits_to_f32(np.uint16((held[u] >> np.uint64(16 * e)) & np.uint64(0xFFFF)))
-                            o[e] += p[h, base + u] * v
-            for e in range(4):
-                part_o[g, chunk, h, 4 * w + e] = o[e]
-        if t < heads:
-            part_m[g, chunk, t] = stats[0, t]
-            part_l[g, chunk, t] = red[t, 0]
+        for x in range(t, heads * d, threads):
+            h = x // d
+            c = x % d
+            chunk_top = neg_inf
+            for j in range(groups):
+                chunk_top = max(chunk_top, top_s[j, h])
+            acc = np.float32(0)
+            mass = np.float32(0)
+            for j in range(groups):
+                if top_s[j, h] > neg_inf:
+                    scaled = math.exp(top_s[j, h] - chunk_top)
+                    acc += scaled * out_s[j, h, c]
+                    mass += scaled * sum_s[j, h]
+            part_o[g, chunk, h, c] = acc
+            if c == 0:
+                part_m[g, chunk, h] = chunk_top
+                part_l[g, chunk, h] = mass
 
     _KERNELS[key] = kernel
     return kernel
@@ -278,62 +335,69 @@ def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, p
     out[g, h, t] = o / total
 
 
-def gather_rows(row_index, n_rows, lengths, heads_per_session: int, dense: bool, kv, staged, ctas: int,
-                threads: int = 256, stream=0, source=None, slab=None) -> None:
-    """Copy the listed K/V rows (``dense``: rows ``0 .. n``) of every stream into ``staged``.
+def attend_rows(q, row_index, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, kv, scale: float,
+                status, part_m, part_l, part_o, out, source=None, slab=None, warps: int = ATTEND_WARPS,
+                rows_in_flight: int = ROWS_IN_FLIGHT, stream=0) -> None:
+    """``out float32 [streams, G, d] = softmax(q kᵀ · scale) v`` of each head over its selected rows, each row read
+    from its source (dense: every row ``0 .. n`` of the session).
 
     Args:
-        row_index: int32 ``[streams, max_rows]``, first ``n_rows[g]`` valid; lengths: int32 ``[S]``.
+        q: float32 ``[streams, G, d]`` (G ≤ 8, d a multiple of 4, at most 256).
+        row_index: int32 ``[streams, max_rows]``, the first ``n_rows[g]`` valid (ignored when ``dense``);
+            head_mask: int32 ``[streams, max_rows]`` (bit h: head h selected the row; ignored when ``dense``);
+            n_rows: int32 ``[streams]``; lengths: int32 ``[S]`` (stream ``g`` is session ``g // heads_per_session``).
         kv: uint64 ``[streams, T, 2, d / 4]`` (host-mapped): bf16 K and V of each token, 4 per word.
-        staged: uint64 ``[streams, max_rows, 2, d / 4]`` (HBM).
-        ctas: CTAs of the grid (about two per multiprocessor: enough loads in flight, a narrow window of pages).
+        status: int32 flags, ``[2]`` raised for a non-finite query.
+        part_m, part_l: float32 ``[streams, chunks, G]``, part_o: float32 ``[streams, chunks, G, d]`` scratch, with
+            ``chunks · CHUNK_ROWS`` covering ``max_rows`` (dense: ``T``).
         source, slab: the row cache (sparse rows only): int32 ``[streams, max_rows]`` from
-            ``fathom.cuda.row_cache.assign_slots`` and its uint64 ``[streams, slots, 2, d / 4]`` HBM slab.
-    """
-    streams, max_rows = staged.shape[:2]
-    row_words = kv.shape[2] * kv.shape[3]
-    threads = max(row_words, threads // row_words * row_words)  # whole rows per CTA
-    cached = source is not None
-    if cached != (slab is not None) or cached and (dense or source.shape != (streams, max_rows)
-                                                   or slab.shape[0] != streams or slab.shape[2:] != kv.shape[2:]):
-        raise ValueError(f"a row cache needs both source [{streams}, {max_rows}] and a slab [{streams}, slots, "
-                         f"{kv.shape[2]}, {kv.shape[3]}], and sparse rows")
-    if row_index.shape != (streams, max_rows) or n_rows.shape != (streams,):
-        raise ValueError(f"row_index must be [{streams}, {max_rows}] as staged and n_rows [{streams}], got "
-                         f"{row_index.shape}, {n_rows.shape}")
-    if dense and max_rows < kv.shape[1]:  # dense rows are 0 .. n with n up to T: the softmax reads all n staged
-        raise ValueError(f"staged must hold every token for dense rows: max_rows >= {kv.shape[1]} (kv's T), got "
-                         f"{max_rows}")
-    _checks.stream_sessions(streams, heads_per_session, lengths)
-    if not cached:  # placeholders of the same types (never read): one compiled kernel serves both
-        source, slab = row_index, staged
-    if streams and max_rows:
-        _gather_kernel[ctas, threads, stream](row_index, n_rows, lengths, heads_per_session, dense, kv, staged,
-                                              cached, source, slab)
+            ``fathom.cuda.row_cache.assign_slots`` (a hit's slot, a fill's slot + slots, or -1) and its uint64
+            ``[streams, slots, 2, d / 4]`` HBM slab, which a fill writes.
+        warps: warps per CTA of the attention; rows_in_flight: rows whose K and V a group of lanes loads before it
+            uses any (a power of two; fewer where ``G · rows`` would exceed a group's lanes: :func:`lane_layout`).
 
+    Example (``fathom.attention.attention(q[g], k[g, rows], v[g, rows], mask)`` for every stream g)::
 
-def attend(q, staged, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, scale: float, status, part_m,
-           part_l, part_o, out, stream=0) -> None:
-    """``out float32 [streams, G, d] = softmax(q kᵀ · scale) v`` of each head over its selected staged rows.
-
-    Args:
-        q: float32 ``[streams, G, d]``; staged: uint64 ``[streams, max_rows, 2, d / 4]`` from :func:`gather_rows`;
-        head_mask: int32 ``[streams, max_rows]`` (bit h: head h selected the row; ignored when ``dense``);
-        status: int32 flags, ``[2]`` raised for a non-finite query;
-        part_m, part_l: float32 ``[streams, ceil(max_rows / CHUNK_ROWS), G]``; part_o: float32 ``[.., G, d]`` scratch.
+        attend_rows(q, row_index, head_mask, n_rows, lengths, 1, False, kv, d ** -0.5, status, part_m, part_l,
+                    part_o, out)
     """
     streams, heads, d = q.shape
+    max_rows = row_index.shape[1]
     chunks = part_m.shape[1]
-    if part_m.shape != (streams, chunks, heads) or part_o.shape != (streams, chunks, heads, d) \
-            or chunks * CHUNK_ROWS < staged.shape[1] or d % 4 or d > 1024 or staged.shape[3] != d // 4:
-        raise ValueError(f"partials {part_m.shape} / {part_o.shape} do not cover {staged.shape[1]} rows of "
-                         f"{heads} heads × {d} channels (d % 4 == 0, d <= 1024: a thread per channel)")
-    if staged.shape[0] != streams or head_mask.shape != staged.shape[:2] or n_rows.shape != (streams,):
-        raise ValueError(f"staged and head_mask must be [{streams}, max_rows] alike and n_rows [{streams}], got "
-                         f"{staged.shape[:2]}, {head_mask.shape}, {n_rows.shape}")
+    if not 1 <= heads <= MAX_HEADS or d % 4 or not 0 < d <= MAX_D or not _checks.is_integer(warps) \
+            or not 1 <= warps <= 32:
+        raise ValueError(f"1..{MAX_HEADS} query heads, a multiple of 4 channels up to {MAX_D} and 1..32 warps, "
+                         f"got {heads}, {d}, {warps!r}")
+    if not _checks.is_integer(rows_in_flight) or rows_in_flight not in (1, 2, 4, 8, 16):
+        raise ValueError(f"rows_in_flight must be one of 1, 2, 4, 8, 16, got {rows_in_flight!r}")
+    if kv.shape[0] != streams or kv.shape[2:] != (2, d // 4):
+        raise ValueError(f"kv must be [{streams}, T, 2, {d // 4}], got {kv.shape}")
+    if row_index.shape[0] != streams or head_mask.shape != row_index.shape or n_rows.shape != (streams,):
+        raise ValueError(f"row_index and head_mask must be [{streams}, max_rows] alike and n_rows [{streams}], got "
+                         f"{row_index.shape}, {head_mask.shape}, {n_rows.shape}")
+    covered = kv.shape[1] if dense else max_rows  # dense rows are 0 .. n with n up to T
+    if part_m.shape != (streams, chunks, heads) or part_l.shape != part_m.shape \
+            or part_o.shape != (streams, chunks, heads, d) or chunks * CHUNK_ROWS < covered:
+        raise ValueError(f"partials {part_m.shape} / {part_l.shape} / {part_o.shape} must be [{streams}, chunks, "
+                         f"{heads}(, {d})] with chunks · {CHUNK_ROWS} >= {covered} rows")
+    if out.shape != q.shape:
+        raise ValueError(f"out must be {q.shape} as q, got {out.shape}")
+    cached = source is not None
+    if cached != (slab is not None) or cached and (dense or source.shape != row_index.shape
+                                                   or slab.shape[0] != streams or slab.shape[2:] != kv.shape[2:]):
+        raise ValueError(f"a row cache needs both source [{streams}, {max_rows}] and a slab [{streams}, slots, 2, "
+                         f"{d // 4}], and sparse rows")
     _checks.stream_sessions(streams, heads_per_session, lengths)
+    for name, x in (("row_index", row_index), ("head_mask", head_mask), ("kv", kv), ("source", source),
+                    ("slab", slab)):
+        if x is not None and not x.is_c_contiguous():  # read flat, by offsets: a view's strides would be misread
+            raise ValueError(f"{name} must be C-contiguous")
+    if not cached:  # placeholders of the same types (never read): one compiled kernel serves both
+        source, slab = row_index, kv
     if streams:
-        _softmax_kernel(heads, d // 4)[(chunks, streams), SOFTMAX_THREADS, stream](
-            q, staged, head_mask, n_rows, lengths, heads_per_session, dense, scale, status, part_m, part_l, part_o)
+        flat = lambda x: x.reshape(x.size)  # noqa: E731  (views: the kernel indexes them by 32-bit offsets)
+        _attend_kernel(heads, d // 4, warps, rows_in_flight)[(chunks, streams), 32 * warps, stream](
+            q, flat(row_index), flat(head_mask), max_rows, n_rows, lengths, heads_per_session, dense, flat(kv),
+            kv.shape[1], cached, flat(source), flat(slab), slab.shape[1], scale, status, part_m, part_l, part_o)
         _combine_kernel[(streams, heads), d, stream](n_rows, lengths, heads_per_session, dense, part_m, part_l,
                                                     part_o, out)

@@ -34,7 +34,7 @@ keep their slot order, so the result is the same to the bit. Measured on the H20
 36 layers (one CTA a stream / parts): 8 streams (128k × 1) 1,385 / 855; 32 streams 1,408 / 1,223; 128 streams
 1,753 / 3,158 (three passes over the bookkeeping in global memory, not one, where every SM already has a stream).
 
-``fathom.cuda.attention.gather_rows`` then reads each row from its source: the slab (a hit), or host memory (and
+``fathom.cuda.attention.attend_rows`` then reads each row from its source: the slab (a hit), or host memory (and
 writes the slab on a fill).
 """
 

@@ -17,9 +17,9 @@ captures (``fathom.host.graph``). The stages, in order (each can be timed: :meth
 ``union``      the ascending row list of each KV head, with each row's head mask
 ``slots``      with the cache's row cache (``CacheShape.row_cache_rows``): each listed row's source, its slot
                (a hit) or host memory (``fathom.cuda.row_cache``); no launch without one
-``rows``       the listed K/V rows into HBM (dense: every row): from pinned host memory, or from the row cache's
-               slab on a hit
-``attention``  exact attention of each head over its own selection
+``attention``  exact attention of each head over its own selection, each listed row (dense: every row) read from
+               its source: the row cache's slab on a hit, pinned host memory otherwise (a fill also writes the
+               slab)
 =============  ===================================================================================================
 
 Every method of ``fathom.methods`` runs: plane scorers (fathom with a flat budget or a per-layer plan, σ² from the
@@ -45,7 +45,7 @@ import torch
 
 from fathom import _checks, methods
 from fathom.bits import row_bytes, tier_scan_bits
-from fathom.cuda.attention import CHUNK_ROWS, attend, gather_rows
+from fathom.cuda.attention import CHUNK_ROWS, attend_rows
 from fathom.cuda.block import RADIX
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
 from fathom.cuda.row_cache import assign_slots, parts_pay, scratch_shapes
@@ -58,7 +58,7 @@ from fathom.host.strategy import PlaneScan, StepBuffers, resolve
 from fathom.quantize import BLOCK
 from fathom.selection import Selection
 
-STAGES = ("plan", "scan", "select", "union", "slots", "rows", "attention")  # a step's stages in order (run's on_stage)
+STAGES = ("plan", "scan", "select", "union", "slots", "attention")  # a step's stages in order (run's on_stage)
 # Launch sizes: the simulator runs every thread as a Python thread, so its defaults are the smallest that work.
 DEFAULT_SCAN_WARPS = 1 if SIMULATED else 32
 DEFAULT_THREADS = 32 if SIMULATED else 256
@@ -154,7 +154,6 @@ class Decoder:
         self.row_index = zeros((streams, self.max_rows), torch.int32)
         self.head_mask = zeros((streams, self.max_rows), torch.int32)
         self.n_rows = zeros(streams, torch.int32)
-        self.staged = zeros((streams, self.max_rows, 2, d // 4), torch.int64)
         self.row_cached = bool(s.row_cache_rows) and not self.dense  # dense reads every row: nothing to cache
         cached_rows = self.max_rows if self.row_cached else 0
         self.row_source = zeros((streams, cached_rows), torch.int32)  # each row's slot (hit / fill) or -1
@@ -166,12 +165,10 @@ class Decoder:
         self.slot_scratch = [zeros(shape, getattr(torch, np.dtype(dtype).name))
                              for shape, dtype in scratch_shapes(streams, s.row_cache_rows).values()] \
             if self.row_cached and parts_pay(streams, multiprocessors) else None
-        chunks = -(-self.max_rows // CHUNK_ROWS)
+        chunks = -(-self.max_rows // CHUNK_ROWS)  # dense: max_rows is the cache's tokens, every row a stream's
         self.part_m = zeros((streams, chunks, self.group_size), torch.float32)
         self.part_l = zeros((streams, chunks, self.group_size), torch.float32)
         self.part_o = zeros((streams, chunks, self.group_size, d), torch.float32)
-        # the row gather's grid: two CTAs per multiprocessor keep enough rows in flight in a narrow window of pages
-        self.gather_ctas = 2 * multiprocessors
         # built at a layer's first step: building reads the layer's pinned memory, which may still be allocating
         self._steps: list[list[tuple[str, list[Launch]]] | None] = [None] * s.layers
         self._warm_up()
@@ -255,9 +252,8 @@ class Decoder:
         q = (self.q_in[layer] if q_in is None else q_in).view(s.streams, self.group_size, s.head_dim)
         out = as_array((self.out[layer] if out is None else out).view(s.streams, self.group_size, s.head_dim))
         a = {name: as_array(getattr(self, name)) for name in
-             ("top_hist", "hist2", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "staged",
-              "part_m", "part_l", "part_o")}
-        a["staged"] = a["staged"].view(np.uint64)
+             ("top_hist", "hist2", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "part_m",
+              "part_l", "part_o")}
         winners = as_array(self.winners).view(np.uint32)
         any_rows = as_array(self.any_rows).view(np.uint64)
         score_bits = as_array(self.scores).view(np.uint32)
@@ -276,25 +272,21 @@ class Decoder:
                                                            a["row_index"], a["head_mask"], a["n_rows"], threads,
                                                            stream)])]
         q_arr = as_array(q)
-        ctas = self.gather_ctas
+        kv = cache_layer.arrays["kv"]
+        slab = source = None
         if self.row_cached:
-            slab, source, miss_rows = cache_layer.rows.arrays, as_array(self.row_source), as_array(self.miss_rows)
+            rows, source, miss_rows = cache_layer.rows.arrays, as_array(self.row_source), as_array(self.miss_rows)
+            slab = rows["slab"]
             scratch = None if self.slot_scratch is None else [as_array(x) for x in self.slot_scratch]
             assign_threads = min(1024, 4 * threads)
-            steps += [("slots", [lambda stream: assign_slots(a["row_index"], a["n_rows"], slab["slot_of"],
-                                                             slab["position"], slab["stamp"], slab["clock"],
-                                                             slab["counters"], miss_rows, source, assign_threads,
-                                                             stream, scratch)]),
-                      ("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
-                                                           cache_layer.arrays["kv"], a["staged"], ctas, threads, stream,
-                                                           source, slab["slab"])])]
-        else:
-            steps += [("rows", [lambda stream: gather_rows(a["row_index"], a["n_rows"], lengths, heads, dense,
-                                                           cache_layer.arrays["kv"], a["staged"], ctas, threads,
-                                                           stream)])]
-        steps.append(("attention", [lambda stream: attend(q_arr, a["staged"], a["head_mask"], a["n_rows"], lengths,
-                                                          heads, dense, scale, status, a["part_m"], a["part_l"],
-                                                          a["part_o"], out, stream)]))
+            steps.append(("slots", [lambda stream: assign_slots(a["row_index"], a["n_rows"], rows["slot_of"],
+                                                                rows["position"], rows["stamp"], rows["clock"],
+                                                                rows["counters"], miss_rows, source, assign_threads,
+                                                                stream, scratch)]))
+        steps.append(("attention", [lambda stream: attend_rows(q_arr, a["row_index"], a["head_mask"], a["n_rows"],
+                                                               lengths, heads, dense, kv, scale, status, a["part_m"],
+                                                               a["part_l"], a["part_o"], out, source, slab,
+                                                               stream=stream)]))
         return steps
 
     def _warm_up(self) -> None:

@@ -1,5 +1,6 @@
-"""fathom.cuda.attention against fathom.attention.attention: the listed K/V rows fetched from the row store, and
-each head's softmax over its own selection (float32 tolerance); dense over every row of each session."""
+"""fathom.cuda.attention against fathom.attention.attention: each head's softmax over its own selection of the listed
+K/V rows, each read from its source (the row store, or the row cache's slab), float32 tolerance; dense over every
+row of each session."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from fathom.attention import attention
-from fathom.cuda.attention import CHUNK_ROWS, attend, gather_rows
+from fathom.cuda.attention import CHUNK_ROWS, attend_rows, lane_layout
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -24,7 +25,7 @@ def _words(x: np.ndarray) -> np.ndarray:
 @settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), heads=st.sampled_from([1, 3]), d=st.sampled_from([8, 16]),
        dense=st.booleans(), rows=st.integers(1, 300))
-def test_gather_and_attend_match_reference(seed, streams, heads, d, dense, rows):
+def test_attend_rows_matches_reference(seed, streams, heads, d, dense, rows):
     rng = np.random.default_rng(seed)
     tokens = 320
     k, v = _bf16(rng.standard_normal((2, streams, tokens, d)).astype(np.float32) * 2)
@@ -38,7 +39,6 @@ def test_gather_and_attend_match_reference(seed, streams, heads, d, dense, rows)
     head_mask = rng.integers(0, 1 << heads, (streams, rows)).astype(np.int32)
     head_mask[np.arange(streams), 0] = (1 << heads) - 1  # every head selects at least one row
     max_rows = tokens
-    staged = cuda.to_device(np.zeros((streams, max_rows, 2, d // 4), np.uint64))
     chunks = -(-max_rows // CHUNK_ROWS)
     part = [cuda.device_array((streams, chunks, heads), np.float32) for _ in range(2)]
     part_o = cuda.device_array((streams, chunks, heads, d), np.float32)
@@ -46,10 +46,8 @@ def test_gather_and_attend_match_reference(seed, streams, heads, d, dense, rows)
     status = cuda.to_device(np.zeros(4, np.int32))
     mask_dev = cuda.to_device(np.pad(head_mask, ((0, 0), (0, max_rows - rows))))
     rows_dev = cuda.to_device(np.pad(row_index, ((0, 0), (0, max_rows - rows))))
-    gather_rows(rows_dev, cuda.to_device(n_rows), cuda.to_device(lengths), 1, dense, cuda.to_device(kv), staged,
-                ctas=2, threads=64)
-    attend(cuda.to_device(q), staged, mask_dev, cuda.to_device(n_rows), cuda.to_device(lengths), 1, dense, 0.3,
-           status, *part, part_o, out)
+    attend_rows(cuda.to_device(q), rows_dev, mask_dev, cuda.to_device(n_rows), cuda.to_device(lengths), 1, dense,
+                cuda.to_device(kv), 0.3, status, *part, part_o, out)
     got = out.copy_to_host()
     for g in range(streams):
         if dense:
@@ -64,7 +62,7 @@ def test_gather_and_attend_match_reference(seed, streams, heads, d, dense, rows)
 
 @pytest.mark.gpu  # the simulator would take minutes: a model's head dims over thousands of rows, many chunks
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_gather_and_attend_match_reference_at_model_head_dims(d):
+def test_attend_rows_matches_reference_at_model_head_dims(d):
     rng = np.random.default_rng(d)
     streams, heads, tokens, rows = 2, 4, 4096, 1800
     k, v = _bf16(rng.standard_normal((2, streams, tokens, d)).astype(np.float32))
@@ -77,14 +75,11 @@ def test_gather_and_attend_match_reference_at_model_head_dims(d):
         row_index[g, :n_rows[g]] = np.sort(rng.choice(tokens, n_rows[g], replace=False))
     head_mask = rng.integers(1, 1 << heads, (streams, rows)).astype(np.int32)
     chunks = -(-rows // CHUNK_ROWS)
-    staged = cuda.to_device(np.zeros((streams, rows, 2, d // 4), np.uint64))
     parts = [cuda.device_array((streams, chunks, heads), np.float32) for _ in range(2)]
     out = cuda.device_array((streams, heads, d), np.float32)
-    gather_rows(cuda.to_device(row_index), cuda.to_device(n_rows), cuda.to_device(lengths), 1, False,
-                cuda.to_device(kv), staged, ctas=8)
-    attend(cuda.to_device(q), staged, cuda.to_device(head_mask), cuda.to_device(n_rows), cuda.to_device(lengths), 1,
-           False, d ** -0.5, cuda.to_device(np.zeros(4, np.int32)), *parts,
-           cuda.device_array((streams, chunks, heads, d), np.float32), out)
+    attend_rows(cuda.to_device(q), cuda.to_device(row_index), cuda.to_device(head_mask), cuda.to_device(n_rows),
+                cuda.to_device(lengths), 1, False, cuda.to_device(kv), d ** -0.5, cuda.to_device(np.zeros(4, np.int32)),
+                *parts, cuda.device_array((streams, chunks, heads, d), np.float32), out)
     got = out.copy_to_host()
     for g in range(streams):
         listed = row_index[g, :n_rows[g]]
@@ -101,39 +96,62 @@ def test_far_negative_logits_over_many_chunks_at_a_small_head_dim():
     k = _bf16(np.full((rows, d), 3.0, np.float32) + rng.uniform(0, 0.1, (rows, d)).astype(np.float32))
     v = _bf16(rng.standard_normal((rows, d)).astype(np.float32))
     q = np.full((streams, heads, d), -100.0, np.float32)
-    kv = np.stack([_words(k), _words(v)], axis=1)[None]  # [1, T, 2, d / 4]
+    kv = np.stack([_words(k), _words(v)], axis=1).reshape(1, rows, 2, d // 4)  # [1, T, 2, d / 4], C strides
     lengths = n_rows = np.array([rows], np.int32)
     chunks = -(-rows // CHUNK_ROWS)
-    staged = cuda.to_device(np.zeros((streams, rows, 2, d // 4), np.uint64))
     parts = [cuda.device_array((streams, chunks, heads), np.float32) for _ in range(2)]
     out = cuda.device_array((streams, heads, d), np.float32)
-    gather_rows(cuda.to_device(np.zeros((1, rows), np.int32)), cuda.to_device(n_rows), cuda.to_device(lengths), 1,
-                True, cuda.to_device(kv), staged, 1)
-    attend(cuda.to_device(q), staged, cuda.to_device(np.zeros((1, rows), np.int32)), cuda.to_device(n_rows),
-           cuda.to_device(lengths), 1, True, 1.0, cuda.to_device(np.zeros(4, np.int32)), *parts,
-           cuda.device_array((streams, chunks, heads, d), np.float32), out)
+    no_rows = cuda.to_device(np.zeros((1, rows), np.int32))
+    attend_rows(cuda.to_device(q), no_rows, no_rows, cuda.to_device(n_rows), cuda.to_device(lengths), 1, True,
+                cuda.to_device(kv), 1.0, cuda.to_device(np.zeros(4, np.int32)), *parts,
+                cuda.device_array((streams, chunks, heads, d), np.float32), out)
     np.testing.assert_allclose(out.copy_to_host()[0], attention(q[0], k, v, scale=1.0), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # a NaN query: NaN out, flagged
 def test_a_non_finite_query_raises_the_flag():
-    k = np.ones((1, 64, 2, 1), np.uint64)
+    kv = np.ones((1, 64, 2, 1), np.uint64)
     q = np.array([[[np.nan, 0, 0, 0]]], np.float32)
     status = cuda.to_device(np.zeros(4, np.int32))
-    staged = cuda.to_device(np.zeros((1, 64, 2, 1), np.uint64))
     parts = [cuda.device_array((1, 1, 1), np.float32) for _ in range(2)]
     lengths, n_rows = cuda.to_device(np.array([64], np.int32)), cuda.to_device(np.array([0], np.int32))
-    gather_rows(cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, cuda.to_device(k), staged, 1)
-    attend(cuda.to_device(q), staged, cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, 1.0,
-           status, *parts, cuda.device_array((1, 1, 1, 4), np.float32), cuda.device_array((1, 1, 4), np.float32))
+    no_rows = cuda.to_device(np.zeros((1, 64), np.int32))
+    attend_rows(cuda.to_device(q), no_rows, no_rows, n_rows, lengths, 1, True, cuda.to_device(kv), 1.0, status,
+                *parts, cuda.device_array((1, 1, 1, 4), np.float32), cuda.device_array((1, 1, 4), np.float32))
     assert status.copy_to_host()[2] == 1
 
 
-def test_dense_rows_need_a_staging_buffer_for_every_token():
-    """Dense rows are 0 .. n with n up to kv's T, and the softmax reads all n of them from ``staged``: a smaller
-    staging buffer is refused, not read past."""
-    kv = cuda.to_device(np.zeros((1, 320, 2, 1), np.uint64))
-    staged = cuda.to_device(np.zeros((1, 64, 2, 1), np.uint64))
+def test_partials_must_cover_every_row_a_stream_can_read():
+    """Dense rows are 0 .. n with n up to kv's T, sparse ones up to the row list's length: partials for fewer chunks
+    are refused, not written past."""
+    kv = cuda.to_device(np.zeros((1, 2 * CHUNK_ROWS, 2, 1), np.uint64))
     lengths, n_rows = cuda.to_device(np.array([300], np.int32)), cuda.to_device(np.array([0], np.int32))
-    with pytest.raises(ValueError, match=r"max_rows >= 320"):
-        gather_rows(cuda.to_device(np.zeros((1, 64), np.int32)), n_rows, lengths, 1, True, kv, staged, 1)
+    no_rows = cuda.to_device(np.zeros((1, 64), np.int32))
+    parts = [cuda.device_array((1, 1, 1), np.float32) for _ in range(2)]
+    q, out = cuda.device_array((1, 1, 4), np.float32), cuda.device_array((1, 1, 4), np.float32)
+    with pytest.raises(ValueError, match=rf"chunks · {CHUNK_ROWS} >= {2 * CHUNK_ROWS} rows"):
+        attend_rows(q, no_rows, no_rows, n_rows, lengths, 1, True, kv, 1.0, cuda.to_device(np.zeros(4, np.int32)),
+                    *parts, cuda.device_array((1, 1, 1, 4), np.float32), out)
+
+
+def test_a_strided_row_store_is_refused():
+    """The kernel reads its arrays flat, by offsets: a view with other strides is refused, not misread."""
+    kv = cuda.to_device(np.zeros((1, 64, 4, 1), np.uint64))[:, :, ::2]  # [1, 64, 2, 1], every other word
+    lengths, n_rows = cuda.to_device(np.array([64], np.int32)), cuda.to_device(np.array([0], np.int32))
+    no_rows = cuda.to_device(np.zeros((1, 64), np.int32))
+    parts = [cuda.device_array((1, 1, 1), np.float32) for _ in range(2)]
+    q, out = cuda.device_array((1, 1, 4), np.float32), cuda.device_array((1, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="kv must be C-contiguous"):
+        attend_rows(q, no_rows, no_rows, n_rows, lengths, 1, True, kv, 1.0, cuda.to_device(np.zeros(4, np.int32)),
+                    *parts, cuda.device_array((1, 1, 1, 4), np.float32), out)
+
+
+@pytest.mark.parametrize("heads, words", [(1, 2), (3, 2), (4, 32), (6, 32), (8, 64), (3, 16), (8, 1)])
+def test_lane_layout_holds_one_logit_a_lane_group(heads, words):
+    """After the butterfly every (row, head) logit of a batch sits in ``spread`` lanes of a group, and a group's
+    lanes cover a row's words."""
+    row_lanes, per_lane, rows_in_flight, spread = lane_layout(heads, words)
+    padded = 1 << (heads - 1).bit_length()
+    assert row_lanes in (8, 16, 32) and 32 % row_lanes == 0
+    assert row_lanes * per_lane >= words and row_lanes * (per_lane - 1) < words
+    assert rows_in_flight * padded * spread == row_lanes and rows_in_flight >= 1

@@ -623,26 +623,27 @@ def test_a_store_in_hbm_runs_the_same_step(tier):
     assert host_hbm == 0 and tier_hbm > 0 and tier_link < host_link
 
 
-def _assert_staged_rows_are_the_listed_ones(decoder: Decoder) -> None:
-    """The rows the last step staged (a hit from the row cache's slab, a miss from host memory) are the listed rows'
-    K/V, and each slot the step filled holds its row."""
+def _assert_sources_hold_the_listed_rows(decoder: Decoder) -> None:
+    """Each row the last step listed is read from a source holding its K/V — a hit's slab slot, or host memory — and
+    each slot the step filled holds its row afterwards."""
     if not SIMULATED:
         torch.cuda.synchronize()
     kv = decoder.cache.layer(LAYER).kv.host
     slab = decoder.cache.layer(LAYER).rows.slab.view(torch.int64).cpu().numpy().view(np.uint64)
-    staged, rows, counts, source = (x.cpu().numpy() for x in (decoder.staged, decoder.row_index, decoder.n_rows,
-                                                               decoder.row_source))
+    rows, counts, source = (x.cpu().numpy() for x in (decoder.row_index, decoder.n_rows, decoder.row_source))
     for g, n in enumerate(counts):
-        np.testing.assert_array_equal(staged[g, :n].view(np.uint64), kv[g, rows[g, :n]])
-        filled = source[g, :n] >= slab.shape[1]
-        np.testing.assert_array_equal(slab[g, source[g, :n][filled] - slab.shape[1]], kv[g, rows[g, :n][filled]])
+        listed, slot = rows[g, :n], source[g, :n]
+        hit = (slot >= 0) & (slot < slab.shape[1])
+        np.testing.assert_array_equal(slab[g, slot[hit]], kv[g, listed[hit]])
+        filled = slot >= slab.shape[1]
+        np.testing.assert_array_equal(slab[g, slot[filled] - slab.shape[1]], kv[g, listed[filled]])
 
 
 def test_the_row_cache_serves_the_listed_rows():
     """With a row cache of 20 slots (fewer than a step's rows: some bypass), through steps with drifting and repeated
     queries, an append that seals a block, a session emptied and refilled with other keys, and a captured token:
-    every step stages exactly the listed rows' K/V, the output matches the reference, and repeated queries are
-    served from the slab."""
+    every step reads each listed row's K/V from a source holding it, the output matches the reference, and repeated
+    queries are served from the slab."""
     shape = replace(SHAPES[3], row_cache_rows=20)
     k, v, q, *_ = data = _setup(shape, seed=11, n=200)
     k_new, v_new, *_ = _setup(shape, seed=12, n=200)
@@ -652,7 +653,7 @@ def test_the_row_cache_serves_the_listed_rows():
 
         def step(q_step):
             decoder.run(LAYER, torch.from_numpy(q_step.astype(np.float32)).to(DEVICE))
-            _assert_staged_rows_are_the_listed_ones(decoder)
+            _assert_sources_hold_the_listed_rows(decoder)
 
         _append(cache, k, v, 0, 130)
         step(q + 0.3 * np.random.default_rng(3).standard_normal(q.shape))
@@ -672,7 +673,7 @@ def test_the_row_cache_serves_the_listed_rows():
         q_t = torch.from_numpy(q).to(DEVICE)
         k_t, v_t = (torch.from_numpy(x[:, :, 190:191]).to(DEVICE) for x in (k, v))
         out = token(q_t, k_t, v_t).cpu().numpy()
-        _assert_staged_rows_are_the_listed_ones(decoder)
+        _assert_sources_hold_the_listed_rows(decoder)
         k[1, :, 150], v[1, :, 150] = k[1, :, 190], v[1, :, 190]  # session 1 held 150 tokens: its new one is 150th
         _assert_matches_reference(decoder, out, k, v, q, *data[3:], cache.lengths(LAYER))
 
