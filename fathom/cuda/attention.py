@@ -35,9 +35,13 @@ from fathom.cuda.half import bf16_bits_to_f32
 from fathom.cuda.interop import SIMULATED, launch_bounds
 
 CHUNK_ROWS = 128  # rows per CTA of the attention (one partial softmax each)
-ROWS_IN_FLIGHT = 8  # rows whose K and V a group of lanes loads before it uses any (fewer where G · rows > lanes)
-ATTEND_WARPS = 1 if SIMULATED else 4  # warps per CTA (the simulator runs every thread as a Python thread)
-MAX_D = 256  # channels: a CTA's groups' weighted values are combined in shared memory (32 KiB at d = 256, G = 8)
+ROWS_IN_FLIGHT = 4  # rows whose K and V a group of lanes loads before it uses any (fewer where G · rows > lanes)
+# Warps per CTA, at most (fewer where a CTA's shared memory would not fit: attend_warps). Measured in the whole
+# 16-session 128k token on an H100 (µs a token, warps / rows in flight): 6,877 at 4 / 8, 6,861 at 8 / 2, 6,538 at
+# 8 / 4, 7,343 at 2 / 8. The simulator runs every thread as a Python thread: one warp there.
+ATTEND_WARPS = 1 if SIMULATED else 8
+MAX_SHARED = 48 * 1024  # static shared memory a CTA may declare
+MAX_D = 256  # channels: a CTA's groups' weighted values are combined in shared memory
 MAX_HEADS = 8  # query heads per KV head (G)
 V_IN_FLIGHT = 8  # chunks' partial outputs each thread of the combine loads before it adds them
 COMBINE_TILE = 256  # chunks whose weights the combine holds in shared memory at once
@@ -60,6 +64,21 @@ def lane_layout(heads: int, words: int, rows_in_flight: int = ROWS_IN_FLIGHT) ->
     per_lane = -(-words // row_lanes)
     rows = min(_pow2_at_least(rows_in_flight), row_lanes // padded)
     return row_lanes, per_lane, rows, row_lanes // (rows * padded)
+
+
+def shared_bytes(heads: int, words: int, warps: int, rows_in_flight: int = ROWS_IN_FLIGHT) -> int:
+    """Shared memory of the attention's CTA: the simulator's exchange words, the queries, and each group's running
+    maxima, sums and weighted values."""
+    groups = warps * (32 // lane_layout(heads, words, rows_in_flight)[0])
+    return 4 * (32 * warps + heads * 4 * words + 2 * groups * heads + groups * heads * 4 * words)
+
+
+def attend_warps(heads: int, words: int, rows_in_flight: int = ROWS_IN_FLIGHT) -> int:
+    """Warps per CTA: :data:`ATTEND_WARPS`, halved until the CTA's shared memory fits (d = 256 at G = 8: 4)."""
+    warps = ATTEND_WARPS
+    while warps > 1 and shared_bytes(heads, words, warps, rows_in_flight) > MAX_SHARED:
+        warps //= 2
+    return warps
 
 
 @cuda.jit(device=True, inline=True)
@@ -336,7 +355,7 @@ def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, p
 
 
 def attend_rows(q, row_index, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, kv, scale: float,
-                status, part_m, part_l, part_o, out, source=None, slab=None, warps: int = ATTEND_WARPS,
+                status, part_m, part_l, part_o, out, source=None, slab=None, warps: int | None = None,
                 rows_in_flight: int = ROWS_IN_FLIGHT, stream=0) -> None:
     """``out float32 [streams, G, d] = softmax(q kᵀ · scale) v`` of each head over its selected rows, each row read
     from its source (dense: every row ``0 .. n`` of the session).
@@ -353,7 +372,7 @@ def attend_rows(q, row_index, head_mask, n_rows, lengths, heads_per_session: int
         source, slab: the row cache (sparse rows only): int32 ``[streams, max_rows]`` from
             ``fathom.cuda.row_cache.assign_slots`` (a hit's slot, a fill's slot + slots, or -1) and its uint64
             ``[streams, slots, 2, d / 4]`` HBM slab, which a fill writes.
-        warps: warps per CTA of the attention; rows_in_flight: rows whose K and V a group of lanes loads before it
+        warps: warps per CTA of the attention (None: :func:`attend_warps`); rows_in_flight: rows whose K and V a group of lanes loads before it
             uses any (a power of two; fewer where ``G · rows`` would exceed a group's lanes: :func:`lane_layout`).
 
     Example (``fathom.attention.attention(q[g], k[g, rows], v[g, rows], mask)`` for every stream g)::
@@ -364,12 +383,17 @@ def attend_rows(q, row_index, head_mask, n_rows, lengths, heads_per_session: int
     streams, heads, d = q.shape
     max_rows = row_index.shape[1]
     chunks = part_m.shape[1]
-    if not 1 <= heads <= MAX_HEADS or d % 4 or not 0 < d <= MAX_D or not _checks.is_integer(warps) \
-            or not 1 <= warps <= 32:
-        raise ValueError(f"1..{MAX_HEADS} query heads, a multiple of 4 channels up to {MAX_D} and 1..32 warps, "
-                         f"got {heads}, {d}, {warps!r}")
+    if not 1 <= heads <= MAX_HEADS or d % 4 or not 0 < d <= MAX_D:
+        raise ValueError(f"1..{MAX_HEADS} query heads and a multiple of 4 channels up to {MAX_D}, got {heads}, {d}")
     if not _checks.is_integer(rows_in_flight) or rows_in_flight not in (1, 2, 4, 8, 16):
         raise ValueError(f"rows_in_flight must be one of 1, 2, 4, 8, 16, got {rows_in_flight!r}")
+    if warps is None:
+        warps = attend_warps(heads, d // 4, rows_in_flight)
+    if not _checks.is_integer(warps) or not 1 <= warps <= 32 \
+            or shared_bytes(heads, d // 4, warps, rows_in_flight) > MAX_SHARED:
+        raise ValueError(f"warps must be an integer in 1..32 whose CTA fits {MAX_SHARED} bytes of shared memory "
+                         f"(attend_warps: {attend_warps(heads, d // 4, rows_in_flight)} at G = {heads}, d = {d}), "
+                         f"got {warps!r}")
     if kv.shape[0] != streams or kv.shape[2:] != (2, d // 4):
         raise ValueError(f"kv must be [{streams}, T, 2, {d // 4}], got {kv.shape}")
     if row_index.shape[0] != streams or head_mask.shape != row_index.shape or n_rows.shape != (streams,):

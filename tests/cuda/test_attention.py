@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from fathom.attention import attention
-from fathom.cuda.attention import CHUNK_ROWS, attend_rows, lane_layout
+from fathom.cuda.attention import CHUNK_ROWS, MAX_SHARED, attend_rows, attend_warps, lane_layout, shared_bytes
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -61,10 +61,11 @@ def test_attend_rows_matches_reference(seed, streams, heads, d, dense, rows):
 
 
 @pytest.mark.gpu  # the simulator would take minutes: a model's head dims over thousands of rows, many chunks
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_attend_rows_matches_reference_at_model_head_dims(d):
-    rng = np.random.default_rng(d)
-    streams, heads, tokens, rows = 2, 4, 4096, 1800
+@pytest.mark.parametrize("heads, d", [(4, 64), (3, 64), (4, 128), (6, 128), (4, 256), (8, 256)])
+def test_attend_rows_matches_reference_at_model_head_dims(heads, d):
+    """The models' shapes (G = 3 and 6 padded to 4 and 8 heads; d = 256 at G = 8 runs on 4 warps, not 8)."""
+    rng = np.random.default_rng(d + heads)
+    streams, tokens, rows = 2, 4096, 1800
     k, v = _bf16(rng.standard_normal((2, streams, tokens, d)).astype(np.float32))
     q = rng.standard_normal((streams, heads, d)).astype(np.float32)
     kv = np.stack([_words(k), _words(v)], axis=2)
@@ -144,6 +145,19 @@ def test_a_strided_row_store_is_refused():
     with pytest.raises(ValueError, match="kv must be C-contiguous"):
         attend_rows(q, no_rows, no_rows, n_rows, lengths, 1, True, kv, 1.0, cuda.to_device(np.zeros(4, np.int32)),
                     *parts, cuda.device_array((1, 1, 1, 4), np.float32), out)
+
+
+def test_a_cta_whose_shared_memory_would_not_fit_is_refused():
+    """At G = 8, d = 256 the default warps are halved until the CTA fits; asking for more warps is refused."""
+    assert shared_bytes(8, 64, attend_warps(8, 64)) <= MAX_SHARED < shared_bytes(8, 64, 8)
+    kv = cuda.to_device(np.zeros((1, 64, 2, 64), np.uint64))
+    lengths, n_rows = cuda.to_device(np.array([64], np.int32)), cuda.to_device(np.array([0], np.int32))
+    no_rows = cuda.to_device(np.zeros((1, 64), np.int32))
+    parts = [cuda.device_array((1, 1, 8), np.float32) for _ in range(2)]
+    q, out = cuda.device_array((1, 8, 256), np.float32), cuda.device_array((1, 8, 256), np.float32)
+    with pytest.raises(ValueError, match="warps must be an integer in 1..32 whose CTA fits"):
+        attend_rows(q, no_rows, no_rows, n_rows, lengths, 1, True, kv, 1.0, cuda.to_device(np.zeros(4, np.int32)),
+                    *parts, cuda.device_array((1, 1, 8, 256), np.float32), out, warps=8)
 
 
 @pytest.mark.parametrize("heads, words", [(1, 2), (3, 2), (4, 32), (6, 32), (8, 64), (3, 16), (8, 1)])
