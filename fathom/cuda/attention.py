@@ -5,8 +5,8 @@
 neighbouring CTAs read neighbouring host pages) — or, for dense attention, rows ``0 .. n`` — from their source: the
 row cache's HBM slab on a hit, else the K/V store ``[streams, T, 2, d / 4]`` in pinned host memory (K then V of a
 token side by side; a fill also writes the slab), and runs the softmax over them in the same pass, so no row is
-staged in HBM and read again (the staged gather and the softmax after it took 7.3 + 4.2 ms of a 16-session 128k
-token on an H100, where the rows' bytes at HBM rate take ~1.2 ms).
+staged in HBM and read again (on an H100, 16 ragged 128k sessions: the staged gather and the softmax after it took
+7.3 + 4.2 ms a token, this kernel 6.5 ms, where the rows' 4.1 GB at HBM rate take ~1.2 ms; docs/results.md).
 
 One CTA per (chunk of :data:`CHUNK_ROWS` rows, stream); its warps split into groups of ``row_lanes`` lanes, each
 group reading whole rows, a lane ``d / 4 / row_lanes`` 8-byte words of each row's K and V (one coalesced read per
@@ -135,7 +135,7 @@ def _attend_kernel(heads: int, words: int, warps: int, in_flight: int):
     exact = row_lanes * per_lane == words  # every lane reads words: no bounds check
     neg_inf = np.float32(-np.inf)
 
-    @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only integers: cached on disk
+    @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only numbers: cached on disk
     def kernel(q, row_index, head_mask, list_rows, n_rows, lengths, heads_per_session, dense, kv, kv_rows, cached,
                source, slab, slab_rows, scale, status, part_m, part_l, part_o):
         chunk = cuda.blockIdx.x
@@ -368,12 +368,13 @@ def attend_rows(q, row_index, head_mask, n_rows, lengths, heads_per_session: int
         kv: uint64 ``[streams, T, 2, d / 4]`` (host-mapped): bf16 K and V of each token, 4 per word.
         status: int32 flags, ``[2]`` raised for a non-finite query.
         part_m, part_l: float32 ``[streams, chunks, G]``, part_o: float32 ``[streams, chunks, G, d]`` scratch, with
-            ``chunks · CHUNK_ROWS`` covering ``max_rows`` (dense: ``T``).
+            ``chunks · CHUNK_ROWS`` covering ``max_rows`` (dense: ``T``); out: float32 ``[streams, G, d]``.
         source, slab: the row cache (sparse rows only): int32 ``[streams, max_rows]`` from
             ``fathom.cuda.row_cache.assign_slots`` (a hit's slot, a fill's slot + slots, or -1) and its uint64
             ``[streams, slots, 2, d / 4]`` HBM slab, which a fill writes.
-        warps: warps per CTA of the attention (None: :func:`attend_warps`); rows_in_flight: rows whose K and V a group of lanes loads before it
-            uses any (a power of two; fewer where ``G · rows`` would exceed a group's lanes: :func:`lane_layout`).
+        warps: warps per CTA of the attention (None: :func:`attend_warps`).
+        rows_in_flight: rows whose K and V a group of lanes loads before it uses any (a power of two; fewer where
+            ``G · rows`` would exceed a group's lanes: :func:`lane_layout`).
 
     Example (``fathom.attention.attention(q[g], k[g, rows], v[g, rows], mask)`` for every stream g)::
 
