@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bench.report import RESULTS, markdown_table, repo_path, write_json
+from bench.report import markdown_table, repo_path, write_json
 from bench.timing_settings import GROUP_SIZE, HEAD_DIM, KV_HEADS, LAYERS, Setting
 
 README_START, README_END = "<!-- timing:start -->", "<!-- timing:end -->"  # in docs/results.md
