@@ -122,42 +122,35 @@ def test_a_non_finite_query_raises_the_flag():
     assert status.copy_to_host()[2] == 1
 
 
+def _attend_dense(kv, heads: int = 1, d: int = 4, length: int = 64, **kwargs) -> None:
+    """``attend_rows`` over every row of one stream's ``kv`` (dense, one partial chunk): the refusals' call."""
+    lengths, n_rows = cuda.to_device(np.array([length], np.int32)), cuda.to_device(np.array([0], np.int32))
+    no_rows = cuda.to_device(np.zeros((1, 64), np.int32))
+    parts = [cuda.device_array((1, 1, heads), np.float32) for _ in range(2)]
+    q, out = (cuda.device_array((1, heads, d), np.float32) for _ in range(2))
+    attend_rows(q, no_rows, no_rows, n_rows, lengths, 1, True, kv, 1.0, cuda.to_device(np.zeros(4, np.int32)), *parts,
+                cuda.device_array((1, 1, heads, d), np.float32), out, **kwargs)
+
+
 def test_partials_must_cover_every_row_a_stream_can_read():
     """Dense rows are 0 .. n with n up to kv's T, sparse ones up to the row list's length: partials for fewer chunks
     are refused, not written past."""
-    kv = cuda.to_device(np.zeros((1, 2 * CHUNK_ROWS, 2, 1), np.uint64))
-    lengths, n_rows = cuda.to_device(np.array([300], np.int32)), cuda.to_device(np.array([0], np.int32))
-    no_rows = cuda.to_device(np.zeros((1, 64), np.int32))
-    parts = [cuda.device_array((1, 1, 1), np.float32) for _ in range(2)]
-    q, out = cuda.device_array((1, 1, 4), np.float32), cuda.device_array((1, 1, 4), np.float32)
     with pytest.raises(ValueError, match=rf"chunks · {CHUNK_ROWS} >= {2 * CHUNK_ROWS} rows"):
-        attend_rows(q, no_rows, no_rows, n_rows, lengths, 1, True, kv, 1.0, cuda.to_device(np.zeros(4, np.int32)),
-                    *parts, cuda.device_array((1, 1, 1, 4), np.float32), out)
+        _attend_dense(cuda.to_device(np.zeros((1, 2 * CHUNK_ROWS, 2, 1), np.uint64)), length=300)
 
 
 def test_a_strided_row_store_is_refused():
     """The kernel reads its arrays flat, by offsets: a view with other strides is refused, not misread."""
     kv = cuda.to_device(np.zeros((1, 64, 4, 1), np.uint64))[:, :, ::2]  # [1, 64, 2, 1], every other word
-    lengths, n_rows = cuda.to_device(np.array([64], np.int32)), cuda.to_device(np.array([0], np.int32))
-    no_rows = cuda.to_device(np.zeros((1, 64), np.int32))
-    parts = [cuda.device_array((1, 1, 1), np.float32) for _ in range(2)]
-    q, out = cuda.device_array((1, 1, 4), np.float32), cuda.device_array((1, 1, 4), np.float32)
     with pytest.raises(ValueError, match="kv must be C-contiguous"):
-        attend_rows(q, no_rows, no_rows, n_rows, lengths, 1, True, kv, 1.0, cuda.to_device(np.zeros(4, np.int32)),
-                    *parts, cuda.device_array((1, 1, 1, 4), np.float32), out)
+        _attend_dense(kv)
 
 
 def test_a_cta_whose_shared_memory_would_not_fit_is_refused():
     """At G = 8, d = 256 the default warps are halved until the CTA fits; asking for more warps is refused."""
     assert shared_bytes(8, 64, attend_warps(8, 64)) <= MAX_SHARED < shared_bytes(8, 64, 8)
-    kv = cuda.to_device(np.zeros((1, 64, 2, 64), np.uint64))
-    lengths, n_rows = cuda.to_device(np.array([64], np.int32)), cuda.to_device(np.array([0], np.int32))
-    no_rows = cuda.to_device(np.zeros((1, 64), np.int32))
-    parts = [cuda.device_array((1, 1, 8), np.float32) for _ in range(2)]
-    q, out = cuda.device_array((1, 8, 256), np.float32), cuda.device_array((1, 8, 256), np.float32)
     with pytest.raises(ValueError, match="warps must be an integer in 1..32 whose CTA fits"):
-        attend_rows(q, no_rows, no_rows, n_rows, lengths, 1, True, kv, 1.0, cuda.to_device(np.zeros(4, np.int32)),
-                    *parts, cuda.device_array((1, 1, 8, 256), np.float32), out, warps=8)
+        _attend_dense(cuda.to_device(np.zeros((1, 64, 2, 64), np.uint64)), heads=8, d=256, warps=8)
 
 
 @pytest.mark.parametrize("heads, words", [(1, 2), (3, 2), (4, 32), (6, 32), (8, 64), (3, 16), (8, 1)])
