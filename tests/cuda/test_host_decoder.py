@@ -651,9 +651,11 @@ def test_the_row_cache_serves_the_listed_rows():
         decoder = _decoder(cache, methods.fathom(12.0), data)
         assert decoder.row_cached and cache.row_cache_filled() == 0.0
 
-        def step(q_step):
-            decoder.run(LAYER, torch.from_numpy(q_step.astype(np.float32)).to(DEVICE))
+        def step(q_step):  # the attention reads each row from its source: the output is the reference's
+            q_step = q_step.astype(np.float32)
+            out = decoder.run(LAYER, torch.from_numpy(q_step).to(DEVICE)).cpu().numpy()
             _assert_sources_hold_the_listed_rows(decoder)
+            _assert_matches_reference(decoder, out, k, v, q_step, *data[3:], cache.lengths(LAYER))
 
         _append(cache, k, v, 0, 130)
         step(q + 0.3 * np.random.default_rng(3).standard_normal(q.shape))
