@@ -53,6 +53,14 @@ def test_its_selection_is_the_reference_selection():
     (["--select-threads", "2048"], "--select-threads must be in 32..1024"),
     (["--per-block", "0"], "--per-block must be >= 1"),
     (["--reps", "0"], "--reps must be >= 1"),
+    (["--census", "--context", "4100"], "--context must be a multiple of 64"),
+    (["--census", "--model", "gpt-9"], "--model must be one of"),
+    (["--census", "--model", "smollm2-135m", "--context", "131072"], "--context must be at most"),
+    (["--census", "--model", "qwen2.5-coder-1.5b", "--context", "16384", "--corpus", "nowhere"],
+     "--corpus must be one of"),
+    (["--census", "--corpus", "cpython"], "--corpus is read only with --model"),
+    (["--model", "qwen2.5-coder-1.5b"], "--model and --corpus are read only with --census"),
+    (["--corpus", "cpython"], "--model and --corpus are read only with --census"),
 ])
 def test_bad_arguments_are_refused_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -96,20 +104,3 @@ def test_a_captures_census_reads_its_last_position_at_the_contexts_k():
     for layer in range(2):
         want = head_census(keys[layer, 0, :576], queries[layer, 0, 1], 128, layer, 0)
         assert [r for r in records if r["layer"] == layer] == want
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--census", "--context", "4100"], "--context must be a multiple of 64"),
-    (["--census", "--model", "gpt-9"], "--model must be one of"),
-    (["--census", "--model", "smollm2-135m", "--context", "131072"], "--context must be at most"),
-    (["--census", "--model", "qwen2.5-coder-1.5b", "--context", "16384", "--corpus", "nowhere"],
-     "--corpus must be one of"),
-    (["--census", "--corpus", "cpython"], "--corpus is read only with --model"),
-    (["--model", "qwen2.5-coder-1.5b"], "--model and --corpus are read only with --census"),
-    (["--corpus", "cpython"], "--model and --corpus are read only with --census"),
-])
-def test_the_census_refuses_bad_arguments_in_one_line(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        select_probe.main(argv)
-    assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
