@@ -73,7 +73,6 @@ def test_select_refuses_nan_scores_and_a_context_that_is_not_an_integer():
         select(np.zeros((1, 64), np.float32), 100.7, sel)
 
 
-
 def test_order_keys_order_as_the_floats_do():
     """order_keys (the NumPy twin of the kernels' order_key): keys sort as their floats, −0 and +0 share a key, and
     every sign and magnitude (subnormals, infinities) keeps its place."""

@@ -89,21 +89,18 @@ def _row_count(n_rows, lengths, heads_per_session, dense, g):
 
 
 if SIMULATED:
-    def _xor_lane(swap, t, value, offset):
-        """``value`` of lane ``t ^ offset`` (simulator: through shared memory; every thread of the CTA calls it)."""
-        swap[t] = value
-        cuda.syncthreads()
-        other = swap[t ^ offset]
-        cuda.syncthreads()
-        return other
-
     def _from_lane(swap, t, value, source):
-        """``value`` of thread ``source`` of this warp (simulator: through shared memory)."""
+        """``value`` of thread ``source`` of this warp (simulator: through shared memory; every thread of the CTA
+        calls it)."""
         swap[t] = value
         cuda.syncthreads()
         other = swap[source]
         cuda.syncthreads()
         return other
+
+    def _xor_lane(swap, t, value, offset):
+        """``value`` of lane ``t ^ offset`` (simulator: :func:`_from_lane` of that thread)."""
+        return _from_lane(swap, t, value, t ^ offset)
 else:
     @cuda.jit(device=True, inline=True)
     def _xor_lane(swap, t, value, offset):
