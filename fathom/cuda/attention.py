@@ -26,6 +26,7 @@ exchanged, so the same sums; every exchange sits where the whole CTA reaches it)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
@@ -351,32 +352,38 @@ def _combine_kernel(n_rows, lengths, heads_per_session, dense, part_m, part_l, p
     out[g, h, t] = o / total
 
 
-def attend_rows(q, row_index, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, kv, scale: float,
-                status, part_m, part_l, part_o, out, source=None, slab=None, warps: int | None = None,
-                rows_in_flight: int = ROWS_IN_FLIGHT, stream=0) -> None:
-    """``out float32 [streams, G, d] = softmax(q kᵀ · scale) v`` of each head over its selected rows, each row read
-    from its source (dense: every row ``0 .. n`` of the session).
+@dataclass(frozen=True)
+class AttendPlan:
+    """One (stream-free) launch of the attention and its combine, checked and laid out once by
+    :func:`plan_attention`: its kernel chosen, its arrays' flat views made. :meth:`run` only enqueues, so a step run
+    every token (eagerly: a captured graph never calls Python) pays no checks and no views."""
 
-    Args:
-        q: float32 ``[streams, G, d]`` (G ≤ 8, d a multiple of 4, at most 256).
-        row_index: int32 ``[streams, max_rows]``, the first ``n_rows[g]`` valid (ignored when ``dense``);
-            head_mask: int32 ``[streams, max_rows]`` (bit h: head h selected the row; ignored when ``dense``);
-            n_rows: int32 ``[streams]``; lengths: int32 ``[S]`` (stream ``g`` is session ``g // heads_per_session``).
-        kv: uint64 ``[streams, T, 2, d / 4]`` (host-mapped): bf16 K and V of each token, 4 per word.
-        status: int32 flags, ``[2]`` raised for a non-finite query.
-        part_m, part_l: float32 ``[streams, chunks, G]``, part_o: float32 ``[streams, chunks, G, d]`` scratch, with
-            ``chunks · CHUNK_ROWS`` covering ``max_rows`` (dense: ``T``); out: float32 ``[streams, G, d]``.
-        source, slab: the row cache (sparse rows only): int32 ``[streams, max_rows]`` from
-            ``fathom.cuda.row_cache.assign_slots`` (a hit's slot, a fill's slot + slots, or -1) and its uint64
-            ``[streams, slots, 2, d / 4]`` HBM slab, which a fill writes.
-        warps: warps per CTA of the attention (None: :func:`attend_warps`).
-        rows_in_flight: rows whose K and V a group of lanes loads before it uses any (a power of two; fewer where
-            ``G · rows`` would exceed a group's lanes: :func:`lane_layout`).
+    kernel: object  # the attention kernel compiled for (G, d / 4, warps, rows in flight)
+    grid: tuple[int, int]  # (chunks, streams)
+    threads: int
+    args: tuple
+    combine_grid: tuple[int, int]  # (streams, G)
+    combine_threads: int  # d
+    combine_args: tuple
 
-    Example (``fathom.attention.attention(q[g], k[g, rows], v[g, rows], mask)`` for every stream g)::
+    def run(self, stream=0) -> None:
+        """Enqueue the attention and its combine on ``stream``."""
+        if self.grid[1]:
+            self.kernel[self.grid, self.threads, stream](*self.args)
+            _combine_kernel[self.combine_grid, self.combine_threads, stream](*self.combine_args)
 
-        attend_rows(q, row_index, head_mask, n_rows, lengths, 1, False, kv, d ** -0.5, status, part_m, part_l,
-                    part_o, out)
+
+def plan_attention(q, row_index, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, kv, scale: float,
+                   status, part_m, part_l, part_o, out, source=None, slab=None, warps: int | None = None,
+                   rows_in_flight: int = ROWS_IN_FLIGHT) -> AttendPlan:
+    """Check :func:`attend_rows`'s arguments (the same) and lay its launch out once: the plan's :meth:`AttendPlan.run`
+    computes ``out`` from the arrays' contents at the time it runs.
+
+    Example (a decode step built once and run every token)::
+
+        attend = plan_attention(q, row_index, head_mask, n_rows, lengths, H, False, kv, d ** -0.5, status, part_m,
+                                part_l, part_o, out, source, slab)
+        attend.run(stream)  # every step, after the selection has filled row_index, head_mask, n_rows
     """
     streams, heads, d = q.shape
     max_rows = row_index.shape[1]
@@ -416,10 +423,40 @@ def attend_rows(q, row_index, head_mask, n_rows, lengths, heads_per_session: int
             raise ValueError(f"{name} must be C-contiguous")
     if not cached:  # placeholders of the same types (never read): one compiled kernel serves both
         source, slab = row_index, kv
-    if streams:
-        flat = lambda x: x.reshape(x.size)  # noqa: E731  (views: the kernel indexes them by 32-bit offsets)
-        _attend_kernel(heads, d // 4, warps, rows_in_flight)[(chunks, streams), 32 * warps, stream](
-            q, flat(row_index), flat(head_mask), max_rows, n_rows, lengths, heads_per_session, dense, flat(kv),
-            kv.shape[1], cached, flat(source), flat(slab), slab.shape[1], scale, status, part_m, part_l, part_o)
-        _combine_kernel[(streams, heads), d, stream](n_rows, lengths, heads_per_session, dense, part_m, part_l,
-                                                    part_o, out)
+    flat = lambda x: x.reshape(x.size)  # noqa: E731  (views: the kernel indexes them by 32-bit offsets)
+    return AttendPlan(
+        _attend_kernel(heads, d // 4, warps, rows_in_flight), (chunks, streams), 32 * warps,
+        (q, flat(row_index), flat(head_mask), max_rows, n_rows, lengths, heads_per_session, dense, flat(kv),
+         kv.shape[1], cached, flat(source), flat(slab), slab.shape[1], scale, status, part_m, part_l, part_o),
+        (streams, heads), d, (n_rows, lengths, heads_per_session, dense, part_m, part_l, part_o, out))
+
+
+def attend_rows(q, row_index, head_mask, n_rows, lengths, heads_per_session: int, dense: bool, kv, scale: float,
+                status, part_m, part_l, part_o, out, source=None, slab=None, warps: int | None = None,
+                rows_in_flight: int = ROWS_IN_FLIGHT, stream=0) -> None:
+    """``out float32 [streams, G, d] = softmax(q kᵀ · scale) v`` of each head over its selected rows, each row read
+    from its source (dense: every row ``0 .. n`` of the session): :func:`plan_attention` and its run, at once.
+
+    Args:
+        q: float32 ``[streams, G, d]`` (G ≤ 8, d a multiple of 4, at most 256).
+        row_index: int32 ``[streams, max_rows]``, the first ``n_rows[g]`` valid (ignored when ``dense``);
+            head_mask: int32 ``[streams, max_rows]`` (bit h: head h selected the row; ignored when ``dense``);
+            n_rows: int32 ``[streams]``; lengths: int32 ``[S]`` (stream ``g`` is session ``g // heads_per_session``).
+        kv: uint64 ``[streams, T, 2, d / 4]`` (host-mapped): bf16 K and V of each token, 4 per word.
+        status: int32 flags, ``[2]`` raised for a non-finite query.
+        part_m, part_l: float32 ``[streams, chunks, G]``, part_o: float32 ``[streams, chunks, G, d]`` scratch, with
+            ``chunks · CHUNK_ROWS`` covering ``max_rows`` (dense: ``T``); out: float32 ``[streams, G, d]``.
+        source, slab: the row cache (sparse rows only): int32 ``[streams, max_rows]`` from
+            ``fathom.cuda.row_cache.assign_slots`` (a hit's slot, a fill's slot + slots, or -1) and its uint64
+            ``[streams, slots, 2, d / 4]`` HBM slab, which a fill writes.
+        warps: warps per CTA of the attention (None: :func:`attend_warps`).
+        rows_in_flight: rows whose K and V a group of lanes loads before it uses any (a power of two; fewer where
+            ``G · rows`` would exceed a group's lanes: :func:`lane_layout`).
+
+    Example (``fathom.attention.attention(q[g], k[g, rows], v[g, rows], mask)`` for every stream g)::
+
+        attend_rows(q, row_index, head_mask, n_rows, lengths, 1, False, kv, d ** -0.5, status, part_m, part_l,
+                    part_o, out)
+    """
+    plan_attention(q, row_index, head_mask, n_rows, lengths, heads_per_session, dense, kv, scale, status, part_m,
+                   part_l, part_o, out, source, slab, warps, rows_in_flight).run(stream)

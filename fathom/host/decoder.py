@@ -45,7 +45,7 @@ import torch
 
 from fathom import _checks, methods
 from fathom.bits import row_bytes, tier_scan_bits
-from fathom.cuda.attention import CHUNK_ROWS, attend_rows
+from fathom.cuda.attention import CHUNK_ROWS, plan_attention
 from fathom.cuda.block import RADIX
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
 from fathom.cuda.row_cache import assign_slots, parts_pay, scratch_shapes
@@ -283,10 +283,9 @@ class Decoder:
                                                                 rows["position"], rows["stamp"], rows["clock"],
                                                                 rows["counters"], miss_rows, source, assign_threads,
                                                                 stream, scratch)]))
-        steps.append(("attention", [lambda stream: attend_rows(q_arr, a["row_index"], a["head_mask"], a["n_rows"],
-                                                               lengths, heads, dense, kv, scale, status, a["part_m"],
-                                                               a["part_l"], a["part_o"], out, source, slab,
-                                                               stream=stream)]))
+        attend = plan_attention(q_arr, a["row_index"], a["head_mask"], a["n_rows"], lengths, heads, dense, kv, scale,
+                                status, a["part_m"], a["part_l"], a["part_o"], out, source, slab)
+        steps.append(("attention", [attend.run]))
         return steps
 
     def _warm_up(self) -> None:

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from fathom.attention import attention
-from fathom.cuda.attention import CHUNK_ROWS, MAX_SHARED, attend_rows, attend_warps, lane_layout, shared_bytes
+from fathom.cuda.attention import (CHUNK_ROWS, MAX_SHARED, attend_rows, attend_warps, lane_layout, plan_attention,
+                                   shared_bytes)
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -57,6 +58,33 @@ def test_attend_rows_matches_reference(seed, streams, heads, d, dense, rows):
             mask = ((head_mask[g, :n_rows[g], None] >> np.arange(heads)) & 1).T.astype(bool)
             want = attention(q[g], k[g, listed], v[g, listed], mask, scale=0.3)
         np.testing.assert_allclose(got[g], want, rtol=1e-4, atol=1e-5)
+    assert not status.copy_to_host().any()
+
+
+def test_a_plan_runs_on_its_arrays_contents_at_each_run():
+    """Planned once (its checks and flat views made then), run twice with the query and the rows changed in place
+    between the runs: each run is the reference over the contents it found, as a decode step built once and run
+    every token needs."""
+    rng = np.random.default_rng(3)
+    heads, d, tokens = 2, 8, 200
+    k, v = _bf16(rng.standard_normal((2, 1, tokens, d)).astype(np.float32))
+    kv = cuda.to_device(np.stack([_words(k), _words(v)], axis=2))
+    q, row_index, head_mask = cuda.device_array((1, heads, d), np.float32), cuda.to_device(
+        np.zeros((1, tokens), np.int32)), cuda.to_device(np.full((1, tokens), (1 << heads) - 1, np.int32))
+    n_rows, lengths = cuda.to_device(np.zeros(1, np.int32)), cuda.to_device(np.array([tokens], np.int32))
+    chunks = -(-tokens // CHUNK_ROWS)
+    part = [cuda.device_array((1, chunks, heads), np.float32) for _ in range(2)]
+    out, status = cuda.device_array((1, heads, d), np.float32), cuda.to_device(np.zeros(4, np.int32))
+    plan = plan_attention(q, row_index, head_mask, n_rows, lengths, 1, False, kv, 0.5, status, *part,
+                          cuda.device_array((1, chunks, heads, d), np.float32), out)
+    for rows in (np.array([0, 5, 9]), np.sort(rng.choice(tokens, 150, replace=False))):  # 150: two chunks
+        query = rng.standard_normal((1, heads, d)).astype(np.float32)
+        q.copy_to_device(query)
+        row_index.copy_to_device(np.pad(rows, (0, tokens - len(rows))).astype(np.int32)[None])
+        n_rows.copy_to_device(np.array([len(rows)], np.int32))
+        plan.run()
+        np.testing.assert_allclose(out.copy_to_host()[0], attention(query[0], k[0, rows], v[0, rows], scale=0.5),
+                                   rtol=1e-4, atol=1e-5)
     assert not status.copy_to_host().any()
 
 
