@@ -100,7 +100,12 @@ def head_census(keys: np.ndarray, q: np.ndarray, k: int, layer: int, kv_head: in
     codes, scales = quantize(np.ascontiguousarray(keys, np.float32))
     sigma2 = running_scale_variance(scales, np.array([len(keys) // BLOCK]))[0]
     depths = waterfill_batched(importance(q, sigma2), 48.0)
-    scores = approx_scores(q, pack_planes(codes), scales, depths)
+    return census_records(approx_scores(q, pack_planes(codes), scales, depths), k, layer, kv_head)
+
+
+def census_records(scores: np.ndarray, k: int, layer: int | None, kv_head: int) -> list[dict]:
+    """:func:`bin_census` of each query head's ``scores float32 [G, n]``: a record per head, labelled with ``layer``
+    (None: this probe's own scores) and ``kv_head``."""
     return [{"layer": layer, "kv_head": kv_head, "head": g, "in_bin": in_bin, "ties": ties}
             for g, (in_bin, ties) in enumerate(bin_census(row, k) for row in scores)]
 
@@ -125,8 +130,7 @@ def census(context: int, layers: list[int] | None = None, seed: int = 0) -> list
             records += head_census(keys[h], q[h], K, layer, h)
         print(f"layer {layer}: k-th's bin {[r['in_bin'] for r in records[-n_heads * GROUP:]]}", flush=True)
     probe = synthetic_scores(1, context, torch.Generator().manual_seed(seed), "cpu")[0].numpy()
-    records += [{"layer": None, "kv_head": 0, "head": g, "in_bin": in_bin, "ties": ties}
-                for g, (in_bin, ties) in enumerate(bin_census(row) for row in probe)]
+    records += census_records(probe, K, None, 0)
     return records
 
 
