@@ -161,7 +161,7 @@ def _attend_kernel(heads: int, words: int, warps: int, in_flight: int):
         mine = lane // spread  # the (row, head) logit this lane holds after the butterfly
         my_row = mine // padded
         my_head = mine % padded
-        # the arrays are flat (attend_rows): a stream's rows, slots and row list start at these words
+        # the arrays are flat (plan_attention): a stream's rows, slots and row list start at these words
         slab_slots = np.int32(slab_rows)
         kv_base = np.uint64(g) * np.uint64(kv_rows) * np.uint64(row_words)
         slab_base = np.uint64(g) * np.uint64(slab_rows) * np.uint64(row_words)
