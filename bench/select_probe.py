@@ -158,8 +158,8 @@ class SelectionBuffers:
     def __init__(self, context: int, sessions: int, kv_heads: int = KV_HEADS, k: int = K, seed: int = 0):
         import torch
 
-        from fathom.cuda.interop import DEVICE
-        from fathom.cuda.topk import union_blocks
+        from fathom.cuda.interop import DEVICE, SIMULATED
+        from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, union_blocks
 
         self.lengths = torch.tensor(session_lengths(context, sessions), device=DEVICE)
         self.kv_heads, self.k = kv_heads, k
@@ -167,9 +167,11 @@ class SelectionBuffers:
         self.scores = synthetic_scores(streams, context, torch.Generator(device=DEVICE).manual_seed(seed), DEVICE)
         self.saved_hist = top_histogram(self.scores, self.lengths, kv_heads, SINK, LOCAL)
         zeros = lambda shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=DEVICE)  # noqa: E731
-        self.top_hist, self.hist2 = zeros(self.saved_hist.shape), zeros(self.saved_hist.shape)
+        self.top_hist, self.hists = zeros(self.saved_hist.shape), zeros((streams, GROUP, 3, 256))
         self.cand_key, self.cand_idx = zeros(self.scores.shape), zeros(self.scores.shape)
-        self.cand_count = zeros((streams, GROUP))
+        self.list_sizes, self.ties = zeros((streams, GROUP, 2)), zeros((streams, GROUP, min(TIES_PER_HEAD, context)))
+        multiprocessors = 1 if SIMULATED else torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        self.list_ctas = list_ctas_for(streams, GROUP, multiprocessors)  # as the decoder's
         self.winners, self.any_rows = zeros((streams, context)), zeros((streams, -(-context // 64)), torch.int64)
         rows = min(GROUP * k + SINK + LOCAL + 63, context)
         self.row_index, self.head_mask, self.n_rows = zeros((streams, rows)), zeros((streams, rows)), zeros(streams)
@@ -183,9 +185,10 @@ class SelectionBuffers:
 
         self.top_hist.copy_(self.saved_hist)
         select(as_array(self.scores).view(np.uint32), as_array(self.lengths), self.kv_heads, self.k, SINK, LOCAL,
-               as_array(self.top_hist), as_array(self.hist2), as_array(self.cand_key).view(np.uint32),
-               as_array(self.cand_idx), as_array(self.cand_count), as_array(self.winners).view(np.uint32),
-               as_array(self.any_rows).view(np.uint64), threads, select_threads, per_block, stream)
+               as_array(self.top_hist), as_array(self.hists), as_array(self.cand_key).view(np.uint32),
+               as_array(self.cand_idx), as_array(self.list_sizes), as_array(self.ties),
+               as_array(self.winners).view(np.uint32), as_array(self.any_rows).view(np.uint64), threads,
+               select_threads, per_block, self.list_ctas, stream)
 
     def rows(self, stream):
         """The selection's rows and head masks per stream (``union_rows``), which clears the marks."""
