@@ -6,13 +6,20 @@ the top key byte (sign and exponent) of every candidate, so the passes over the 
 byte. Real scores crowd into one or two binades (a shared offset q · mean(k)): at 128k every candidate of a head
 can share the top byte. So a first pass marks the tokens above that byte and counts the second key byte of the
 tokens in its bin; a second pass marks the tokens above the k-th's second byte and appends those in its bin to a
-candidate list (measured on the H200 at 32k × 16: the list of the top byte alone, ~32k a head, made one CTA per head
-walk it three times: 2.1× slower). One CTA per head then finishes the two low key bytes on the short list and breaks
-ties at the threshold by a radix select on token index, ascending. Sink, local and the unsealed tail are kept by
-every head. Histograms are counted per thread run (a thread's tokens in one bin add once) and per warp group, so
-crowded bins do not serialise on one shared counter; the list is appended at block-scan offsets, one global
-reservation per CTA. Each thread loads 4 scores before it uses any (one dependent load per token was the walk's
-chain: 5-7% less candidate time in an A/B on the H200 at 128k; 8 at a time, in an earlier form, was 10-20% slower).
+candidate list, counting their third key byte (measured on the H200 at 32k × 16: the list of the top byte alone,
+~32k a head, made one CTA per head walk it three times: 2.1× slower). The list is short on most heads and long on a
+few: a head whose scores crowd into one bin of their top 16 bits (layer 0 of the timing bench's data and of
+Qwen2.5-Coder-1.5B: up to 80% of the candidates, ``python -m bench.select_probe --census``). So two passes over the
+lists run ``list_ctas`` CTAs a head: the first counts the fourth key byte of the candidates in the k-th's bin of
+the top three, the second marks those above the k-th largest key, and those equal to it when all are kept; else it
+appends their token indices to a buffer of ties. One CTA per head then breaks those ties by a radix select on the
+token index, ascending (from the buffer, or from the list where the buffer overflowed), and clears the scratch.
+Before, that CTA walked a head's whole list three to six times (two byte passes, the marking walk, the index
+passes): 4.6 ms of a 1M token on an H100. Sink, local and the unsealed tail are kept by every head. Histograms are
+counted per thread run (a thread's tokens in one bin add once) and per warp group, so crowded bins do not serialise
+on one shared counter; the list is appended at block-scan offsets, one global reservation per CTA. Each thread
+loads 4 scores (keys) before it uses any (one dependent load per token was the walk's chain: 5-7% less candidate
+time in an A/B on the H200 at 128k; 8 at a time, in an earlier form, was 10-20% slower).
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
@@ -106,12 +113,21 @@ def _threshold(top_hist, hists, g, h, wanted, depth, staged, state, t, n_threads
     bin the bytes before it chose): returns (those bytes in place in a uint32 key, how many of the wanted fall in
     their bin, the bin's count). The histograms are staged through shared ``staged [4, 256]`` in one round of
     loads; ``state``: shared int64 ``[3]``. Every thread calls it; it syncs."""
-    i = np.uint32(t)
-    while i < np.uint32(depth * RADIX):
-        row = i >> np.uint32(8)
-        col = i & np.uint32(RADIX - 1)
-        staged[row, col] = top_hist[g, h, col] if row == 0 else hists[g, h, row - np.uint32(1), col]
-        i = np.uint32(i + n_threads)
+    entries = np.uint32(depth * RADIX)
+    values = cuda.local.array(4, np.int32)
+    i0 = np.uint32(t)
+    while i0 < entries:  # four loads in flight before their stores
+        for u in range(4):
+            i = np.uint32(i0 + u * n_threads)
+            row = i >> np.uint32(8)
+            col = i & np.uint32(RADIX - 1)
+            if i < entries:
+                values[u] = top_hist[g, h, col] if row == 0 else hists[g, h, row - np.uint32(1), col]
+        for u in range(4):
+            i = np.uint32(i0 + u * n_threads)
+            if i < entries:
+                staged[i >> np.uint32(8), i & np.uint32(RADIX - 1)] = values[u]
+        i0 = np.uint32(i0 + 4 * n_threads)
     cuda.syncthreads()
     prefix = np.uint32(0)
     count = np.int64(0)
@@ -231,14 +247,19 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
     keys = cand_key[g, h]
     indices = cand_idx[g, h]
     j = first
+    last = np.uint32(RADIX)
+    run = np.int32(0)
     while pos < pos_end:
         key = order_key(scores[j])
         if key >> np.uint32(16) == bin_:
             keys[pos] = key
             indices[pos] = j
-            cuda.atomic.add(hist, (key >> np.uint32(8)) & np.uint32(0xFF), 1)
+            # a crowded head's candidates share few third bytes: counted per run, not one atomic each
+            last, run = _add_run(hist, (key >> np.uint32(8)) & np.uint32(0xFF), last, run)
             pos = np.uint32(pos + 1)
         j = np.uint32(j + step)
+    if run:
+        cuda.atomic.add(hist, last, run)
     _flush(hist, hists[g, h, 1], t, n_threads)
 
 
@@ -274,6 +295,8 @@ def _list_kernel(lengths, heads_per_session, k, sink, local, level, top_hist, hi
     capacity = np.uint32(ties.shape[2])
     step = np.uint32(cuda.gridDim.x * n_threads)
     held = cuda.local.array(SCORES_IN_FLIGHT, np.uint32)
+    last = np.uint32(RADIX)
+    run = np.int32(0)
     i0 = np.uint32(cuda.blockIdx.x * n_threads + t)
     while i0 < m:
         for u in range(SCORES_IN_FLIGHT):  # every load before any use: the loads fly together
@@ -285,7 +308,7 @@ def _list_kernel(lengths, heads_per_session, k, sink, local, level, top_hist, hi
                 key = held[u]
                 if level == 2:
                     if key >> np.uint32(8) == bin_:
-                        cuda.atomic.add(hist, key & np.uint32(0xFF), 1)
+                        last, run = _add_run(hist, key & np.uint32(0xFF), last, run)
                 elif key > prefix or (key == prefix and all_kept):
                     _mark(winners, any_rows, g, indices[i], bit)
                 elif key == prefix:
@@ -294,6 +317,8 @@ def _list_kernel(lengths, heads_per_session, k, sink, local, level, top_hist, hi
                         ties[g, h, pos] = indices[i]
         i0 = np.uint32(i0 + SCORES_IN_FLIGHT * step)
     if level == 2:
+        if run:
+            cuda.atomic.add(hist, last, run)
         _flush(hist, hists[g, h, 2], t, n_threads)
 
 
