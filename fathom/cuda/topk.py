@@ -38,11 +38,13 @@ from numba import cuda
 
 from fathom import _checks
 from fathom.cuda.block import RADIX, exclusive_scan, order_key
+from fathom.cuda.interop import SIMULATED
 from fathom.quantize import BLOCK
 
 MAX_THREADS = 1024
 SUB_HISTOGRAMS = 8  # per-warp-group histograms of the tie passes
 LANES = 32  # partial sums of a 256-bin histogram walk (8 bins each)
+FULL_MASK = 0xFFFFFFFF
 SCORES_IN_FLIGHT = 4  # scores (keys) each thread of the passes over the scores (lists) loads before it uses them
 MAX_GRID_X = 2**31 - 1  # CUDA's limit on a grid's first dimension
 TIES_PER_HEAD = 4096  # a head's buffer of the keys equal to the k-th largest (past it, their list is walked)
@@ -107,6 +109,19 @@ def _find_digit(hist, wanted, descending, out, t, n_threads):
 
 
 @cuda.jit(device=True, inline=True)
+def _kth_digit(src, wanted, hist, state, t, n_threads):
+    """From a 256-bin histogram (the global row ``src``, staged through shared ``hist``): state[0] = the digit of the
+    ``wanted``-th largest, state[1] = how many of the wanted fall in its bin, state[2] = the bin's count. Every
+    thread calls it; it syncs."""
+    i = np.uint32(t)
+    while i < RADIX:
+        hist[i] = src[i]
+        i = np.uint32(i + n_threads)
+    cuda.syncthreads()
+    _find_digit(hist, wanted, True, state, t, n_threads)
+
+
+@cuda.jit(device=True, inline=True)
 def _threshold(top_hist, hists, g, h, wanted, depth, staged, state, t, n_threads):
     """The top ``depth`` bytes of the key of the ``wanted``-th largest candidate of head ``h`` of stream ``g``, from
     the scan's top-byte histogram ``top_hist[g, h]`` and then ``hists[g, h, 0 .. depth - 2]`` (each counted over the
@@ -129,14 +144,72 @@ def _threshold(top_hist, hists, g, h, wanted, depth, staged, state, t, n_threads
                 staged[i >> np.uint32(8), i & np.uint32(RADIX - 1)] = values[u]
         i0 = np.uint32(i0 + 4 * n_threads)
     cuda.syncthreads()
-    prefix = np.uint32(0)
-    count = np.int64(0)
-    for level in range(depth):
-        _find_digit(staged[level], wanted, True, state, t, n_threads)
-        prefix |= np.uint32(state[0]) << np.uint32(24 - 8 * level)
-        wanted = state[1]
-        count = state[2]
-    return prefix, wanted, count
+    return _staged_digits(staged, wanted, depth, state, t, n_threads)
+
+
+if SIMULATED:
+    @cuda.jit(device=True, inline=True)
+    def _staged_digits(staged, wanted, depth, state, t, n_threads):
+        """:func:`_threshold`'s walk of the staged histograms (simulator: the block-wide search, as the simulator
+        has no warp shuffles)."""
+        prefix = np.uint32(0)
+        count = np.int64(0)
+        for level in range(depth):
+            _find_digit(staged[level], wanted, True, state, t, n_threads)
+            prefix |= np.uint32(state[0]) << np.uint32(24 - 8 * level)
+            wanted = state[1]
+            count = state[2]
+        return prefix, wanted, count
+else:
+    @cuda.jit(device=True, inline=True)
+    def _staged_digits(staged, wanted, depth, state, t, n_threads):
+        """:func:`_threshold`'s walk of the staged histograms by warp 0 alone, with no barrier between the levels:
+        each lane sums 8 bins in walking order, a shuffle scan gives every lane the count before its bins, a ballot
+        finds the lane where the count reaches ``wanted``, which walks its 8 bins and broadcasts the digit. The
+        block-wide search (:func:`_find_digit`) took two barriers and a 31-read serial sum a level; the result
+        reaches the block through ``state`` (one barrier). Same results, ``wanted <= 0`` included (digit 255)."""
+        if t < 32:
+            lane = np.uint32(t)
+            top = np.uint32(RADIX - 1) - lane * np.uint32(RADIX // LANES)  # this lane's bins: top, top - 1, ...
+            prefix = np.uint32(0)
+            want = np.int32(wanted)
+            count = np.int32(0)
+            for level in range(depth):
+                mine = np.int32(0)
+                for i in range(RADIX // LANES):
+                    mine = np.int32(mine + staged[level, top - np.uint32(i)])
+                running = mine  # inclusive, over lanes 0 .. lane
+                step = np.uint32(1)
+                while step < np.uint32(LANES):
+                    other = cuda.shfl_up_sync(FULL_MASK, running, step)
+                    if lane >= step:
+                        running = np.int32(running + other)
+                    step = np.uint32(step << np.uint32(1))
+                hit = cuda.ballot_sync(FULL_MASK, running >= want)
+                leader = np.uint32(cuda.ffs(hit) - 1) if hit else np.uint32(LANES - 1)
+                digit = np.int32(0)
+                in_bin = np.int32(0)
+                bin_count = np.int32(0)
+                if lane == leader:
+                    passed = np.int32(running - mine)
+                    for i in range(RADIX // LANES):
+                        c = staged[level, top - np.uint32(i)]
+                        if passed + c >= want:
+                            digit = np.int32(top - np.uint32(i))
+                            in_bin = np.int32(want - passed)
+                            bin_count = c
+                            break
+                        passed = np.int32(passed + c)
+                digit = cuda.shfl_sync(FULL_MASK, digit, leader)
+                want = cuda.shfl_sync(FULL_MASK, in_bin, leader)
+                count = cuda.shfl_sync(FULL_MASK, bin_count, leader)
+                prefix |= np.uint32(digit) << np.uint32(24 - 8 * level)
+            if lane == 0:
+                state[0] = prefix
+                state[1] = want
+                state[2] = count
+        cuda.syncthreads()
+        return np.uint32(state[0]), state[1], state[2]
 
 
 @cuda.jit(device=True, inline=True)
@@ -150,14 +223,13 @@ def _add_run(hist, digit, last, run):
 
 
 @cuda.jit(device=True, inline=True)
-def _flush(hist, dest, t, n_threads):
-    """Add a CTA's shared 256-bin ``hist`` into the global row ``dest`` (non-zero bins only). Syncs first."""
+def _flush(hist, hists, g, h, byte, t, n_threads):
+    """Add a CTA's shared 256-bin ``hist`` into ``hists[g, h, byte]`` (non-zero bins only; indexed in full: passing
+    the row as a view took the candidates kernel from 40 to 42 registers). Syncs first."""
     cuda.syncthreads()
-    i = np.uint32(t)
-    while i < RADIX:
+    for i in range(t, RADIX, n_threads):
         if hist[i]:
-            cuda.atomic.add(dest, i, hist[i])
-        i = np.uint32(i + n_threads)
+            cuda.atomic.add(hists, (g, h, byte, i), hist[i])
 
 
 @cuda.jit(cache=True)
@@ -188,15 +260,18 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
             for j in range(start + t, stop, n_threads):
                 _mark(winners, any_rows, g, j, bit)
         return
-    staged = cuda.shared.array((4, RADIX), np.int32)
     hist = cuda.shared.array(RADIX, np.int32)
-    state = cuda.shared.array(4, np.int64)  # the digit search's (digit, wanted, count), then the CTA's list base
-    prefix, _, _ = _threshold(top_hist, hists, g, h, k, level + 1, staged, state, t, n_threads)
+    state = cuda.shared.array(7, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2; list base
+    # one histogram staged a search (here, not _threshold's four at once: that took the kernel from 40 to 42
+    # registers, 5 CTAs an SM at 256 threads instead of 6, and these passes are bound by their loads' latency)
+    _kth_digit(top_hist[g, h], k, hist, state, t, n_threads)
+    digit1 = np.uint32(state[0])
+    if level == 1:
+        _kth_digit(hists[g, h, 0], state[1], hist, state[3:], t, n_threads)
     for i in range(t, RADIX, n_threads):
         hist[i] = 0
     cuda.syncthreads()
-    digit1 = prefix >> np.uint32(24)
-    digit2 = (prefix >> np.uint32(16)) & np.uint32(0xFF)
+    digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
     # 32-bit unsigned indices and counts in the walks: Numba types int arithmetic and range() as int64, and a signed
     # index pays for a negative-index wraparound
     scores = score_bits[g, h]
@@ -232,35 +307,31 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
     if level == 0:
         if run:
             cuda.atomic.add(hist, last, run)
-        _flush(hist, hists[g, h, 0], t, n_threads)
+        _flush(hist, hists, g, h, 0, t, n_threads)
         return
     # append this CTA's candidates at block-scan offsets: one global reservation per CTA, no shared counter
     counts = cuda.shared.array(MAX_THREADS, np.int32)
     counts[t] = matches
     offset, total = exclusive_scan(counts, t, n_threads)
     if t == 0:
-        state[3] = cuda.atomic.add(list_sizes, (g, h, 0), np.int32(total))
+        state[6] = cuda.atomic.add(list_sizes, (g, h, 0), np.int32(total))
     cuda.syncthreads()
-    pos = np.uint32(state[3] + offset)
+    pos = np.uint32(state[6] + offset)
     pos_end = np.uint32(pos + matches)  # the walk stops after this thread's last candidate
-    bin_ = prefix >> np.uint32(16)
+    bin_ = (digit1 << np.uint32(8)) | digit2
     keys = cand_key[g, h]
     indices = cand_idx[g, h]
     j = first
-    last = np.uint32(RADIX)
-    run = np.int32(0)
     while pos < pos_end:
         key = order_key(scores[j])
         if key >> np.uint32(16) == bin_:
             keys[pos] = key
             indices[pos] = j
-            # a crowded head's candidates share few third bytes: counted per run, not one atomic each
-            last, run = _add_run(hist, (key >> np.uint32(8)) & np.uint32(0xFF), last, run)
+            # one atomic a candidate: counting per run, as level 0 does, took the kernel to 42 registers
+            cuda.atomic.add(hist, (key >> np.uint32(8)) & np.uint32(0xFF), 1)
             pos = np.uint32(pos + 1)
         j = np.uint32(j + step)
-    if run:
-        cuda.atomic.add(hist, last, run)
-    _flush(hist, hists[g, h, 1], t, n_threads)
+    _flush(hist, hists, g, h, 1, t, n_threads)
 
 
 @cuda.jit(cache=True)
@@ -319,7 +390,7 @@ def _list_kernel(lengths, heads_per_session, k, sink, local, level, top_hist, hi
     if level == 2:
         if run:
             cuda.atomic.add(hist, last, run)
-        _flush(hist, hists[g, h, 2], t, n_threads)
+        _flush(hist, hists, g, h, 2, t, n_threads)
 
 
 @cuda.jit(device=True, inline=True)
