@@ -9,16 +9,16 @@ One layer of the timing bench's shape: 8 KV heads of G = 4 query heads, k = 512,
 several sessions is ragged as ``bench timing``'s (session i holds ``context · (1 + i) / S`` tokens, down to a
 block), in buffers of ``context`` tokens. Each shape is captured in a CUDA graph of ``--reps`` selections (each
 after a copy that restores the scan's top-byte histogram, which a selection consumes), replayed five times; the
-median replay over ``--reps`` is the figure, the restoring copy included (the same in every shape). The ties
-kernel's timings here do not carry over to a decode step: at 256 ties threads the probe's selection took 0.91x its
-time at 1,024, where the whole token's ties kernel took 1.9x (results.md, 2026-12-06).
+median replay over ``--reps`` is the figure, the restoring copy included (the same in every shape). The list passes
+run ``list_ctas_for``'s CTAs a head, as the decoder's. The probe's timings of the list passes and the ties kernel do
+not carry over to a decode step: its scores crowd no head (below), where the bench's layer-0 heads do.
 
-``python -m bench.select_probe --census [--context 131072] [--model M --corpus C]`` (on the CPU) counts why: the list
-the ties kernel walks (the k-th's bin of the top 16 key bits) for each query head at fathom@48 through the reference
-scan, over the timing bench's synthetic data (and this probe's scores) or, with ``--model``, a real model's capture
-at its last decode position. It holds ~100 candidates on every head of these scores; on the timing bench's data a
-median of 4-137 on most layers and up to ~10^5 on layer 0's heads, on Qwen2.5-Coder-1.5B at 16k up to 7,200 on
-layer 0's: the kernel's slowest CTA, one a head, sets its time.
+``python -m bench.select_probe --census [--context 131072] [--model M --corpus C]`` (on the CPU) counts why: the
+candidate list (the k-th's bin of the top 16 key bits) of each query head at fathom@48 through the reference scan,
+over the timing bench's synthetic data (and this probe's scores) or, with ``--model``, a real model's capture at its
+last decode position. It holds ~100 candidates on every head of these scores; on the timing bench's data a median
+of 4-137 on most layers and up to ~10^5 on layer 0's heads, on Qwen2.5-Coder-1.5B at 16k up to 7,200 on layer 0's:
+the list passes' slowest head sets their time.
 """
 
 from __future__ import annotations

@@ -62,11 +62,11 @@ STAGES = ("plan", "scan", "select", "union", "slots", "attention")  # a step's s
 # Launch sizes: the simulator runs every thread as a Python thread, so its defaults are the smallest that work.
 DEFAULT_SCAN_WARPS = 1 if SIMULATED else 32
 DEFAULT_THREADS = 32 if SIMULATED else 256
-# The ties kernel: one CTA per (query head, stream) walks the candidates of the k-th's bin. At 1,024 threads it took
-# 531 µs of a 128k token and 2.1 ms of a 16-session one; at 256, 1,010 µs and 3.0 ms (whole tokens on an H100,
-# 2026-12-06), though on the selection probe's synthetic scores 256 was faster: the kernel's time is its slowest
-# CTA's, and the bench's layer-0 heads put up to ~10^5 candidates in its list where the probe's put ~100
-# (``python -m bench.select_probe --census``).
+# The ties kernel: one CTA per (query head, stream). When it walked a head's whole candidate list, 1,024 threads took
+# 531 µs of a 128k token and 2.1 ms of a 16-session one, 256 threads 1,010 µs and 3.0 ms (whole tokens on an H100,
+# 2026-12-06): the bench's layer-0 heads put up to ~10^5 candidates in it (``python -m bench.select_probe
+# --census``). The list passes now walk the lists with many CTAs a head and the kernel breaks only the ties by index
+# (``fathom.cuda.topk``); its thread count is not yet re-timed.
 DEFAULT_TIES_THREADS = 32 if SIMULATED else 1024
 
 
