@@ -262,8 +262,8 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
         return
     hist = cuda.shared.array(RADIX, np.int32)
     state = cuda.shared.array(7, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2; list base
-    # one histogram staged a search (here, not _threshold's four at once: that took the kernel from 40 to 42
-    # registers, 5 CTAs an SM at 256 threads instead of 6, and these passes are bound by their loads' latency)
+    # one histogram staged a search, as the two levels need: the kernel's 40 registers hold 6 CTAs an SM at 256
+    # threads (42 hold 5), and these passes are bound by their loads' latency
     _kth_digit(top_hist[g, h], k, hist, state, t, n_threads)
     digit1 = np.uint32(state[0])
     if level == 1:
