@@ -38,7 +38,7 @@ from numba import cuda
 
 from fathom import _checks
 from fathom.cuda.block import RADIX, exclusive_scan, order_key
-from fathom.cuda.interop import SIMULATED
+from fathom.cuda.interop import SIMULATED, max_registers
 from fathom.quantize import BLOCK
 
 MAX_THREADS = 1024
@@ -222,6 +222,21 @@ def _add_run(hist, digit, last, run):
     return digit, np.int32(1)
 
 
+if SIMULATED:
+    @cuda.jit(device=True, inline=True)
+    def _count_in_warp(hist, digit):
+        """Add 1 to ``hist[digit]`` (simulator: one atomic, as the simulator has no warp match)."""
+        cuda.atomic.add(hist, digit, 1)
+else:
+    @cuda.jit(device=True, inline=True)
+    def _count_in_warp(hist, digit):
+        """Add 1 to ``hist[digit]`` for every active lane: the lanes of one digit add once, from their lowest lane.
+        A crowded head's candidates share few third bytes, and lanes adding to one shared counter serialise."""
+        peers = cuda.match_any_sync(cuda.activemask(), digit)
+        if peers & ((np.uint32(1) << np.uint32(cuda.laneid)) - np.uint32(1)) == 0:
+            cuda.atomic.add(hist, digit, cuda.popc(peers))
+
+
 @cuda.jit(device=True, inline=True)
 def _flush(hist, hists, g, h, byte, t, n_threads):
     """Add a CTA's shared 256-bin ``hist`` into ``hists[g, h, byte]`` (non-zero bins only; indexed in full: passing
@@ -232,7 +247,9 @@ def _flush(hist, hists, g, h, byte, t, n_threads):
             cuda.atomic.add(hists, (g, h, byte, i), hist[i])
 
 
-@cuda.jit(cache=True)
+# 40 registers hold 6 CTAs an SM at 256 threads (42 hold 5) and these passes are bound by their loads' latency; the
+# warp match of the third byte's count took ptxas to 42, and at 40 it spills nothing (ptxas -v, sm_90)
+@cuda.jit(cache=True, **max_registers(40))
 def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hists,
                        winners, any_rows, cand_key, cand_idx, list_sizes):
     """Grid (chunks, G, streams), one pass over the scores of a chunk for head h: ``level`` 0 marks the tokens above
@@ -262,8 +279,7 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
         return
     hist = cuda.shared.array(RADIX, np.int32)
     state = cuda.shared.array(7, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2; list base
-    # one histogram staged a search, as the two levels need: the kernel's 40 registers hold 6 CTAs an SM at 256
-    # threads (42 hold 5), and these passes are bound by their loads' latency
+    # one histogram staged a search, as the two levels need: fewer live registers (the cap above)
     _kth_digit(top_hist[g, h], k, hist, state, t, n_threads)
     digit1 = np.uint32(state[0])
     if level == 1:
@@ -327,8 +343,8 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
         if key >> np.uint32(16) == bin_:
             keys[pos] = key
             indices[pos] = j
-            # one atomic a candidate: counting per run, as level 0 does, took the kernel to 42 registers
-            cuda.atomic.add(hist, (key >> np.uint32(8)) & np.uint32(0xFF), 1)
+            # not per run, as level 0 counts: that took the kernel to 42 registers
+            _count_in_warp(hist, (key >> np.uint32(8)) & np.uint32(0xFF))
             pos = np.uint32(pos + 1)
         j = np.uint32(j + step)
     _flush(hist, hists, g, h, 1, t, n_threads)
