@@ -9,16 +9,16 @@ One layer of the timing bench's shape: 8 KV heads of G = 4 query heads, k = 512,
 several sessions is ragged as ``bench timing``'s (session i holds ``context · (1 + i) / S`` tokens, down to a
 block), in buffers of ``context`` tokens. Each shape is captured in a CUDA graph of ``--reps`` selections (each
 after a copy that restores the scan's top-byte histogram, which a selection consumes), replayed five times; the
-median replay over ``--reps`` is the figure, the restoring copy included (the same in every shape). The ties
-kernel's timings here do not carry over to a decode step: at 256 ties threads the probe's selection took 0.91x its
-time at 1,024, where the whole token's ties kernel took 1.9x (results.md, 2026-12-06).
+median replay over ``--reps`` is the figure, the restoring copy included (the same in every shape). The list passes
+run ``list_ctas_for``'s CTAs a head, as the decoder's. The probe's timings of the list passes and the ties kernel do
+not carry over to a decode step: its scores crowd no head (below), where the bench's layer-0 heads do.
 
-``python -m bench.select_probe --census [--context 131072] [--model M --corpus C]`` (on the CPU) counts why: the list
-the ties kernel walks (the k-th's bin of the top 16 key bits) for each query head at fathom@48 through the reference
-scan, over the timing bench's synthetic data (and this probe's scores) or, with ``--model``, a real model's capture
-at its last decode position. It holds ~100 candidates on every head of these scores; on the timing bench's data a
-median of 4-137 on most layers and up to ~10^5 on layer 0's heads, on Qwen2.5-Coder-1.5B at 16k up to 7,200 on
-layer 0's: the kernel's slowest CTA, one a head, sets its time.
+``python -m bench.select_probe --census [--context 131072] [--model M --corpus C]`` (on the CPU) counts why: the
+candidate list (the k-th's bin of the top 16 key bits) of each query head at fathom@48 through the reference scan,
+over the timing bench's synthetic data (and this probe's scores) or, with ``--model``, a real model's capture at its
+last decode position. It holds ~100 candidates on every head of these scores; on the timing bench's data a median
+of 4-137 on most layers and up to ~10^5 on layer 0's heads, on Qwen2.5-Coder-1.5B at 16k up to 7,200 on layer 0's:
+the list passes' slowest head sets their time.
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ class SelectionBuffers:
     def __init__(self, context: int, sessions: int, kv_heads: int = KV_HEADS, k: int = K, seed: int = 0):
         import torch
 
-        from fathom.cuda.interop import DEVICE
-        from fathom.cuda.topk import union_blocks
+        from fathom.cuda.interop import DEVICE, SIMULATED
+        from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, union_blocks
 
         self.lengths = torch.tensor(session_lengths(context, sessions), device=DEVICE)
         self.kv_heads, self.k = kv_heads, k
@@ -167,9 +167,11 @@ class SelectionBuffers:
         self.scores = synthetic_scores(streams, context, torch.Generator(device=DEVICE).manual_seed(seed), DEVICE)
         self.saved_hist = top_histogram(self.scores, self.lengths, kv_heads, SINK, LOCAL)
         zeros = lambda shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=DEVICE)  # noqa: E731
-        self.top_hist, self.hist2 = zeros(self.saved_hist.shape), zeros(self.saved_hist.shape)
+        self.top_hist, self.hists = zeros(self.saved_hist.shape), zeros((streams, GROUP, 3, 256))
         self.cand_key, self.cand_idx = zeros(self.scores.shape), zeros(self.scores.shape)
-        self.cand_count = zeros((streams, GROUP))
+        self.list_sizes, self.ties = zeros((streams, GROUP, 2)), zeros((streams, GROUP, min(TIES_PER_HEAD, context)))
+        multiprocessors = 1 if SIMULATED else torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        self.list_ctas = list_ctas_for(streams, GROUP, multiprocessors)  # as the decoder's
         self.winners, self.any_rows = zeros((streams, context)), zeros((streams, -(-context // 64)), torch.int64)
         rows = min(GROUP * k + SINK + LOCAL + 63, context)
         self.row_index, self.head_mask, self.n_rows = zeros((streams, rows)), zeros((streams, rows)), zeros(streams)
@@ -183,9 +185,10 @@ class SelectionBuffers:
 
         self.top_hist.copy_(self.saved_hist)
         select(as_array(self.scores).view(np.uint32), as_array(self.lengths), self.kv_heads, self.k, SINK, LOCAL,
-               as_array(self.top_hist), as_array(self.hist2), as_array(self.cand_key).view(np.uint32),
-               as_array(self.cand_idx), as_array(self.cand_count), as_array(self.winners).view(np.uint32),
-               as_array(self.any_rows).view(np.uint64), threads, select_threads, per_block, stream)
+               as_array(self.top_hist), as_array(self.hists), as_array(self.cand_key).view(np.uint32),
+               as_array(self.cand_idx), as_array(self.list_sizes), as_array(self.ties),
+               as_array(self.winners).view(np.uint32), as_array(self.any_rows).view(np.uint64), threads,
+               select_threads, per_block, self.list_ctas, stream)
 
     def rows(self, stream):
         """The selection's rows and head masks per stream (``union_rows``), which clears the marks."""

@@ -33,3 +33,8 @@ def launch_bounds(threads: int) -> dict:
     """``cuda.jit`` options capping a kernel at ``threads`` per block, so it compiles within that many registers
     (the simulator takes no such option)."""
     return {} if SIMULATED else {"launch_bounds": threads}
+
+
+def max_registers(count: int) -> dict:
+    """``cuda.jit`` options capping a kernel at ``count`` registers a thread (the simulator takes no such option)."""
+    return {} if SIMULATED else {"max_registers": count}

@@ -6,13 +6,20 @@ the top key byte (sign and exponent) of every candidate, so the passes over the 
 byte. Real scores crowd into one or two binades (a shared offset q · mean(k)): at 128k every candidate of a head
 can share the top byte. So a first pass marks the tokens above that byte and counts the second key byte of the
 tokens in its bin; a second pass marks the tokens above the k-th's second byte and appends those in its bin to a
-candidate list (measured on the H200 at 32k × 16: the list of the top byte alone, ~32k a head, made one CTA per head
-walk it three times: 2.1× slower). One CTA per head then finishes the two low key bytes on the short list and breaks
-ties at the threshold by a radix select on token index, ascending. Sink, local and the unsealed tail are kept by
-every head. Histograms are counted per thread run (a thread's tokens in one bin add once) and per warp group, so
-crowded bins do not serialise on one shared counter; the list is appended at block-scan offsets, one global
-reservation per CTA. Each thread loads 4 scores before it uses any (one dependent load per token was the walk's
-chain: 5-7% less candidate time in an A/B on the H200 at 128k; 8 at a time, in an earlier form, was 10-20% slower).
+candidate list, counting their third key byte (measured on the H200 at 32k × 16: the list of the top byte alone,
+~32k a head, made one CTA per head walk it three times: 2.1× slower). The list is short on most heads and long on a
+few: a head whose scores crowd into one bin of their top 16 bits (layer 0 of the timing bench's data and of
+Qwen2.5-Coder-1.5B: up to 80% of the candidates, ``python -m bench.select_probe --census``). So two passes over the
+lists run ``list_ctas`` CTAs a head: the first counts the fourth key byte of the candidates in the k-th's bin of
+the top three, the second marks those above the k-th largest key, and those equal to it when all are kept; else it
+appends their token indices to a buffer of ties. One CTA per head then breaks those ties by a radix select on the
+token index, ascending (from the buffer, or from the list where the buffer overflowed), and clears the scratch.
+Before, that CTA walked a head's whole list three to six times (two byte passes, the marking walk, the index
+passes): 4.6 ms of a 1M token on an H100. Sink, local and the unsealed tail are kept by every head. Histograms are
+counted per thread run (a thread's tokens in one bin add once) and per warp group, so crowded bins do not serialise
+on one shared counter; the list is appended at block-scan offsets, one global reservation per CTA. Each thread
+loads 4 scores (keys) before it uses any (one dependent load per token was the walk's chain: 5-7% less candidate
+time in an A/B on the H200 at 128k; 8 at a time, in an earlier form, was 10-20% slower).
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
@@ -31,12 +38,16 @@ from numba import cuda
 
 from fathom import _checks
 from fathom.cuda.block import RADIX, exclusive_scan, order_key
+from fathom.cuda.interop import SIMULATED, max_registers
 from fathom.quantize import BLOCK
 
 MAX_THREADS = 1024
 SUB_HISTOGRAMS = 8  # per-warp-group histograms of the tie passes
 LANES = 32  # partial sums of a 256-bin histogram walk (8 bins each)
-SCORES_IN_FLIGHT = 4  # scores each thread of the candidate passes loads before it uses them
+FULL_MASK = 0xFFFFFFFF
+SCORES_IN_FLIGHT = 4  # scores (keys) each thread of the passes over the scores (lists) loads before it uses them
+MAX_GRID_X = 2**31 - 1  # CUDA's limit on a grid's first dimension
+TIES_PER_HEAD = 4096  # a head's buffer of the keys equal to the k-th largest (past it, their list is walked)
 
 
 @cuda.jit(device=True, inline=True)
@@ -98,17 +109,107 @@ def _find_digit(hist, wanted, descending, out, t, n_threads):
 
 
 @cuda.jit(device=True, inline=True)
-def _kth_digit(hist_src, g, h, wanted, hist, state, t, n_threads):
-    """From a 256-bin histogram (global ``hist_src[g, h]``, staged through shared ``hist``): state[0] = the digit
-    of the ``wanted``-th largest, state[1] = how many of the wanted fall in its bin, state[2] = the bin's count.
-    Every thread calls it; it syncs."""
-    src = hist_src[g, h]
+def _kth_digit(src, wanted, hist, state, t, n_threads):
+    """From a 256-bin histogram (the global row ``src``, staged through shared ``hist``): state[0] = the digit of the
+    ``wanted``-th largest, state[1] = how many of the wanted fall in its bin, state[2] = the bin's count. Every
+    thread calls it; it syncs."""
     i = np.uint32(t)
     while i < RADIX:
         hist[i] = src[i]
         i = np.uint32(i + n_threads)
     cuda.syncthreads()
     _find_digit(hist, wanted, True, state, t, n_threads)
+
+
+@cuda.jit(device=True, inline=True)
+def _threshold(top_hist, hists, g, h, wanted, depth, staged, state, t, n_threads):
+    """The top ``depth`` bytes of the key of the ``wanted``-th largest candidate of head ``h`` of stream ``g``, from
+    the scan's top-byte histogram ``top_hist[g, h]`` and then ``hists[g, h, 0 .. depth - 2]`` (each counted over the
+    bin the bytes before it chose): returns (those bytes in place in a uint32 key, how many of the wanted fall in
+    their bin, the bin's count). The histograms are staged through shared ``staged [4, 256]`` in one round of
+    loads; ``state``: shared int64 ``[3]``. Every thread calls it; it syncs."""
+    entries = np.uint32(depth * RADIX)
+    values = cuda.local.array(4, np.int32)
+    i0 = np.uint32(t)
+    while i0 < entries:  # four loads in flight before their stores
+        for u in range(4):
+            i = np.uint32(i0 + u * n_threads)
+            row = i >> np.uint32(8)
+            col = i & np.uint32(RADIX - 1)
+            if i < entries:
+                values[u] = top_hist[g, h, col] if row == 0 else hists[g, h, row - np.uint32(1), col]
+        for u in range(4):
+            i = np.uint32(i0 + u * n_threads)
+            if i < entries:
+                staged[i >> np.uint32(8), i & np.uint32(RADIX - 1)] = values[u]
+        i0 = np.uint32(i0 + 4 * n_threads)
+    cuda.syncthreads()
+    return _staged_digits(staged, wanted, depth, state, t, n_threads)
+
+
+if SIMULATED:
+    @cuda.jit(device=True, inline=True)
+    def _staged_digits(staged, wanted, depth, state, t, n_threads):
+        """:func:`_threshold`'s walk of the staged histograms (simulator: the block-wide search, as the simulator
+        has no warp shuffles)."""
+        prefix = np.uint32(0)
+        count = np.int64(0)
+        for level in range(depth):
+            _find_digit(staged[level], wanted, True, state, t, n_threads)
+            prefix |= np.uint32(state[0]) << np.uint32(24 - 8 * level)
+            wanted = state[1]
+            count = state[2]
+        return prefix, wanted, count
+else:
+    @cuda.jit(device=True, inline=True)
+    def _staged_digits(staged, wanted, depth, state, t, n_threads):
+        """:func:`_threshold`'s walk of the staged histograms by warp 0 alone, with no barrier between the levels:
+        each lane sums 8 bins in walking order, a shuffle scan gives every lane the count before its bins, a ballot
+        finds the lane where the count reaches ``wanted``, which walks its 8 bins and broadcasts the digit. The
+        block-wide search (:func:`_find_digit`) took two barriers and a 31-read serial sum a level; the result
+        reaches the block through ``state`` (one barrier). Same results, ``wanted <= 0`` included (digit 255)."""
+        if t < 32:
+            lane = np.uint32(t)
+            top = np.uint32(RADIX - 1) - lane * np.uint32(RADIX // LANES)  # this lane's bins: top, top - 1, ...
+            prefix = np.uint32(0)
+            want = np.int32(wanted)
+            count = np.int32(0)
+            for level in range(depth):
+                mine = np.int32(0)
+                for i in range(RADIX // LANES):
+                    mine = np.int32(mine + staged[level, top - np.uint32(i)])
+                running = mine  # inclusive, over lanes 0 .. lane
+                step = np.uint32(1)
+                while step < np.uint32(LANES):
+                    other = cuda.shfl_up_sync(FULL_MASK, running, step)
+                    if lane >= step:
+                        running = np.int32(running + other)
+                    step = np.uint32(step << np.uint32(1))
+                hit = cuda.ballot_sync(FULL_MASK, running >= want)
+                leader = np.uint32(cuda.ffs(hit) - 1) if hit else np.uint32(LANES - 1)
+                digit = np.int32(0)
+                in_bin = np.int32(0)
+                bin_count = np.int32(0)
+                if lane == leader:
+                    passed = np.int32(running - mine)
+                    for i in range(RADIX // LANES):
+                        c = staged[level, top - np.uint32(i)]
+                        if passed + c >= want:
+                            digit = np.int32(top - np.uint32(i))
+                            in_bin = np.int32(want - passed)
+                            bin_count = c
+                            break
+                        passed = np.int32(passed + c)
+                digit = cuda.shfl_sync(FULL_MASK, digit, leader)
+                want = cuda.shfl_sync(FULL_MASK, in_bin, leader)
+                count = cuda.shfl_sync(FULL_MASK, bin_count, leader)
+                prefix |= np.uint32(digit) << np.uint32(24 - 8 * level)
+            if lane == 0:
+                state[0] = prefix
+                state[1] = want
+                state[2] = count
+        cuda.syncthreads()
+        return np.uint32(state[0]), state[1], state[2]
 
 
 @cuda.jit(device=True, inline=True)
@@ -121,13 +222,40 @@ def _add_run(hist, digit, last, run):
     return digit, np.int32(1)
 
 
-@cuda.jit(cache=True)
-def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hist2,
-                       winners, any_rows, cand_key, cand_idx, cand_count):
+if SIMULATED:
+    @cuda.jit(device=True, inline=True)
+    def _count_in_warp(hist, digit):
+        """Add 1 to ``hist[digit]`` (simulator: one atomic, as the simulator has no warp match)."""
+        cuda.atomic.add(hist, digit, 1)
+else:
+    @cuda.jit(device=True, inline=True)
+    def _count_in_warp(hist, digit):
+        """Add 1 to ``hist[digit]`` for every active lane: the lanes of one digit add once, from their lowest lane.
+        A crowded head's candidates share few third bytes, and lanes adding to one shared counter serialise."""
+        peers = cuda.match_any_sync(cuda.activemask(), digit)
+        if peers & ((np.uint32(1) << np.uint32(cuda.laneid)) - np.uint32(1)) == 0:
+            cuda.atomic.add(hist, digit, cuda.popc(peers))
+
+
+@cuda.jit(device=True, inline=True)
+def _flush(hist, hists, g, h, byte, t, n_threads):
+    """Add a CTA's shared 256-bin ``hist`` into ``hists[g, h, byte]`` (non-zero bins only; indexed in full: passing
+    the row as a view took the candidates kernel from 40 to 42 registers). Syncs first."""
+    cuda.syncthreads()
+    for i in range(t, RADIX, n_threads):
+        if hist[i]:
+            cuda.atomic.add(hists, (g, h, byte, i), hist[i])
+
+
+# 40 registers hold 6 CTAs an SM at 256 threads (42 hold 5) and these passes are bound by their loads' latency; the
+# warp match of the third byte's count took ptxas to 42, and at 40 it spills nothing (ptxas -v, sm_90)
+@cuda.jit(cache=True, **max_registers(40))
+def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hists,
+                       winners, any_rows, cand_key, cand_idx, list_sizes):
     """Grid (chunks, G, streams), one pass over the scores of a chunk for head h: ``level`` 0 marks the tokens above
     the k-th's top byte and counts the second byte of those in its bin; level 1 marks the tokens above its second
-    byte and appends those in its bin (see the module). Block (0, 0) of each stream also keeps sink, local and tail,
-    in level 0."""
+    byte, appends those in its bin to the candidate list and counts their third byte (see the module). Block (0, 0)
+    of each stream also keeps sink, local and tail, in level 0."""
     h = cuda.blockIdx.y
     g = cuda.blockIdx.z
     t = cuda.threadIdx.x
@@ -150,16 +278,15 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
                 _mark(winners, any_rows, g, j, bit)
         return
     hist = cuda.shared.array(RADIX, np.int32)
-    state = cuda.shared.array(6, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2 (its count
-    # then replaced by the CTA's list base)
-    _kth_digit(top_hist, g, h, k, hist, state, t, n_threads)
+    state = cuda.shared.array(7, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2; list base
+    # one histogram staged a search, as the two levels need: fewer live registers (the cap above)
+    _kth_digit(top_hist[g, h], k, hist, state, t, n_threads)
     digit1 = np.uint32(state[0])
     if level == 1:
-        _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
-    else:
-        for i in range(t, RADIX, n_threads):
-            hist[i] = 0
-        cuda.syncthreads()
+        _kth_digit(hists[g, h, 0], state[1], hist, state[3:], t, n_threads)
+    for i in range(t, RADIX, n_threads):
+        hist[i] = 0
+    cuda.syncthreads()
     digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
     # 32-bit unsigned indices and counts in the walks: Numba types int arithmetic and range() as int64, and a signed
     # index pays for a negative-index wraparound
@@ -196,19 +323,16 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
     if level == 0:
         if run:
             cuda.atomic.add(hist, last, run)
-        cuda.syncthreads()
-        for i in range(t, RADIX, n_threads):
-            if hist[i]:
-                cuda.atomic.add(hist2, (g, h, i), hist[i])
+        _flush(hist, hists, g, h, 0, t, n_threads)
         return
     # append this CTA's candidates at block-scan offsets: one global reservation per CTA, no shared counter
     counts = cuda.shared.array(MAX_THREADS, np.int32)
     counts[t] = matches
     offset, total = exclusive_scan(counts, t, n_threads)
     if t == 0:
-        state[5] = cuda.atomic.add(cand_count, (g, h), np.int32(total))
+        state[6] = cuda.atomic.add(list_sizes, (g, h, 0), np.int32(total))
     cuda.syncthreads()
-    pos = np.uint32(state[5] + offset)
+    pos = np.uint32(state[6] + offset)
     pos_end = np.uint32(pos + matches)  # the walk stops after this thread's last candidate
     bin_ = (digit1 << np.uint32(8)) | digit2
     keys = cand_key[g, h]
@@ -219,15 +343,77 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
         if key >> np.uint32(16) == bin_:
             keys[pos] = key
             indices[pos] = j
+            # not per run, as level 0 counts: that took the kernel to 42 registers
+            _count_in_warp(hist, (key >> np.uint32(8)) & np.uint32(0xFF))
             pos = np.uint32(pos + 1)
         j = np.uint32(j + step)
+    _flush(hist, hists, g, h, 1, t, n_threads)
+
+
+@cuda.jit(cache=True)
+def _list_kernel(lengths, heads_per_session, k, sink, local, level, top_hist, hists, cand_key, cand_idx, list_sizes,
+                 ties, winners, any_rows):
+    """Grid (CTAs a head, G, streams), one pass over head h's candidate list, the CTAs of a head taking every
+    ``gridDim.x``-th stretch of ``blockDim.x`` candidates: ``level`` 2 counts the fourth key byte of those in the
+    k-th's bin of the top three; level 3 marks the candidates above the k-th largest key, and those equal to it when
+    they are all kept, else appends their token indices to ``ties[g, h]`` (their count in ``list_sizes[g, h, 1]``,
+    past the buffer's end too: the ties kernel then walks the list instead)."""
+    h = cuda.blockIdx.y
+    g = cuda.blockIdx.z
+    t = cuda.threadIdx.x
+    n_threads = cuda.blockDim.x
+    n, n_sealed, lo, hi = _bounds(lengths, g, heads_per_session, sink, local)
+    m = np.uint32(list_sizes[g, h, 0])
+    if hi - lo <= k or np.uint32(cuda.blockIdx.x * n_threads) >= m:  # a CTA of no candidates: no barrier reached
+        return
+    staged = cuda.shared.array((4, RADIX), np.int32)
+    hist = cuda.shared.array(RADIX, np.int32)
+    state = cuda.shared.array(3, np.int64)
+    prefix, wanted, count = _threshold(top_hist, hists, g, h, k, level + 1, staged, state, t, n_threads)
+    if level == 2:
+        for i in range(t, RADIX, n_threads):
+            hist[i] = 0
+        cuda.syncthreads()
+    bin_ = prefix >> np.uint32(8)
+    all_kept = count == wanted  # level 3: every key equal to the threshold is kept (the usual case)
+    bit = np.uint32(1) << np.uint32(h)
+    keys = cand_key[g, h]
+    indices = cand_idx[g, h]
+    capacity = np.uint32(ties.shape[2])
+    step = np.uint32(cuda.gridDim.x * n_threads)
+    held = cuda.local.array(SCORES_IN_FLIGHT, np.uint32)
+    last = np.uint32(RADIX)
+    run = np.int32(0)
+    i0 = np.uint32(cuda.blockIdx.x * n_threads + t)
+    while i0 < m:
+        for u in range(SCORES_IN_FLIGHT):  # every load before any use: the loads fly together
+            i = np.uint32(i0 + u * step)
+            held[u] = keys[i] if i < m else np.uint32(0)
+        for u in range(SCORES_IN_FLIGHT):
+            i = np.uint32(i0 + u * step)
+            if i < m:
+                key = held[u]
+                if level == 2:
+                    if key >> np.uint32(8) == bin_:
+                        last, run = _add_run(hist, key & np.uint32(0xFF), last, run)
+                elif key > prefix or (key == prefix and all_kept):
+                    _mark(winners, any_rows, g, indices[i], bit)
+                elif key == prefix:
+                    pos = np.uint32(cuda.atomic.add(list_sizes, (g, h, 1), 1))
+                    if pos < capacity:
+                        ties[g, h, pos] = indices[i]
+        i0 = np.uint32(i0 + SCORES_IN_FLIGHT * step)
+    if level == 2:
+        if run:
+            cuda.atomic.add(hist, last, run)
+        _flush(hist, hists, g, h, 2, t, n_threads)
 
 
 @cuda.jit(device=True, inline=True)
-def _tie_pass(cand_key, cand_idx, g, h, m, on_index, shift, prefix, mask, threshold, subs, hist, t, n_threads):
-    """Histogram of one digit over the candidates matching the prefix (keys, or indices of keys == threshold),
-    counted in per-warp-group sub-histograms, summed into ``hist``. Syncs. Indices are unsigned 32-bit (no negative
-    wraparound, no 64-bit arithmetic)."""
+def _index_pass(keys, indices, m, keyed, threshold, shift, prefix, mask, subs, hist, t, n_threads):
+    """Histogram of one byte (at ``shift``) of the token indices ``indices[:m]`` matching ``prefix`` under ``mask``
+    (when ``keyed``, only those whose ``keys`` equal ``threshold``), counted in per-warp-group sub-histograms, summed
+    into ``hist``. Syncs. Indices are unsigned 32-bit (no negative wraparound, no 64-bit arithmetic)."""
     step = np.uint32(n_threads)
     i = np.uint32(t)
     while i < SUB_HISTOGRAMS * RADIX:
@@ -235,15 +421,13 @@ def _tie_pass(cand_key, cand_idx, g, h, m, on_index, shift, prefix, mask, thresh
         i = np.uint32(i + step)
     cuda.syncthreads()
     sub = np.uint32(t >> 5) & np.uint32(SUB_HISTOGRAMS - 1)  # the warp's group
-    keys = cand_key[g, h]
-    indices = cand_idx[g, h]
     end = np.uint32(m)
     i = np.uint32(t)
     while i < end:
-        key = keys[i]
-        value = np.uint32(indices[i]) if on_index else key
-        if (not on_index or key == threshold) and value & mask == prefix:
-            cuda.atomic.add(subs, (sub, np.uint32((value >> shift) & np.uint32(RADIX - 1))), 1)
+        if not keyed or keys[i] == threshold:
+            value = np.uint32(indices[i])
+            if value & mask == prefix:
+                cuda.atomic.add(subs, (sub, np.uint32((value >> shift) & np.uint32(RADIX - 1))), 1)
         i = np.uint32(i + step)
     cuda.syncthreads()
     i = np.uint32(t)
@@ -256,76 +440,71 @@ def _tie_pass(cand_key, cand_idx, g, h, m, on_index, shift, prefix, mask, thresh
     cuda.syncthreads()
 
 
+@cuda.jit(device=True, inline=True)
+def _earliest_ties(keys, indices, m, keyed, threshold, remaining, hi, g, bit, winners, any_rows, subs, hist, state, t,
+                   n_threads):
+    """Mark the ``remaining`` earliest of the token indices ``indices[:m]`` (when ``keyed``, of those whose ``keys``
+    equal ``threshold``): a radix select on the index, high byte first. Every thread calls it; it syncs."""
+    prefix = np.uint32(0)
+    mask = np.uint32(0)
+    # every candidate index is below hi: the bytes above hi - 1's are zero in all of them, their passes would each
+    # find digit 0 with the count unchanged (at 128k one pass of four is skipped, at 32k two)
+    index_bytes = np.uint32(0)
+    above = np.uint32(hi - 1)
+    while above:
+        above >>= np.uint32(8)
+        index_bytes = np.uint32(index_bytes + 1)
+    for pass_ in range(4):
+        shift = np.uint32(24 - 8 * pass_)
+        if shift < np.uint32(8) * index_bytes:
+            _index_pass(keys, indices, m, keyed, threshold, shift, prefix, mask, subs, hist, t, n_threads)
+            _find_digit(hist, remaining, False, state, t, n_threads)
+            prefix |= np.uint32(state[0]) << shift
+            mask |= np.uint32(RADIX - 1) << shift
+            remaining = state[1]
+            cuda.syncthreads()
+    i = np.uint32(t)  # prefix is now the latest index kept
+    while i < m:
+        if (not keyed or keys[i] == threshold) and np.uint32(indices[i]) <= prefix:
+            _mark(winners, any_rows, g, indices[i], bit)
+        i = np.uint32(i + n_threads)
+
+
 @cuda.jit(cache=True)
-def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hist2, cand_key, cand_idx, cand_count, winners,
-                 any_rows):
-    """One CTA per (head, stream): the two low key bytes over the candidate list, then ties at the threshold by token
-    index (earliest first), then the winners. Leaves ``top_hist``, ``hist2`` and ``cand_count`` zero."""
+def _ties_kernel(lengths, heads_per_session, k, sink, local, top_hist, hists, cand_key, cand_idx, list_sizes, ties,
+                 winners, any_rows):
+    """One CTA per (head, stream): where the keys equal to the k-th largest are not all kept, the earliest of them
+    (a radix select on the token index over ``ties``, or over the candidate list where ``ties`` overflowed), marked.
+    Leaves ``top_hist``, ``hists`` and ``list_sizes`` zero for the next step."""
     h = cuda.blockIdx.x
     g = cuda.blockIdx.y
     t = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
+    staged = cuda.shared.array((4, RADIX), np.int32)
     hist = cuda.shared.array(RADIX, np.int32)
     subs = cuda.shared.array((SUB_HISTOGRAMS, RADIX), np.int32)
-    state = cuda.shared.array(9, np.int64)  # digit, wanted, count, digit 2, wanted 2, count 2, pass digit, wanted, -
+    state = cuda.shared.array(3, np.int64)
     bit = np.uint32(1) << np.uint32(h)
     n, n_sealed, lo, hi = _bounds(lengths, g, heads_per_session, sink, local)
     if hi - lo > k:
-        m = cand_count[g, h]
-        _kth_digit(top_hist, g, h, k, hist, state, t, n_threads)
-        _kth_digit(hist2, g, h, state[1], hist, state[3:], t, n_threads)
-        prefix = np.uint32(state[0] << 24) | np.uint32(state[3] << 16)
-        mask = np.uint32(0xFFFF0000)
-        remaining = state[4]
-        cuda.syncthreads()
-        for pass_ in range(1, 3):  # the two low key bytes, larger first
-            shift = np.uint32(16 - 8 * pass_)
-            _tie_pass(cand_key, cand_idx, g, h, m, False, shift, prefix, mask, 0, subs, hist, t, n_threads)
-            _find_digit(hist, remaining, True, state[6:], t, n_threads)
-            prefix |= np.uint32(state[6]) << shift
-            mask |= np.uint32(RADIX - 1) << shift
-            remaining = state[7]
-            cuda.syncthreads()
-        threshold = prefix  # the k-th largest key
-        all_ties = hist[threshold & np.uint32(RADIX - 1)] == remaining  # the usual case: no tie to break
-        last_tie = np.uint32(0xFFFFFFFF)
-        if not all_ties:  # the remaining earliest of the keys == threshold, by radix select on the index
-            prefix = np.uint32(0)
-            mask = np.uint32(0)
-            # every candidate index is below hi: the bytes above hi - 1's are zero in all of them, their passes
-            # would each find digit 0 with the count unchanged (at 128k one pass of four is skipped, at 32k two)
-            index_bytes = np.uint32(0)
-            above = np.uint32(hi - 1)
-            while above:
-                above >>= np.uint32(8)
-                index_bytes = np.uint32(index_bytes + 1)
-            for pass_ in range(4):
-                shift = np.uint32(24 - 8 * pass_)
-                if shift < np.uint32(8) * index_bytes:
-                    _tie_pass(cand_key, cand_idx, g, h, m, True, shift, prefix, mask, threshold, subs, hist, t,
-                              n_threads)
-                    _find_digit(hist, remaining, False, state[6:], t, n_threads)
-                    prefix |= np.uint32(state[6]) << shift
-                    mask |= np.uint32(RADIX - 1) << shift
-                    remaining = state[7]
-                    cuda.syncthreads()
-            last_tie = prefix
-        keys = cand_key[g, h]
-        indices = cand_idx[g, h]
-        i = np.uint32(t)
-        while i < np.uint32(m):
-            key = keys[i]
-            if key > threshold or (key == threshold and np.uint32(indices[i]) <= last_tie):
-                _mark(winners, any_rows, g, indices[i], bit)
-            i = np.uint32(i + n_threads)
+        threshold, remaining, count = _threshold(top_hist, hists, g, h, k, 4, staged, state, t, n_threads)
+        if count != remaining:  # the remaining earliest of the keys == threshold, by radix select on the index
+            n_ties = np.uint32(list_sizes[g, h, 1])
+            if n_ties <= np.uint32(ties.shape[2]):
+                _earliest_ties(cand_key[g, h], ties[g, h], n_ties, False, threshold, remaining, hi, g, bit, winners,
+                               any_rows, subs, hist, state, t, n_threads)
+            else:  # the buffer overflowed: the list holds them
+                _earliest_ties(cand_key[g, h], cand_idx[g, h], np.uint32(list_sizes[g, h, 0]), True, threshold,
+                               remaining, hi, g, bit, winners, any_rows, subs, hist, state, t, n_threads)
     cuda.syncthreads()
     i = np.uint32(t)
     while i < RADIX:
         top_hist[g, h, i] = 0
-        hist2[g, h, i] = 0
+        for x in range(3):
+            hists[g, h, x, i] = 0
         i = np.uint32(i + n_threads)
-    if t == 0:
-        cand_count[g, h] = 0
+    if t < 2:
+        list_sizes[g, h, t] = 0
 
 
 @cuda.jit(device=True, inline=True)
@@ -397,46 +576,67 @@ def _write_rows_kernel(any_rows, winners, lengths, heads_per_session, block_rows
         any_rows[g, w] = np.uint64(0)
 
 
-def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hist2, cand_key,
-           cand_idx, cand_count, winners, any_rows, threads: int = 256, select_threads: int = MAX_THREADS,
-           per_block: int = 8192, stream=0) -> None:
+def list_ctas_for(streams: int, heads: int, multiprocessors: int) -> int:
+    """CTAs a query head of the passes over the candidate lists: enough that a layer's heads fill the GPU about four
+    CTAs an SM deep, and at least four (a crowded head's list is walked by that many; the CTAs a shorter list leaves
+    without candidates exit at once)."""
+    return max(4, -(-4 * multiprocessors // max(streams * heads, 1)))
+
+
+def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hists, cand_key,
+           cand_idx, list_sizes, ties, winners, any_rows, threads: int = 256, select_threads: int = MAX_THREADS,
+           per_block: int = 8192, list_ctas: int = 4, stream=0) -> None:
     """Each head's top-k among its candidates (sealed tokens but sink and local), plus sink, local and tail for every
     head, marked in ``winners`` (bit h) and ``any_rows``.
 
     Args:
         score_bits: uint32 ``[streams, G, T]``: the bits of the float32 scores of the sealed tokens (from the scan).
         lengths: int32 ``[S]`` session lengths; stream ``g`` is session ``g // heads_per_session``.
-        top_hist: int32 ``[streams, G, 256]``: the candidates' top-byte counts (from the scan); hist2: int32
-            ``[streams, G, 256]`` scratch, zero; both left zero.
-        cand_key, cand_idx: uint32 / int32 ``[streams, G, T]`` scratch; cand_count: int32 ``[streams, G]``, zero
-            (left zero).
+        top_hist: int32 ``[streams, G, 256]``: the candidates' top-byte counts (from the scan); hists: int32
+            ``[streams, G, 3, 256]`` scratch, zero (the second, third and fourth key bytes' counts); both left zero.
+        cand_key, cand_idx: uint32 / int32 ``[streams, G, T]`` scratch (the candidate lists); list_sizes: int32
+            ``[streams, G, 2]``, zero (each list's length and its ties'), left zero.
+        ties: int32 ``[streams, G, C]`` scratch, ``C >= 1``: the token indices of the keys equal to the k-th largest
+            where they are not all kept (more than ``C`` and the ties kernel walks the list for them instead).
         winners: uint32 ``[streams, T]`` and any_rows: uint64 ``[streams, ceil(T / 64)]``, zero as allocated and as
             :func:`union_rows` leaves them.
-        per_block: tokens per CTA of the two passes over the scores.
+        threads: per CTA of the passes over the scores and over the lists; select_threads: per CTA of the ties
+            kernel (one a head); per_block: tokens per CTA of the two passes over the scores; list_ctas: CTAs a head
+            of the two passes over its list (:func:`list_ctas_for`).
+
+    Example (``scores``: float32 ``[streams, G, T]`` device array; ``hist``: the scan's counts of its top bytes):
+        select(scores.view(np.uint32), lengths, H, 512, 4, 32, hist, hists, cand_key, cand_idx, list_sizes, ties,
+               winners, any_rows, list_ctas=list_ctas_for(streams, G, 132))
     """
     streams, heads, tokens = score_bits.shape
     if score_bits.dtype != np.uint32 or winners.shape != (streams, tokens) \
-            or top_hist.shape != (streams, heads, RADIX) \
-            or hist2.shape != top_hist.shape or cand_key.shape != score_bits.shape \
-            or cand_idx.shape != score_bits.shape or cand_count.shape != (streams, heads) \
-            or any_rows.shape != (streams, -(-tokens // 64)) or heads > 32:
+            or top_hist.shape != (streams, heads, RADIX) or hists.shape != (streams, heads, 3, RADIX) \
+            or cand_key.shape != score_bits.shape or cand_idx.shape != score_bits.shape \
+            or list_sizes.shape != (streams, heads, 2) or ties.ndim != 3 or ties.shape[:2] != (streams, heads) \
+            or ties.shape[2] < 1 or any_rows.shape != (streams, -(-tokens // 64)) or heads > 32:
         raise ValueError(f"score bits {score_bits.dtype} {score_bits.shape} / winners {winners.shape} / histograms "
-                         f"{top_hist.shape} {hist2.shape} / candidates {cand_key.shape} / bitmap {any_rows.shape} do "
-                         f"not fit (at most 32 heads)")
+                         f"{top_hist.shape} {hists.shape} / candidates {cand_key.shape} {cand_idx.shape} / list sizes "
+                         f"{list_sizes.shape} / ties {ties.shape} / bitmap {any_rows.shape} do not fit (at most 32 "
+                         "heads)")
     if min(k, sink, local) < 0 or not 1 <= threads <= MAX_THREADS or not 32 <= select_threads <= MAX_THREADS \
-            or not _checks.is_integer(per_block) or per_block < 1:
+            or not _checks.is_integer(per_block) or per_block < 1 or not _checks.is_integer(list_ctas) \
+            or not 1 <= list_ctas <= MAX_GRID_X:
         raise ValueError(f"k, sink, local must be >= 0, threads in 1..{MAX_THREADS}, select_threads in "
-                         f"32..{MAX_THREADS}, per_block an integer >= 1")
+                         f"32..{MAX_THREADS}, per_block an integer >= 1, list_ctas an integer in 1..{MAX_GRID_X}")
     _checks.stream_sessions(streams, heads_per_session, lengths)
     if streams and heads and tokens:
         chunks = (math.ceil(tokens / per_block), heads, streams)
         for level in (0, 1):
             _candidates_kernel[chunks, threads, stream](score_bits, lengths, heads_per_session, k, sink, local,
-                                                        per_block, level, top_hist, hist2, winners, any_rows,
-                                                        cand_key, cand_idx, cand_count)
+                                                        per_block, level, top_hist, hists, winners, any_rows,
+                                                        cand_key, cand_idx, list_sizes)
+        for level in (2, 3):
+            _list_kernel[(list_ctas, heads, streams), threads, stream](lengths, heads_per_session, k, sink, local,
+                                                                      level, top_hist, hists, cand_key, cand_idx,
+                                                                      list_sizes, ties, winners, any_rows)
         _ties_kernel[(heads, streams), select_threads, stream](lengths, heads_per_session, k, sink, local,
-                                                              top_hist, hist2, cand_key, cand_idx, cand_count, winners,
-                                                              any_rows)
+                                                              top_hist, hists, cand_key, cand_idx, list_sizes, ties,
+                                                              winners, any_rows)
 
 
 def union_blocks(tokens: int, threads: int) -> int:

@@ -50,7 +50,7 @@ from fathom.cuda.block import RADIX
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array
 from fathom.cuda.row_cache import assign_slots, parts_pay, scratch_shapes
 from fathom.cuda.scan import MAX_HEADS as MAX_GROUP_SIZE  # query heads a scan CTA accumulates
-from fathom.cuda.topk import select, union_blocks, union_rows
+from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, select, union_blocks, union_rows
 from fathom.decode import step_bits
 from fathom.host.cache import FLOAT_DTYPES, STATE, HostKVCache
 from fathom.host.launch import Launch, run_launches
@@ -62,11 +62,11 @@ STAGES = ("plan", "scan", "select", "union", "slots", "attention")  # a step's s
 # Launch sizes: the simulator runs every thread as a Python thread, so its defaults are the smallest that work.
 DEFAULT_SCAN_WARPS = 1 if SIMULATED else 32
 DEFAULT_THREADS = 32 if SIMULATED else 256
-# The ties kernel: one CTA per (query head, stream) walks the candidates of the k-th's bin. At 1,024 threads it took
-# 531 µs of a 128k token and 2.1 ms of a 16-session one; at 256, 1,010 µs and 3.0 ms (whole tokens on an H100,
-# 2026-12-06), though on the selection probe's synthetic scores 256 was faster: the kernel's time is its slowest
-# CTA's, and the bench's layer-0 heads put up to ~10^5 candidates in its list where the probe's put ~100
-# (``python -m bench.select_probe --census``).
+# The ties kernel: one CTA per (query head, stream). When it walked a head's whole candidate list, 1,024 threads took
+# 531 µs of a 128k token and 2.1 ms of a 16-session one, 256 threads 1,010 µs and 3.0 ms (whole tokens on an H100,
+# 2026-12-06): the bench's layer-0 heads put up to ~10^5 candidates in it (``python -m bench.select_probe
+# --census``). The list passes now walk the lists with many CTAs a head and the kernel breaks only the ties by index
+# (``fathom.cuda.topk``); its thread count is not yet re-timed.
 DEFAULT_TIES_THREADS = 32 if SIMULATED else 1024
 
 
@@ -144,10 +144,11 @@ class Decoder:
         scored = tokens if not self.dense else 1
         self.scores = zeros((streams, self.group_size, scored), torch.float32)
         self.top_hist = zeros((streams, self.group_size, RADIX), torch.int32)
-        self.hist2 = zeros((streams, self.group_size, RADIX), torch.int32)
+        self.hists = zeros((streams, self.group_size, 3, RADIX), torch.int32)
         self.cand_key = zeros((streams, self.group_size, scored), torch.int32)
         self.cand_idx = zeros((streams, self.group_size, scored), torch.int32)
-        self.cand_count = zeros((streams, self.group_size), torch.int32)
+        self.list_sizes = zeros((streams, self.group_size, 2), torch.int32)
+        self.ties = zeros((streams, self.group_size, min(TIES_PER_HEAD, scored)), torch.int32)
         self.winners = zeros((streams, tokens), torch.int32)
         self.any_rows = zeros((streams, -(-tokens // 64)), torch.int64)
         self.block_rows = zeros((streams, union_blocks(tokens, settings.threads)), torch.int32)
@@ -159,6 +160,7 @@ class Decoder:
         self.row_source = zeros((streams, cached_rows), torch.int32)  # each row's slot (hit / fill) or -1
         self.miss_rows = zeros((streams, cached_rows), torch.int32)
         multiprocessors = 1 if SIMULATED else torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        self.list_ctas = list_ctas_for(streams, self.group_size, multiprocessors)
         # the slot assignment in parts where a layer's streams leave most multiprocessors idle (on a GPU; the
         # simulator's one runs a CTA a stream); its scratch (age histogram, victims a part, threshold age) is shared
         # by the layers' steps
@@ -252,8 +254,8 @@ class Decoder:
         q = (self.q_in[layer] if q_in is None else q_in).view(s.streams, self.group_size, s.head_dim)
         out = as_array((self.out[layer] if out is None else out).view(s.streams, self.group_size, s.head_dim))
         a = {name: as_array(getattr(self, name)) for name in
-             ("top_hist", "hist2", "cand_idx", "cand_count", "block_rows", "row_index", "head_mask", "n_rows", "part_m",
-              "part_l", "part_o")}
+             ("top_hist", "hists", "cand_idx", "list_sizes", "ties", "block_rows", "row_index", "head_mask", "n_rows",
+              "part_m", "part_l", "part_o")}
         winners = as_array(self.winners).view(np.uint32)
         any_rows = as_array(self.any_rows).view(np.uint64)
         score_bits = as_array(self.scores).view(np.uint32)
@@ -264,10 +266,10 @@ class Decoder:
             buf = StepBuffers(q, self.q_store, self.depths, self.scores, self.top_hist)
             steps += [("plan", self.strategy.plan(layer, buf)), ("scan", self.strategy.scan(layer, buf, sel)),
                       ("select", [lambda stream: select(score_bits, lengths, heads, k, sel.sink, sel.local,
-                                                        a["top_hist"], a["hist2"], cand_key, a["cand_idx"],
-                                                        a["cand_count"], winners, any_rows, threads,
+                                                        a["top_hist"], a["hists"], cand_key, a["cand_idx"],
+                                                        a["list_sizes"], a["ties"], winners, any_rows, threads,
                                                         select_threads=self.settings.ties_threads,
-                                                        stream=stream)]),
+                                                        list_ctas=self.list_ctas, stream=stream)]),
                       ("union", [lambda stream: union_rows(any_rows, winners, lengths, heads, a["block_rows"],
                                                            a["row_index"], a["head_mask"], a["n_rows"], threads,
                                                            stream)])]

@@ -2,6 +2,7 @@
 row list, with ragged sessions (lengths read on the device)."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
@@ -21,18 +22,10 @@ def _scores(rng, streams, heads, tokens, levels):
     return s
 
 
-@settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 2**31), sessions=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]),
-       heads=st.sampled_from([1, 3]), k=st.integers(0, 70), sink=st.integers(0, 5), local=st.integers(0, 40),
-       levels=st.sampled_from([2, 1000]), threads=st.sampled_from([32, 64]), per_block=st.sampled_from([40, 320]))
-def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, sink, local, levels, threads, per_block):
-    """Both passes over the scores split across CTAs (per_block = 40) or not (320): the k-th's top-byte bin is split
-    by its second byte on every path."""
-    rng = np.random.default_rng(seed)
-    tokens = 320
-    lengths = rng.integers(1, tokens + 1, sessions).astype(np.int32)
-    streams = sessions * kv_heads
-    scores = _scores(rng, streams, heads, tokens, levels)
+def _select_matches_reference(scores, lengths, kv_heads, k, sink, local, threads, per_block, list_ctas, capacity):
+    """Select and compact on the device; every stream's rows and head masks equal the reference's, and the scratch
+    is left zero for the next step."""
+    streams, heads, tokens = scores.shape
     hist = np.zeros((streams, heads, 256), np.int32)
     for g in range(streams):  # what the scan counts: the candidates' top bytes
         n = lengths[g // kv_heads]
@@ -40,16 +33,17 @@ def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, si
     winners = cuda.to_device(np.zeros((streams, tokens), np.uint32))
     any_rows = cuda.to_device(np.zeros((streams, tokens // 64), np.uint64))
     top_hist = cuda.to_device(hist)
-    hist2 = cuda.to_device(np.zeros_like(hist))
+    hists = cuda.to_device(np.zeros((streams, heads, 3, 256), np.int32))
     cand_key = cuda.device_array((streams, heads, tokens), np.uint32)
     cand_idx = cuda.device_array((streams, heads, tokens), np.int32)
-    cand_count = cuda.to_device(np.zeros((streams, heads), np.int32))
+    list_sizes = cuda.to_device(np.zeros((streams, heads, 2), np.int32))
+    ties = cuda.device_array((streams, heads, capacity), np.int32)
     lengths_dev = cuda.to_device(lengths)
-    select(cuda.to_device(scores.view(np.uint32)), lengths_dev, kv_heads, k, sink, local, top_hist, hist2, cand_key,
-           cand_idx, cand_count, winners, any_rows, threads=threads, select_threads=threads,
-           per_block=per_block)
-    assert not top_hist.copy_to_host().any() and not hist2.copy_to_host().any()  # zero for the next step
-    assert not cand_count.copy_to_host().any()
+    select(cuda.to_device(scores.view(np.uint32)), lengths_dev, kv_heads, k, sink, local, top_hist, hists, cand_key,
+           cand_idx, list_sizes, ties, winners, any_rows, threads=threads, select_threads=threads,
+           per_block=per_block, list_ctas=list_ctas)
+    assert not top_hist.copy_to_host().any() and not hists.copy_to_host().any()  # zero for the next step
+    assert not list_sizes.copy_to_host().any()
 
     max_rows = tokens
     row_index = cuda.device_array((streams, max_rows), np.int32)
@@ -69,11 +63,39 @@ def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, si
         np.testing.assert_array_equal(bits.astype(bool), want[:, rows].T)
 
 
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31), sessions=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]),
+       heads=st.sampled_from([1, 3]), k=st.integers(0, 70), sink=st.integers(0, 5), local=st.integers(0, 40),
+       levels=st.sampled_from([2, 1000]), threads=st.sampled_from([32, 64]), per_block=st.sampled_from([40, 320]),
+       list_ctas=st.sampled_from([1, 3]), capacity=st.sampled_from([1, 320]))
+def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, sink, local, levels, threads, per_block,
+                                          list_ctas, capacity):
+    """Both passes over the scores split across CTAs (per_block = 40) or not (320), both over the candidate lists
+    too (list_ctas), and the keys equal to the k-th largest held in their buffer or past it (capacity 1): the k-th's
+    bins are split by every key byte on every path."""
+    rng = np.random.default_rng(seed)
+    tokens = 320
+    lengths = rng.integers(1, tokens + 1, sessions).astype(np.int32)
+    scores = _scores(rng, sessions * kv_heads, heads, tokens, levels)
+    _select_matches_reference(scores, lengths, kv_heads, k, sink, local, threads, per_block, list_ctas, capacity)
+
+
+@pytest.mark.parametrize("capacity", [1, 320])
+def test_ties_are_broken_from_their_buffer_and_past_it(capacity):
+    """A crowded head: every candidate in one bin of the top 16 key bits (a list longer than a list pass's CTAs
+    take at once), and the k-th largest key shared by more candidates than are kept, so the earliest of them are
+    chosen by index: from the ties' buffer, or (capacity 1) by walking the list."""
+    rng = np.random.default_rng(7)
+    tokens, k = 320, 60
+    scores = (np.float32(1000.0) + rng.integers(0, 4, (1, 2, tokens)).astype(np.float32) * np.float32(0.0625))
+    keys = np.sort(scores[0, 0, 4:288])[::-1]  # the candidates: past sink 4, before local 32
+    assert (keys[:k] == keys[k - 1]).sum() < (keys == keys[k - 1]).sum()  # the ties are cut: kept by index
+    _select_matches_reference(scores, np.array([tokens], np.int32), 1, k, 4, 32, 32, 320, 3, capacity)
+
+
 def test_a_kernel_refuses_streams_and_sessions_that_do_not_agree():
     """heads_per_session must divide the streams and lengths hold one per session: else the kernels index past
     lengths (the wrappers of the scan, plan, selection, row union, gather and attention share the check)."""
-    import pytest
-
     from fathom import _checks
 
     lengths = np.zeros(2, np.int32)
