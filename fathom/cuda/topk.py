@@ -16,8 +16,8 @@ appends their token indices to a buffer of ties. One CTA per head then breaks th
 token index, ascending (from the buffer, or from the list where the buffer overflowed), and clears the scratch.
 Before, that CTA walked a head's whole list three to six times (two byte passes, the marking walk, the index
 passes): 4.6 ms of a 1M token on an H100. Sink, local and the unsealed tail are kept by every head. Histograms are
-counted per thread run (a thread's tokens in one bin add once) and per warp group, so crowded bins do not serialise
-on one shared counter; the list is appended at block-scan offsets, one global reservation per CTA. Each thread
+counted per thread run (a thread's tokens in one bin add once) and per warp group, and the third byte once per digit
+a warp (a warp match), so crowded bins do not serialise on one shared counter; the list is appended at block-scan offsets, one global reservation per CTA. Each thread
 loads 4 scores (keys) before it uses any (one dependent load per token was the walk's chain: 5-7% less candidate
 time in an A/B on the H200 at 128k; 8 at a time, in an earlier form, was 10-20% slower).
 
