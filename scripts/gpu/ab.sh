@@ -10,6 +10,13 @@
 # the one there, and with it a cache beside its sources, so every call would compile its kernels again.
 # A tree's run on an H100 that compiled its kernels (2026-12-06): 128k x 1 --reps 3 ~50 s (give it 60), 16 x 128k
 # --reps 2 ~75 s, 1M x 1 --reps 3 ~35 s for fathom@48 and ~50 s with double-sparsity@136 beside it.
+# The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
+#   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
+#   LIMIT=120 bash scripts/gpu/ab.sh run k128 $C --methods fathom@48 --host-gb 90 --contexts 131072 --sessions 1 --reps 3
+#   LIMIT=170 bash scripts/gpu/ab.sh run k16 $C --methods fathom@48 --host-gb 90 --contexts 131072 --sessions 16 --reps 2
+#   LIMIT=120 bash scripts/gpu/ab.sh run m1 $C --methods fathom@48,double-sparsity@136 --host-gb 40 \
+#     --contexts 1048576 --sessions 1 --reps 3
+# (LIMIT for two trees; scale it with their number.)
 set -uo pipefail
 case ${1:-} in
   prepare)
