@@ -1,7 +1,8 @@
 """The selection alone (``fathom.cuda.topk.select``: its two candidate passes over the scores, two passes over the
-candidate lists and the ties kernel), timed at a decode step's sizes for several launch shapes, on synthetic scores crowded into one binade as real scores
-are (the module notes of ``fathom.cuda.topk``). Every shape's selection must equal the first's (the rows and head
-masks ``union_rows`` compacts from it; a difference is refused, not timed), so a faster shape is the same selection.
+candidate lists and the ties kernel), timed at a decode step's sizes for several launch shapes, on synthetic scores
+crowded into one binade as real scores are (the module notes of ``fathom.cuda.topk``). Every shape's selection must
+equal the first's (the rows and head masks ``union_rows`` compacts from it; a difference is refused, not timed), so
+a faster shape is the same selection.
 
 ``python -m bench.select_probe [--context 131072] [--sessions 1,16] [--per-block 8192,16384,32768]
 [--threads 256,512] [--select-threads 1024] [--reps 20] [--out bench/results/select-probe.json]`` (needs a GPU).
@@ -158,7 +159,7 @@ class SelectionBuffers:
     def __init__(self, context: int, sessions: int, kv_heads: int = KV_HEADS, k: int = K, seed: int = 0):
         import torch
 
-        from fathom.cuda.interop import DEVICE, SIMULATED
+        from fathom.cuda.interop import DEVICE, multiprocessors
         from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, union_blocks
 
         self.lengths = torch.tensor(session_lengths(context, sessions), device=DEVICE)
@@ -170,8 +171,7 @@ class SelectionBuffers:
         self.top_hist, self.hists = zeros(self.saved_hist.shape), zeros((streams, GROUP, 3, 256))
         self.cand_key, self.cand_idx = zeros(self.scores.shape), zeros(self.scores.shape)
         self.list_sizes, self.ties = zeros((streams, GROUP, 2)), zeros((streams, GROUP, min(TIES_PER_HEAD, context)))
-        multiprocessors = 1 if SIMULATED else torch.cuda.get_device_properties(DEVICE).multi_processor_count
-        self.list_ctas = list_ctas_for(streams, GROUP, multiprocessors)  # as the decoder's
+        self.list_ctas = list_ctas_for(streams, GROUP, multiprocessors())  # as the decoder's
         self.winners, self.any_rows = zeros((streams, context)), zeros((streams, -(-context // 64)), torch.int64)
         rows = min(GROUP * k + SINK + LOCAL + 63, context)
         self.row_index, self.head_mask, self.n_rows = zeros((streams, rows)), zeros((streams, rows)), zeros(streams)

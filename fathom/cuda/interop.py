@@ -38,3 +38,8 @@ def launch_bounds(threads: int) -> dict:
 def max_registers(count: int) -> dict:
     """``cuda.jit`` options capping a kernel at ``count`` registers a thread (the simulator takes no such option)."""
     return {} if SIMULATED else {"max_registers": count}
+
+
+def multiprocessors() -> int:
+    """The GPU's streaming multiprocessors, which launch shapes are sized by (the simulator: 1, as it runs one)."""
+    return 1 if SIMULATED else torch.cuda.get_device_properties(DEVICE).multi_processor_count

@@ -17,9 +17,10 @@ token index, ascending (from the buffer, or from the list where the buffer overf
 Before, that CTA walked a head's whole list three to six times (two byte passes, the marking walk, the index
 passes): 4.6 ms of a 1M token on an H100. Sink, local and the unsealed tail are kept by every head. Histograms are
 counted per thread run (a thread's tokens in one bin add once) and per warp group, and the third byte once per digit
-a warp (a warp match), so crowded bins do not serialise on one shared counter; the list is appended at block-scan offsets, one global reservation per CTA. Each thread
-loads 4 scores (keys) before it uses any (one dependent load per token was the walk's chain: 5-7% less candidate
-time in an A/B on the H200 at 128k; 8 at a time, in an earlier form, was 10-20% slower).
+a warp (a warp match), so crowded bins do not serialise on one shared counter; the list is appended at block-scan
+offsets, one global reservation per CTA. Each thread loads 4 scores (keys) before it uses any (one dependent load
+per token was the walk's chain: 5-7% less candidate time in an A/B on the H200 at 128k; 8 at a time, in an earlier
+form, was 10-20% slower).
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write

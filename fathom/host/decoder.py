@@ -47,7 +47,7 @@ from fathom import _checks, methods
 from fathom.bits import row_bytes, tier_scan_bits
 from fathom.cuda.attention import CHUNK_ROWS, plan_attention
 from fathom.cuda.block import RADIX
-from fathom.cuda.interop import DEVICE, SIMULATED, as_array
+from fathom.cuda.interop import DEVICE, SIMULATED, as_array, multiprocessors
 from fathom.cuda.row_cache import assign_slots, parts_pay, scratch_shapes
 from fathom.cuda.scan import MAX_HEADS as MAX_GROUP_SIZE  # query heads a scan CTA accumulates
 from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, select, union_blocks, union_rows
@@ -159,14 +159,14 @@ class Decoder:
         cached_rows = self.max_rows if self.row_cached else 0
         self.row_source = zeros((streams, cached_rows), torch.int32)  # each row's slot (hit / fill) or -1
         self.miss_rows = zeros((streams, cached_rows), torch.int32)
-        multiprocessors = 1 if SIMULATED else torch.cuda.get_device_properties(DEVICE).multi_processor_count
-        self.list_ctas = list_ctas_for(streams, self.group_size, multiprocessors)
+        sm_count = multiprocessors()
+        self.list_ctas = list_ctas_for(streams, self.group_size, sm_count)
         # the slot assignment in parts where a layer's streams leave most multiprocessors idle (on a GPU; the
         # simulator's one runs a CTA a stream); its scratch (age histogram, victims a part, threshold age) is shared
         # by the layers' steps
         self.slot_scratch = [zeros(shape, getattr(torch, np.dtype(dtype).name))
                              for shape, dtype in scratch_shapes(streams, s.row_cache_rows).values()] \
-            if self.row_cached and parts_pay(streams, multiprocessors) else None
+            if self.row_cached and parts_pay(streams, sm_count) else None
         chunks = -(-self.max_rows // CHUNK_ROWS)  # dense: max_rows is the cache's tokens, every row a stream's
         self.part_m = zeros((streams, chunks, self.group_size), torch.float32)
         self.part_l = zeros((streams, chunks, self.group_size), torch.float32)
