@@ -1,5 +1,5 @@
-"""The selection alone (``fathom.cuda.topk.select``: its two candidate passes over the scores and the ties kernel),
-timed at a decode step's sizes for several launch shapes, on synthetic scores crowded into one binade as real scores
+"""The selection alone (``fathom.cuda.topk.select``: its two candidate passes over the scores, two passes over the
+candidate lists and the ties kernel), timed at a decode step's sizes for several launch shapes, on synthetic scores crowded into one binade as real scores
 are (the module notes of ``fathom.cuda.topk``). Every shape's selection must equal the first's (the rows and head
 masks ``union_rows`` compacts from it; a difference is refused, not timed), so a faster shape is the same selection.
 

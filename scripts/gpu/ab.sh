@@ -6,6 +6,10 @@
 #          -> $OUT/timing-NAME-<rev>.json for every tree under .ab/, each run cut at an equal share of LIMIT s
 #             (default 560); draw them here with python -m bench timing --replot ... as timing.sh says
 # Each tree runs from its own directory (the current one comes first on sys.path), so its fathom is the one imported.
+# Its kernels are cached under /tmp/numba-ab (NUMBA_CACHE_DIR; one folder a tree's path): a carried tree replaces
+# the one there, and with it a cache beside its sources, so every call would compile its kernels again.
+# A tree's run on an H100 that compiled its kernels (2026-12-06): 128k x 1 --reps 3 ~50 s (give it 60), 16 x 128k
+# --reps 2 ~75 s, 1M x 1 --reps 3 ~35 s for fathom@48 and ~50 s with double-sparsity@136 beside it.
 set -uo pipefail
 case ${1:-} in
   prepare)
@@ -24,9 +28,12 @@ case ${1:-} in
     for i in "${!trees[@]}"; do
       tree=${trees[$i]%/}; label=${tree#.ab/}
       share=$(( (limit - SECONDS) / (${#trees[@]} - i) ))
-      (cd "$tree" && timeout "$share" python3 -m bench timing "$@" --out /tmp/timing --name "$name-$label" 2>&1 \
-        | grep -E "^\| [0-9]|wrote|error") && cp /tmp/timing/timing-"$name-$label".json "$OUT"/ \
-        || echo "error: $tree did not finish in $share s" >&2
+      json=/tmp/timing/timing-$name-$label.json
+      rm -f "$json"  # an earlier call's file of this name is never taken for this run's
+      (cd "$tree" && NUMBA_CACHE_DIR=/tmp/numba-ab timeout "$share" \
+          python3 -m bench timing "$@" --out /tmp/timing --name "$name-$label" 2>&1 | grep -E "^\| [0-9]|wrote|error")
+      # the JSON is written once, when the run is done: a run cut in its teardown still counts
+      if [ -e "$json" ]; then cp "$json" "$OUT"/; else echo "error: $tree did not finish in $share s" >&2; fi
       echo "$label done at $SECONDS s"
     done ;;
   *) echo "usage: bash scripts/gpu/ab.sh prepare REV... | run NAME [timing arguments...]" >&2; exit 2 ;;

@@ -6,5 +6,6 @@ set -uo pipefail
 source scripts/gpu/site.sh
 name=$1; shift
 # TIMEOUT (s): the run is cut there, so that a call's limit never loses what came before it
+rm -f /tmp/timing/timing-"$name".json  # an earlier call's file of this name is never taken for this run's
 timeout "${TIMEOUT:-600}" python3 -m bench timing "$@" --out /tmp/timing --name "$name" 2>&1 | tail -40
 cp /tmp/timing/timing-"$name".json "$OUT"/ || echo "error: timing-$name.json not written" >&2
