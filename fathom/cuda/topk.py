@@ -225,17 +225,18 @@ def _add_run(hist, digit, last, run):
 
 if SIMULATED:
     @cuda.jit(device=True, inline=True)
-    def _count_in_warp(hist, digit):
-        """Add 1 to ``hist[digit]`` (simulator: one atomic, as the simulator has no warp match)."""
-        cuda.atomic.add(hist, digit, 1)
+    def _add_in_warp(hists, g, h, byte, digit):
+        """Add 1 to ``hists[g, h, byte, digit]`` (simulator: one atomic, as the simulator has no warp match)."""
+        cuda.atomic.add(hists, (g, h, byte, digit), 1)
 else:
     @cuda.jit(device=True, inline=True)
-    def _count_in_warp(hist, digit):
-        """Add 1 to ``hist[digit]`` for every active lane: the lanes of one digit add once, from their lowest lane.
-        A crowded head's candidates share few third bytes, and lanes adding to one shared counter serialise."""
+    def _add_in_warp(hists, g, h, byte, digit):
+        """Add 1 to the global ``hists[g, h, byte, digit]`` for every active lane: the lanes of one digit add once,
+        from their lowest lane (a crowded head's candidates share few digits; lanes adding to one counter serialise).
+        """
         peers = cuda.match_any_sync(cuda.activemask(), digit)
         if peers & ((np.uint32(1) << np.uint32(cuda.laneid)) - np.uint32(1)) == 0:
-            cuda.atomic.add(hist, digit, cuda.popc(peers))
+            cuda.atomic.add(hists, (g, h, byte, digit), cuda.popc(peers))
 
 
 @cuda.jit(device=True, inline=True)
@@ -285,9 +286,10 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
     digit1 = np.uint32(state[0])
     if level == 1:
         _kth_digit(hists[g, h, 0], state[1], hist, state[3:], t, n_threads)
-    for i in range(t, RADIX, n_threads):
-        hist[i] = 0
-    cuda.syncthreads()
+    else:
+        for i in range(t, RADIX, n_threads):
+            hist[i] = 0
+        cuda.syncthreads()
     digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
     # 32-bit unsigned indices and counts in the walks: Numba types int arithmetic and range() as int64, and a signed
     # index pays for a negative-index wraparound
@@ -344,11 +346,10 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
         if key >> np.uint32(16) == bin_:
             keys[pos] = key
             indices[pos] = j
-            # not per run, as level 0 counts: that took the kernel to 42 registers
-            _count_in_warp(hist, (key >> np.uint32(8)) & np.uint32(0xFF))
+            # straight to global memory: a shared histogram's clearing and flush cost every CTA two barriers
+            _add_in_warp(hists, g, h, 1, (key >> np.uint32(8)) & np.uint32(0xFF))
             pos = np.uint32(pos + 1)
         j = np.uint32(j + step)
-    _flush(hist, hists, g, h, 1, t, n_threads)
 
 
 @cuda.jit(cache=True)
