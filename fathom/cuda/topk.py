@@ -14,13 +14,13 @@ lists run ``list_ctas`` CTAs a head: the first counts the fourth key byte of the
 the top three, the second marks those above the k-th largest key, and those equal to it when all are kept; else it
 appends their token indices to a buffer of ties. One CTA per head then breaks those ties by a radix select on the
 token index, ascending (from the buffer, or from the list where the buffer overflowed), and clears the scratch.
-Before, that CTA walked a head's whole list three to six times (two byte passes, the marking walk, the index
-passes): 4.6 ms of a 1M token on an H100. Sink, local and the unsealed tail are kept by every head. Histograms are
-counted per thread run (a thread's tokens in one bin add once) and per warp group, and the third byte once per digit
-a warp (a warp match), so crowded bins do not serialise on one shared counter; the list is appended at block-scan
-offsets, one global reservation per CTA. Each thread loads 4 scores (keys) before it uses any (one dependent load
-per token was the walk's chain: 5-7% less candidate time in an A/B on the H200 at 128k; 8 at a time, in an earlier
-form, was 10-20% slower).
+Before, that CTA walked a head's whole list three to six times (two byte passes, the marking walk, the index passes):
+4.6 ms of a 1M token on an H100. Sink, local and the unsealed tail are kept by every head. Histograms are counted per
+thread run (a thread's tokens in one bin add once) and per warp group, and the third byte straight into the global
+histogram once per digit a warp (a warp match: no shared histogram a CTA clears and flushes), so crowded bins do not
+serialise on one counter; the list is appended at block-scan offsets, one global reservation per CTA. Each thread loads
+4 scores (keys) before it uses any (one dependent load per token was the walk's chain: 5-7% less candidate time in an
+A/B on the H200 at 128k; 8 at a time, in an earlier form, was 10-20% slower).
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
@@ -249,8 +249,8 @@ def _flush(hist, hists, g, h, byte, t, n_threads):
             cuda.atomic.add(hists, (g, h, byte, i), hist[i])
 
 
-# 40 registers hold 6 CTAs an SM at 256 threads (42 hold 5) and these passes are bound by their loads' latency; the
-# warp match of the third byte's count took ptxas to 42, and at 40 it spills nothing (ptxas -v, sm_90)
+# 40 registers hold 6 CTAs an SM at 256 threads (42 hold 5) and these passes are bound by their loads' latency: the
+# cap keeps them there (ptxas -v, sm_90: 40 uncapped; the third byte counted in shared memory took it to 42)
 @cuda.jit(cache=True, **max_registers(40))
 def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hists,
                        winners, any_rows, cand_key, cand_idx, list_sizes):
