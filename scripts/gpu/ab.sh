@@ -9,7 +9,10 @@
 # Its kernels are cached under /tmp/numba-ab (NUMBA_CACHE_DIR; one folder a tree's path): a carried tree replaces
 # the one there, and with it a cache beside its sources, so every call would compile its kernels again.
 # A tree's run on an H100 that compiled its kernels (2026-12-06): 128k x 1 --reps 3 ~50 s (give it 60), 16 x 128k
-# --reps 2 ~75 s, 1M x 1 --reps 3 ~35 s for fathom@48 and ~50 s with double-sparsity@136 beside it.
+# --reps 2 ~75 s, 1M x 1 --reps 3 ~35 s for fathom@48 and ~50 s with double-sparsity@136 beside it. On a machine's
+# first call compiling takes longer: 16 x 128k cut at 83 s in all three trees (fourteenth session); start with 1M.
+# Once the kernels are cached: 128k x 1 ~34 s, 16 x 128k ~67 s, 1M x 1 with DS-136 ~45 s.
+# Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
 #   LIMIT=120 bash scripts/gpu/ab.sh run k128 $C --methods fathom@48 --host-gb 90 --contexts 131072 --sessions 1 --reps 3
