@@ -298,8 +298,6 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                     # the b-bit code prefixes of ``group`` blocks' tokens, plane by plane: the depth is the channel's,
                     # the same in every lane, so the loop runs exactly b times and no unread plane issues an
                     # instruction (two blocks at a time: four at a time spilled the held chunk words at G = 4)
-                    for x in range(group_tokens):
-                        prefix[x] = np.uint32(prefix_base)
                     plane_at = np.uint32(slot + first_plane + first)
                     plane_end = np.uint32(plane_at + t_read * per_cta)
                     # plane p's bit of token ``lane`` (bit ``lane`` of the word's low half) and of token ``lane + 32``
@@ -308,6 +306,13 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                     # C = P · 2^(4-b) (the midpoint kernel's: 2^19 + C / 8 as a float)
                     to_bit = np.uint64(first_shift) + np.uint64(lane)  # plane p's right shift: first_shift + lane + p
                     bit = np.uint32(first_bit)
+                    for x in range(group):  # plane 0, read by every active channel: the prefix starts from it
+                        plane = buffer[np.uint32(plane_at + np.uint32(x))]
+                        prefix[2 * x] = np.uint32(prefix_base) | (np.uint32((plane << np.uint64(32)) >> to_bit) & bit)
+                        prefix[2 * x + 1] = np.uint32(prefix_base) | (np.uint32(plane >> to_bit) & bit)
+                    plane_at = np.uint32(plane_at + per_cta)
+                    to_bit += np.uint64(1)
+                    bit = np.uint32(bit >> np.uint32(1))
                     while plane_at < plane_end:
                         for x in range(group):
                             plane = buffer[np.uint32(plane_at + np.uint32(x))]
