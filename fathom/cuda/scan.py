@@ -38,7 +38,10 @@ G = 4 (was 196 + 40·b), 348 + 144·b at G = 1 (533 + 160·b) and 117 + 18·b at
 same to the bit (an A/B of both kernels under the simulator, subnormal scales included). The midpoint kernel gathers
 each prefix into the bits of a float (2^19 + C / 8), so a token's bracket is one exact add where an integer
 conversion and an FMA were: 137 + 36·b at G = 4, 319 + 144·b at G = 1, 113 + 18·b at G = 8, the same registers and
-spills, the scores the same to the bit (A/B under the simulator).
+spills, the scores the same to the bit (A/B under the simulator). Every active channel reads plane 0, so it is read
+before the plane loop and the prefix starts from it (no prefix set for every token, no loop guard before it):
+159 + 36·(b − 1) at G = 4 (was 137 + 36·b), 419 + 144·(b − 1) at G = 1 and 128 + 18·(b − 1) at G = 8
+(``python -m bench.sass``), the scores the same to the bit (the simulator's scan tests).
 
 Score of token ``j`` in channel ``c`` read to depth ``b`` (design §2): with ``P`` the ``b``-bit prefix of its code,
 ``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``. Through a reconstruction table
