@@ -4,9 +4,11 @@
 (libnvvm, as the kernels are built on a GPU), assembles it with ``ptxas`` and disassembles it with ``nvdisasm``
 (the toolkit's holding the libnvvm Numba uses, else ``$CUDA_HOME``'s, the ``nvidia-cuda-nvcc`` and
 ``nvidia-cuda-nvdisasm`` wheels' (``pip install -e '.[sass]'``) or ``PATH``'s). It prints, per G, ptxas's registers and spills and
-the per-channel loop — the innermost loop holding the accumulating FMAs — as ``fixed + per_plane · b``
-instructions a channel and warp: the loops nested in it are the plane loops, each run b times for a channel read to
-depth b. The scan is bound by its instructions where HBM serves it (docs/results.md), so this count, read in the
+the per-channel loop — the innermost loop holding the accumulating FMAs — as ``fixed + per_plane · (b − 1)``
+instructions a channel and warp: the loops nested in it are the plane loops, each run b − 1 times for a channel read
+to depth b (the scan reads plane 0 of every active channel before its plane loop: ``fixed`` holds it), and that per
+token a lane (a warp's lane scores two tokens of each of its blocks), the figure to compare across launch shapes.
+The scan is bound by its instructions where HBM serves it (docs/results.md), so this count, read in the
 SASS, is what a change to its inner loop must lower; the time it saves is measured on the GPU (``bench timing``).
 """
 
@@ -30,12 +32,17 @@ _BRANCH = re.compile(r"\bBRA\s+`?\(?\.?(L_x_\d+)")
 
 @dataclass(frozen=True)
 class ChannelLoop:
-    """The per-channel loop of a warp's blocks: ``fixed + per_plane · b`` instructions for a channel read to depth b
-    (``plane_loops`` loops of ``per_plane`` instructions in all, each run b times)."""
+    """The per-channel loop of a warp's blocks: ``fixed + per_plane · (b − 1)`` instructions for a channel read to
+    depth b ≥ 1 (plane 0 is read before the ``plane_loops`` loops of ``per_plane`` instructions in all, each run
+    b − 1 times)."""
 
     fixed: int
     per_plane: int
     plane_loops: int
+
+    def instructions(self, depth: int) -> int:
+        """Instructions a channel read to ``depth`` (≥ 1) costs a warp."""
+        return self.fixed + self.per_plane * (depth - 1)
 
 
 def find_tool(name: str) -> Path:
@@ -158,13 +165,19 @@ def main(argv=None) -> None:
         parser.exit(2, f"error: {error}\n")
     reads = "reconstruction tables" if args.levels else "midpoints"
     print(f"plane scan through the {reads}, {ARCH} ({', '.join(str(t) for t in tools)})\n")
-    print("| G | registers | spill stores / loads (bytes) | per-channel loop (instructions a channel and warp) |")
-    print("|---|---|---|---|")
+    print("| G | warps × blocks a warp | registers | spill stores / loads (bytes) | per-channel loop (instructions a "
+          "channel and warp) | a lane's token at b = 1 / 2 |")
+    print("|---|---|---|---|---|---|")
+    from fathom.cuda import scan
+
     for heads in args.heads:
         listing, report = scan_kernel_sass(heads, args.cap, levels=args.levels)
         registers, stores, loads = _registers_and_spills(report)
         loop = channel_loop(listing)
-        print(f"| {heads} | {registers} | {stores} / {loads} | {loop.fixed} + {loop.per_plane}·b |")
+        warps, per_warp = scan.launch_shape(heads, args.cap, 32)
+        per_token = [loop.instructions(b) / (2 * per_warp) for b in (1, 2)]
+        print(f"| {heads} | {warps} × {per_warp} | {registers} | {stores} / {loads} | {loop.fixed} + "
+              f"{loop.per_plane}·(b − 1) | {per_token[0]:.1f} / {per_token[1]:.1f} |")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,10 @@ G = 4 (was 196 + 40·b), 348 + 144·b at G = 1 (533 + 160·b) and 117 + 18·b at
 same to the bit (an A/B of both kernels under the simulator, subnormal scales included). The midpoint kernel gathers
 each prefix into the bits of a float (2^19 + C / 8), so a token's bracket is one exact add where an integer
 conversion and an FMA were: 137 + 36·b at G = 4, 319 + 144·b at G = 1, 113 + 18·b at G = 8, the same registers and
-spills, the scores the same to the bit (A/B under the simulator).
+spills, the scores the same to the bit (A/B under the simulator). Every active channel reads plane 0, so it is read
+before the plane loop and the prefix starts from it (no prefix set for every token, no loop guard before it):
+159 + 36·(b − 1) at G = 4 (was 137 + 36·b), 419 + 144·(b − 1) at G = 1 and 128 + 18·(b − 1) at G = 8
+(``python -m bench.sass``), the scores the same to the bit (the simulator's scan tests).
 
 Score of token ``j`` in channel ``c`` read to depth ``b`` (design §2): with ``P`` the ``b``-bit prefix of its code,
 ``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``. Through a reconstruction table
@@ -298,8 +301,6 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                     # the b-bit code prefixes of ``group`` blocks' tokens, plane by plane: the depth is the channel's,
                     # the same in every lane, so the loop runs exactly b times and no unread plane issues an
                     # instruction (two blocks at a time: four at a time spilled the held chunk words at G = 4)
-                    for x in range(group_tokens):
-                        prefix[x] = np.uint32(prefix_base)
                     plane_at = np.uint32(slot + first_plane + first)
                     plane_end = np.uint32(plane_at + t_read * per_cta)
                     # plane p's bit of token ``lane`` (bit ``lane`` of the word's low half) and of token ``lane + 32``
@@ -308,6 +309,13 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                     # C = P · 2^(4-b) (the midpoint kernel's: 2^19 + C / 8 as a float)
                     to_bit = np.uint64(first_shift) + np.uint64(lane)  # plane p's right shift: first_shift + lane + p
                     bit = np.uint32(first_bit)
+                    for x in range(group):  # plane 0, read by every active channel: the prefix starts from it
+                        plane = buffer[np.uint32(plane_at + np.uint32(x))]
+                        prefix[2 * x] = np.uint32(prefix_base) | (np.uint32((plane << np.uint64(32)) >> to_bit) & bit)
+                        prefix[2 * x + 1] = np.uint32(prefix_base) | (np.uint32(plane >> to_bit) & bit)
+                    plane_at = np.uint32(plane_at + per_cta)
+                    to_bit += np.uint64(1)
+                    bit = np.uint32(bit >> np.uint32(1))
                     while plane_at < plane_end:
                         for x in range(group):
                             plane = buffer[np.uint32(plane_at + np.uint32(x))]

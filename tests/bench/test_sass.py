@@ -29,7 +29,9 @@ def test_loops_are_backward_branches_and_the_channel_loop_splits_into_its_plane_
     listing, labels = sass.instructions(LISTING)
     assert len(listing) == 12 and labels == {"L_x_1": 0x10, "L_x_2": 0x30, "L_x_3": 0x70, "L_x_4": 0xb0}
     assert sass.loops(listing, labels) == [(1, 9), (3, 5), (7, 8)]  # the forward BRA to L_x_4 is no loop
-    assert sass.channel_loop(LISTING) == sass.ChannelLoop(fixed=4, per_plane=5, plane_loops=2)
+    loop = sass.channel_loop(LISTING)
+    assert loop == sass.ChannelLoop(fixed=4, per_plane=5, plane_loops=2)
+    assert [loop.instructions(b) for b in (1, 2, 4)] == [4, 9, 19]  # plane 0 in the fixed part, b - 1 plane passes
 
 
 def test_a_listing_without_an_fma_loop_is_refused():
