@@ -12,6 +12,8 @@
 # --reps 2 ~75 s, 1M x 1 --reps 3 ~35 s for fathom@48 and ~50 s with double-sparsity@136 beside it. On a machine's
 # first call compiling takes longer: 16 x 128k cut at 83 s in all three trees (fourteenth session); start with 1M.
 # Once the kernels are cached: 128k x 1 ~34 s, 16 x 128k ~67 s, 1M x 1 with DS-136 ~45 s.
+# Three trees, all three settings, 1M first, fit one call on a fresh machine: 504 s on an H100 (fifteenth session:
+# 1M with DS-136 62-66 s a tree, then 128k x 1 34 s and 16 x 128k 70 s).
 # Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
