@@ -8,8 +8,11 @@ the per-channel loop — the innermost loop holding the accumulating FMAs — as
 instructions a channel and warp: the loops nested in it are the plane loops, each run b − 1 times for a channel read
 to depth b (the scan reads plane 0 of every active channel before its plane loop: ``fixed`` holds it), and that per
 token a lane (a warp's lane scores two tokens of each of its blocks), the figure to compare across launch shapes.
-The scan is bound by its instructions where HBM serves it (docs/results.md), so this count, read in the
-SASS, is what a change to its inner loop must lower; the time it saves is measured on the GPU (``bench timing``).
+It also counts the global loads whose data is spilled at once (a spill store reads the load's register,
+so the warp waits for the load there): the scan's held chunk words, which should stay in flight while it scores.
+The instruction count is what a change to the inner loop must lower at the same warps an SM (fewer instructions
+at half the warps made the scan slower, docs/results.md); the time it saves is measured on the GPU
+(``bench timing``).
 """
 
 from __future__ import annotations
@@ -112,6 +115,35 @@ def channel_loop(sass: str) -> ChannelLoop:
     return ChannelLoop(fixed=last - first + 1 - per_plane, per_plane=per_plane, plane_loops=len(nested))
 
 
+def loads_spilled(listing: list[tuple[int, str]]) -> int:
+    """Spill stores (``STL``) of a register whose nearest earlier write in the listing is a global load (``LDG``):
+    the store reads the load's data, so the warp waits there for the load as if it had used it at once. In the scan,
+    the next chunk's words held while the current one is scored: each one spilled is a load not in flight."""
+    count = 0
+    for i, (_, text) in enumerate(listing):
+        opcode, operands = _opcode_and_operands(text)
+        if not opcode.startswith("STL") or not operands:
+            continue
+        register = operands[-1].split()[0]
+        for _, earlier in reversed(listing[:i]):
+            earlier_opcode, earlier_operands = _opcode_and_operands(earlier)
+            if earlier_operands and earlier_operands[0] == register:
+                count += earlier_opcode.startswith("LDG")
+                break
+    return count
+
+
+def _opcode_and_operands(text: str) -> tuple[str, list[str]]:
+    """``@!P0 LDG.E.64 R28, desc[UR22][R28.64]`` -> ("LDG.E.64", ["R28", "desc[UR22][R28.64]"]) (a predicate
+    dropped)."""
+    words = text.split(None, 1)
+    if words and words[0].startswith("@"):
+        words = words[1].split(None, 1) if len(words) > 1 else []
+    if not words:
+        return "", []
+    return words[0], [operand.strip() for operand in words[1].split(",")] if len(words) > 1 else []
+
+
 def scan_kernel_sass(heads: int, cap: int = 128, warps: int = 32, levels: bool = False) -> tuple[str, str]:
     """The scan kernel for ``heads`` query heads a KV head (as ``scan_planes`` launches it for ``cap``-block
     segments and at most ``warps`` warps; ``levels``: the one reading reconstruction tables) compiled for
@@ -165,9 +197,9 @@ def main(argv=None) -> None:
         parser.exit(2, f"error: {error}\n")
     reads = "reconstruction tables" if args.levels else "midpoints"
     print(f"plane scan through the {reads}, {ARCH} ({', '.join(str(t) for t in tools)})\n")
-    print("| G | warps × blocks a warp | registers | spill stores / loads (bytes) | per-channel loop (instructions a "
-          "channel and warp) | a lane's token at b = 1 / 2 |")
-    print("|---|---|---|---|---|---|")
+    print("| G | warps × blocks a warp | registers | spill stores / loads (bytes) | global loads spilled | per-channel "
+          "loop (instructions a channel and warp) | a lane's token at b = 1 / 2 |")
+    print("|---|---|---|---|---|---|---|")
     from fathom.cuda import scan
 
     for heads in args.heads:
@@ -176,7 +208,8 @@ def main(argv=None) -> None:
         loop = channel_loop(listing)
         warps, per_warp = scan.launch_shape(heads, args.cap, 32)
         per_token = [loop.instructions(b) / (2 * per_warp) for b in (1, 2)]
-        print(f"| {heads} | {warps} × {per_warp} | {registers} | {stores} / {loads} | {loop.fixed} + "
+        spilled = loads_spilled(instructions(listing)[0])
+        print(f"| {heads} | {warps} × {per_warp} | {registers} | {stores} / {loads} | {spilled} | {loop.fixed} + "
               f"{loop.per_plane}·(b − 1) | {per_token[0]:.1f} / {per_token[1]:.1f} |")
 
 

@@ -1,5 +1,5 @@
 """bench.sass: loops found from an nvdisasm listing's backward branches, the per-channel loop split into its plane
-loops and the rest, and bad arguments exit 2 with one line."""
+loops and the rest, the spill stores of a global load's data counted, and bad arguments exit 2 with one line."""
 
 import pytest
 
@@ -32,6 +32,23 @@ def test_loops_are_backward_branches_and_the_channel_loop_splits_into_its_plane_
     loop = sass.channel_loop(LISTING)
     assert loop == sass.ChannelLoop(fixed=4, per_plane=5, plane_loops=2)
     assert [loop.instructions(b) for b in (1, 2, 4)] == [4, 9, 19]  # plane 0 in the fixed part, b - 1 plane passes
+
+
+def test_a_spill_store_of_a_global_loads_data_is_counted_and_others_are_not():
+    listing, _ = sass.instructions("""
+        /*0000*/                   LDG.E.64 R28, desc[UR22][R28.64] ;
+        /*0010*/                   STL.64 [R1], R28 (*"SpillRefill"*) ;
+        /*0020*/              @!P0 LDG.E R30, desc[UR22][R2.64] ;
+        /*0030*/                   IADD3 R31, R4, 0x1, RZ ;
+        /*0040*/                   STL [R1+0x8], R30 (*"SpillRefill"*) ;
+        /*0050*/                   LDG.E R32, desc[UR22][R2.64] ;
+        /*0060*/                   IADD3 R32, R32, 0x1, RZ ;
+        /*0070*/                   STL [R1+0xc], R32 (*"SpillRefill"*) ;
+        /*0080*/                   STL.64 [R1+0x10], RZ ;
+        /*0090*/                   EXIT ;
+""")
+    # R28 and R30 are a load's data (a predicated load, an unrelated write between); R32 was rewritten by an add
+    assert sass.loads_spilled(listing) == 2
 
 
 def test_a_listing_without_an_fma_loop_is_refused():
