@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # A/B of whole trees on one machine: the same `python -m bench timing` run from each tree in turn.
-#   here:  bash scripts/gpu/ab.sh prepare REV...   -> .ab/<rev>/{fathom,bench} (git archive, no bench/results),
-#          then carry .whl and each .ab/<rev> (git-excluded) with the call
+#   here:  bash scripts/gpu/ab.sh prepare REV...   -> .ab/<rev>/{fathom,bench,tests,pyproject.toml} (git archive, no
+#          bench/results), then carry .whl and .ab (git-excluded) with the call
 #   there: bash scripts/gpu/ab.sh run NAME [bench timing arguments...]
 #          -> $OUT/timing-NAME-<rev>.json for every tree under .ab/, each run cut at an equal share of LIMIT s
 #             (default 560); draw them here with python -m bench timing --replot ... as timing.sh says
+#   there: bash scripts/gpu/ab.sh test TREE [pytest paths...]
+#          -> the GPU tests from .ab/TREE's own tree and tests (default: the scan, the selection, the decoder, the
+#             integrations and the selection probe; ~85 s on an H100 with 8 workers), cut at TIMEOUT s (default 200)
 # Each tree runs from its own directory (the current one comes first on sys.path), so its fathom is the one imported.
 # Its kernels are cached under /tmp/numba-ab (NUMBA_CACHE_DIR; one folder a tree's path): a carried tree replaces
 # the one there, and with it a cache beside its sources, so every call would compile its kernels again.
@@ -29,7 +32,8 @@ case ${1:-} in
     grep -qx '/.ab/' .git/info/exclude 2>/dev/null || echo '/.ab/' >> .git/info/exclude
     for rev in "$@"; do
       dir=.ab/${rev//\//-}
-      rm -rf "$dir" && mkdir -p "$dir" && git archive "$rev" fathom bench | tar -x -C "$dir" && rm -rf "$dir"/bench/results
+      rm -rf "$dir" && mkdir -p "$dir" && git archive "$rev" fathom bench tests pyproject.toml | tar -x -C "$dir" \
+        && rm -rf "$dir"/bench/results
       echo "$dir: $(git rev-parse --short "$rev")"
     done ;;
   run)
@@ -48,5 +52,15 @@ case ${1:-} in
       if [ -e "$json" ]; then cp "$json" "$OUT"/; else echo "error: $tree did not finish in $share s" >&2; fi
       echo "$label done at $SECONDS s"
     done ;;
-  *) echo "usage: bash scripts/gpu/ab.sh prepare REV... | run NAME [timing arguments...]" >&2; exit 2 ;;
+  test)
+    tree=.ab/${2:?usage: bash scripts/gpu/ab.sh test TREE [pytest paths...]}; shift 2
+    [ -d "$tree/tests" ] || { echo "error: $tree has no tests (bash scripts/gpu/ab.sh prepare REV here)" >&2; exit 2; }
+    source scripts/gpu/site.sh
+    paths=("$@"); [ ${#paths[@]} -gt 0 ] || paths=(tests/cuda/test_scan.py tests/cuda/test_topk.py
+      tests/cuda/test_host_decoder.py tests/integrations tests/bench/test_select_probe.py tests/bench/test_sass.py)
+    # from the tree's own directory: its fathom is the one imported (the current directory comes first on sys.path)
+    (cd "$tree" && python3 -c "import fathom; print('testing', fathom.__file__)" && FATHOM_GPU=1 timeout "${TIMEOUT:-200}" \
+        python3 -m pytest -q -n 8 -p no:cacheprovider "${paths[@]}" 2>&1 | grep -v Warning | tail -4) ;;
+  *) echo "usage: bash scripts/gpu/ab.sh prepare REV... | run NAME [timing arguments...] | test TREE [pytest paths...]" >&2
+     exit 2 ;;
 esac
