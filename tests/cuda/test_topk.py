@@ -66,13 +66,13 @@ def _select_matches_reference(scores, lengths, kv_heads, k, sink, local, threads
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**31), sessions=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]),
        heads=st.sampled_from([1, 3]), k=st.integers(0, 70), sink=st.integers(0, 5), local=st.integers(0, 40),
-       levels=st.sampled_from([2, 1000]), threads=st.sampled_from([32, 64]), per_block=st.sampled_from([40, 320]),
+       levels=st.sampled_from([2, 1000]), threads=st.sampled_from([32, 64]), per_block=st.sampled_from([80, 320]),
        list_ctas=st.sampled_from([1, 3]), capacity=st.sampled_from([1, 320]))
 def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, sink, local, levels, threads, per_block,
                                           list_ctas, capacity):
-    """Both passes over the scores split across CTAs (per_block = 40) or not (320), both over the candidate lists
-    too (list_ctas), and the keys equal to the k-th largest held in their buffer or past it (capacity 1): the k-th's
-    bins are split by every key byte on every path."""
+    """Both passes over the scores split across CTAs (per_block = 80: their edges inside 64-token blocks) or not
+    (320), both over the candidate lists too (list_ctas), and the keys equal to the k-th largest held in their
+    buffer or past it (capacity 1): the k-th's bins are split by every key byte on every path."""
     rng = np.random.default_rng(seed)
     tokens = 320
     lengths = rng.integers(1, tokens + 1, sessions).astype(np.int32)
