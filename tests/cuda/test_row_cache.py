@@ -20,10 +20,11 @@ def test_assign_slots_matches_reference(seed, streams, slots, rows, threads):
 
 
 @settings(max_examples=4, deadline=None)
-@given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), slots=st.integers(1, 70), rows=st.integers(1, 48),
+@given(seed=st.integers(0, 2**31), streams=st.integers(1, 3), slots=st.integers(1, 48), rows=st.integers(1, 48),
        part_slots=st.sampled_from([16, 2048]))
 def test_assign_slots_in_parts_matches_reference(seed, streams, slots, rows, part_slots):
-    """The slab in parts (one of up to 5), each part's CTA of 32 threads: the victims ranked across parts."""
+    """The slab in parts (one of up to 3, the last partial), each part's CTA of 32 threads: the victims ranked across
+    parts."""
     _check_against_reference(seed, streams, slots, rows, 32, part_slots=part_slots)
 
 
