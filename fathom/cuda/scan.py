@@ -301,8 +301,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                     q_i[h] = q_read[i, h]
                 for first in range(0, per_warp, group):
                     # the b-bit code prefixes of ``group`` blocks' tokens, plane by plane: the depth is the channel's,
-                    # the same in every lane, so the loop runs exactly b times and no unread plane issues an
-                    # instruction (two blocks at a time: four at a time spilled the held chunk words at G = 4)
+                    # the same in every lane, so past plane 0 the loop runs exactly b − 1 times and no unread plane
+                    # issues an instruction (two blocks at a time: four at a time spilled the held chunk words at G = 4)
                     plane_at = np.uint32(slot + first_plane + first)
                     plane_end = np.uint32(plane_at + t_read * per_cta)
                     # plane p's bit of token ``lane`` (bit ``lane`` of the word's low half) and of token ``lane + 32``
