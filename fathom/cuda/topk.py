@@ -254,12 +254,14 @@ def _flush(hist, hists, g, h, byte, t, n_threads):
 
 
 @cuda.jit(device=True, inline=True)
-def _append_one(key_pairs, g, h, j, high, pos, cand_key, cand_idx, hists):
-    """Write candidate ``j`` (the high half of its key ``high``; the low half read here) at ``pos`` of the list and
-    count its third key byte."""
+def _append_one(key_pairs, g, h, j, pos, cand_key, cand_idx, hists):
+    """Write candidate ``j``'s key at ``pos`` of the list (its halves read again: a found candidate is rare, and
+    holding the pass's words for it cost registers) and count its third key byte."""
     j = np.uint32(j)
-    low = (key_pairs[g, h, 1, j >> np.uint32(1)] >> (np.uint32(16) * (j & np.uint32(1)))) & np.uint32(0xFFFF)
-    key = (np.uint32(high) << np.uint32(16)) | low
+    shift = np.uint32(16) * (j & np.uint32(1))
+    high = (key_pairs[g, h, 0, j >> np.uint32(1)] >> shift) & np.uint32(0xFFFF)
+    low = (key_pairs[g, h, 1, j >> np.uint32(1)] >> shift) & np.uint32(0xFFFF)
+    key = (high << np.uint32(16)) | low
     cand_key[g, h, pos] = key
     cand_idx[g, h, pos] = j
     _add_in_warp(hists, g, h, 1, (key >> np.uint32(8)) & np.uint32(0xFF))
@@ -267,21 +269,19 @@ def _append_one(key_pairs, g, h, j, high, pos, cand_key, cand_idx, hists):
 
 if SIMULATED:
     @cuda.jit(device=True, inline=True)
-    def _append(found, highs, first, step, key_pairs, g, h, cand_key, cand_idx, list_sizes, hists):
-        """Append the candidates ``found`` marks (bit ``2u + e``: token ``2 (first + u · step) + e``, its key's high
-        half in ``highs[u]``) to the list (simulator: a slot reserved a candidate, as it has no warp vote)."""
+    def _append(found, first, step, key_pairs, g, h, cand_key, cand_idx, list_sizes, hists):
+        """Append the candidates ``found`` marks (bit ``2u + e``: token ``2 (first + u · step) + e``) to the list
+        (simulator: a slot reserved a candidate, as it has no warp vote)."""
         for u in range(SCORES_IN_FLIGHT):
             for e in range(2):
                 if found >> np.uint32(2 * u + e) & np.uint32(1):
                     p = np.uint32(first + u * step)
-                    high = (highs[u] >> np.uint32(16 * e)) & np.uint32(0xFFFF)
                     pos = np.uint32(cuda.atomic.add(list_sizes, (g, h, 0), 1))
-                    _append_one(key_pairs, g, h, 2 * p + e, high, pos, cand_key, cand_idx, hists)
+                    _append_one(key_pairs, g, h, 2 * p + e, pos, cand_key, cand_idx, hists)
 else:
     @cuda.jit(device=True, inline=True)
-    def _append(found, highs, first, step, key_pairs, g, h, cand_key, cand_idx, list_sizes, hists):
-        """Append the candidates ``found`` marks (bit ``2u + e``: token ``2 (first + u · step) + e``, its key's high
-        half in ``highs[u]``) to the list: one reservation a warp for each bit some lane set, by its lowest lane, and
+    def _append(found, first, step, key_pairs, g, h, cand_key, cand_idx, list_sizes, hists):
+        """Append the candidates ``found`` marks (bit ``2u + e``: token ``2 (first + u · step) + e``) to the list: one reservation a warp for each bit some lane set, by its lowest lane, and
         each lane's slot past the lanes below it (a vote and a popcount). Every lane of the warp calls it. The list
         is unordered (the passes over it mark by key; ties go to the earliest index by a radix select)."""
         if cuda.ballot_sync(FULL_MASK, found != 0) == 0:  # most rounds of a warp find none
@@ -300,9 +300,8 @@ else:
                     base = cuda.shfl_sync(FULL_MASK, base, leader)
                     if mine:
                         p = np.uint32(first + u * step)
-                        high = (highs[u] >> np.uint32(16 * e)) & np.uint32(0xFFFF)
                         pos = np.uint32(base + cuda.popc(voters & below))
-                        _append_one(key_pairs, g, h, 2 * p + e, high, pos, cand_key, cand_idx, hists)
+                        _append_one(key_pairs, g, h, 2 * p + e, pos, cand_key, cand_idx, hists)
 
 
 # 40 registers hold 6 CTAs an SM at 256 threads (42 hold 5) and these passes are bound by their loads' latency: the
@@ -385,7 +384,7 @@ def _candidates_kernel(key_pairs, lengths, heads_per_session, k, sink, local, pe
                         elif second == digit2:
                             found |= np.uint32(1) << np.uint32(2 * u + e)
         if level == 1:
-            _append(found, highs, p0, step, key_pairs, g, h, cand_key, cand_idx, list_sizes, hists)
+            _append(found, p0, step, key_pairs, g, h, cand_key, cand_idx, list_sizes, hists)
         p0 = np.uint32(p0 + SCORES_IN_FLIGHT * step)
     if level == 0:
         if run:
