@@ -56,15 +56,20 @@ def _order_keys(scores):
 
 
 def split_keys(scores):
-    """int16 ``[streams, G, 2, key_width(T)]``: float32 ``scores [streams, G, T]`` as a scan writes them, split
-    order keys (``fathom.cuda.score_keys``; the bits of uint16), on the scores' device."""
+    """int32 ``[streams, G, 2, key_columns(T)]``: float32 ``scores [streams, G, T]`` as a scan writes them, split
+    order keys (``fathom.cuda.score_keys``; the bits of uint32), on the scores' device."""
     import torch
 
-    from fathom.cuda.score_keys import key_width
+    from fathom.cuda.score_keys import key_columns
 
-    keys = _order_keys(torch.nn.functional.pad(scores, (0, key_width(scores.shape[-1]) - scores.shape[-1])))
-    halves = torch.stack([keys >> 16, keys & 0xFFFF], -2)
-    return ((halves ^ 0x8000) - 0x8000).to(torch.int16)  # the uint16 bits, as int16 holds them
+    columns = key_columns(scores.shape[-1])
+    keys = _order_keys(torch.nn.functional.pad(scores, (0, 2 * columns - scores.shape[-1])))
+    pairs = keys.unflatten(-1, (columns // 32, 2, 32))  # [..., block, e, l]: token 64 block + 32 e + l
+    first, second = pairs[..., 0, :].flatten(-2), pairs[..., 1, :].flatten(-2)  # word w = 32 block + l
+    high = (first >> 16) | (second & 0xFFFF0000)
+    low = (first & 0xFFFF) | ((second & 0xFFFF) << 16)
+    words = torch.stack([high, low], -2)
+    return ((words ^ 0x80000000) - 0x80000000).to(torch.int32)  # the uint32 bits, as int32 holds them
 
 
 def top_histogram(scores, lengths, heads_per_session: int, sink: int, local: int):
@@ -204,7 +209,7 @@ class SelectionBuffers:
         from fathom.cuda.topk import select
 
         self.top_hist.copy_(self.saved_hist)
-        select(as_array(self.keys).view(np.uint16), as_array(self.lengths), self.kv_heads, self.k, SINK, LOCAL,
+        select(as_array(self.keys).view(np.uint32), as_array(self.lengths), self.kv_heads, self.k, SINK, LOCAL,
                as_array(self.top_hist), as_array(self.hists), as_array(self.cand_key).view(np.uint32),
                as_array(self.cand_idx), as_array(self.list_sizes), as_array(self.ties),
                as_array(self.winners).view(np.uint32), as_array(self.any_rows).view(np.uint64), threads,

@@ -18,7 +18,7 @@ from numba import cuda
 
 from fathom.cuda.block import RADIX, flush_histogram
 from fathom.cuda.half import bf16_bits_to_f32, f16_bits_to_f32
-from fathom.cuda.score_keys import check_keys, store_score
+from fathom.cuda.score_keys import check_keys, store_one
 from fathom.quantize import BLOCK
 
 THREADS = 128
@@ -45,7 +45,7 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
     d = 4 * words
 
     @cuda.jit(cache=True)  # its closure holds only integers: cached on disk
-    def kernel(q, rows, lengths, heads_per_session, sink, local, keys, top_hist):
+    def kernel(q, rows, lengths, heads_per_session, sink, local, halves, top_hist):
         g = cuda.blockIdx.y
         t = cuda.threadIdx.x
         n_threads = cuda.blockDim.x
@@ -88,7 +88,7 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
                 counted = 0
                 for e in range(tokens_per_row):
                     j = (first + r) * tokens_per_row + e
-                    key = store_score(keys, g, h, j, acc[h])
+                    key = store_one(halves, g, h, j, acc[h])
                     if lo_cand <= j < hi_cand:
                         counted += 1
                 if counted:  # a row's tokens share its score: one add
@@ -121,4 +121,4 @@ def scan_rows(q, rows, bf16: bool, tokens_per_row: int, lengths, heads_per_sessi
     if streams:
         grid = (math.ceil(rows.shape[1] / rows_per_cta(d // 4, heads)), streams)
         _row_kernel(heads, bf16, tokens_per_row, d // 4)[grid, threads, stream](q, rows, lengths, heads_per_session, sink,
-                                                                         local, keys, top_hist)
+                                                                         local, keys.view(np.uint16), top_hist)

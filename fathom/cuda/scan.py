@@ -1,9 +1,10 @@
 """The plane scan: approximate scores read straight from the store, wherever it lives (design §5, §8 steps 2-3).
 
 The twin of ``fathom.scoring.approx_scores`` (within float32 tolerance: the sum over channels runs in another
-order, with FMAs), its scores written as split order keys (``fathom.cuda.score_keys``: the selection's passes read
-their high halves alone), that also counts the top byte of every candidate's score for the selection
-(``fathom.cuda.topk``), so the selection's passes know the k-th's top byte before they start.
+order, with FMAs), its scores written as split order keys (``fathom.cuda.score_keys``: a lane's two tokens of a
+block as one word of each half; the selection's passes read the high halves alone), that also counts the top byte
+of every candidate's score for the selection (``fathom.cuda.topk``), so the selection's passes know the k-th's top
+byte before they start.
 
 One CUDA block (CTA) per (stream, part of a segment), launched stream-fastest so that CTAs start segment by
 segment and the sessions' last segments start last; the warps of a part-filled segment's CTA that hold no sealed
@@ -68,7 +69,7 @@ from fathom.cuda.block import RADIX, exclusive_scan, flush_histogram
 from fathom.cuda.half import f16_bits_to_f32, f32_from_bits
 from fathom.cuda.interop import launch_bounds
 from fathom.cuda.layout import plane_in_near, plane_word, record_offset, scales_in_near
-from fathom.cuda.score_keys import check_keys, store_score
+from fathom.cuda.score_keys import check_keys, store_pair
 from fathom.layout import SCALES_PER_WORD
 from fathom.quantize import BLOCK, CELLS, PLANES
 
@@ -354,11 +355,13 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
             for jb in range(per_warp):
                 b = warp * per_warp + jb
                 if b < valid:
+                    # the lane's two tokens are one word of each half (fathom.cuda.score_keys): two stores
+                    key0, key1 = store_pair(keys, g, h, np.uint32((first_block + b) * (BLOCK // 2) + lane),
+                                            acc[2 * jb, h], acc[2 * jb + 1, h])
                     for half in range(2):
                         j = (first_block + b) * BLOCK + lane + 32 * half
-                        score_key = store_score(keys, g, h, j, acc[2 * jb + half, h])
                         if lo_cand <= j < hi_cand:
-                            digit = score_key >> np.uint32(24)
+                            digit = (key1 if half else key0) >> np.uint32(24)
                             if digit == last:
                                 run += 1
                             else:
@@ -385,8 +388,8 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
             uint64 ``[layout.far_words]`` its far tier (host-mapped: planes ``t .. 3``, and the scales at t = 0);
             layout: :class:`fathom.layout.StoreLayout` (``t = layout.hbm_planes``).
         sink, local: design §6 (candidates are sealed tokens ``sink .. min(n_sealed, n − local)``).
-        keys: uint16 ``[streams, G, 2, W]``, ``W`` even and ``≥ n``: the scores' split order keys
-            (``fathom.cuda.score_keys``), columns ``0 .. n_sealed`` written; top_hist: int32
+        keys: uint32 ``[streams, G, 2, C]``, ``2C ≥ n``: the scores' split order keys (``fathom.cuda.score_keys``),
+            those of tokens ``0 .. n_sealed`` written; top_hist: int32
             ``[streams, G, 256]``, counts added (``fathom.cuda.topk.select`` consumes and clears them).
         warps: warps per CTA (at most 32); a CTA scores ``warps · blocks_per_warp(G)`` blocks, at most a segment
             and at most :data:`MAX_CTA_BLOCKS` (:func:`launch_shape`).

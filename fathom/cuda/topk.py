@@ -43,7 +43,7 @@ from numba import cuda
 from fathom import _checks
 from fathom.cuda.block import RADIX, exclusive_scan
 from fathom.cuda.interop import SIMULATED, max_registers
-from fathom.cuda.score_keys import HALVES, key_width
+from fathom.cuda.score_keys import HALVES, key_columns
 from fathom.quantize import BLOCK
 
 MAX_THREADS = 1024
@@ -254,34 +254,39 @@ def _flush(hist, hists, g, h, byte, t, n_threads):
 
 
 @cuda.jit(device=True, inline=True)
-def _append_one(key_pairs, g, h, j, pos, cand_key, cand_idx, hists):
-    """Write candidate ``j``'s key at ``pos`` of the list (its halves read again: a found candidate is rare, and
-    holding the pass's words for it cost registers) and count its third key byte."""
-    j = np.uint32(j)
-    shift = np.uint32(16) * (j & np.uint32(1))
-    high = (key_pairs[g, h, 0, j >> np.uint32(1)] >> shift) & np.uint32(0xFFFF)
-    low = (key_pairs[g, h, 1, j >> np.uint32(1)] >> shift) & np.uint32(0xFFFF)
+def _token(w, e):
+    """Token ``e`` (0 or 1) of key word ``w`` (``fathom.cuda.score_keys``): ``64 (w // 32) + w % 32 + 32 e``."""
+    return ((w >> np.uint32(5)) << np.uint32(6)) | (w & np.uint32(31)) | (np.uint32(e) << np.uint32(5))
+
+
+@cuda.jit(device=True, inline=True)
+def _append_one(keys, g, h, w, e, pos, cand_key, cand_idx, hists):
+    """Write the key of token ``e`` of word ``w`` at ``pos`` of the list (its halves read again: a found candidate is
+    rare, and holding the pass's words for it cost registers) and count its third key byte."""
+    shift = np.uint32(16 * e)
+    high = (keys[g, h, 0, w] >> shift) & np.uint32(0xFFFF)
+    low = (keys[g, h, 1, w] >> shift) & np.uint32(0xFFFF)
     key = (high << np.uint32(16)) | low
     cand_key[g, h, pos] = key
-    cand_idx[g, h, pos] = j
+    cand_idx[g, h, pos] = _token(w, e)
     _add_in_warp(hists, g, h, 1, (key >> np.uint32(8)) & np.uint32(0xFF))
 
 
 if SIMULATED:
     @cuda.jit(device=True, inline=True)
-    def _append(found, first, step, key_pairs, g, h, cand_key, cand_idx, list_sizes, hists):
-        """Append the candidates ``found`` marks (bit ``2u + e``: token ``2 (first + u · step) + e``) to the list
+    def _append(found, first, step, keys, g, h, cand_key, cand_idx, list_sizes, hists):
+        """Append the candidates ``found`` marks (bit ``2u + e``: token ``e`` of word ``first + u · step``) to the list
         (simulator: a slot reserved a candidate, as it has no warp vote)."""
         for u in range(SCORES_IN_FLIGHT):
             for e in range(2):
                 if found >> np.uint32(2 * u + e) & np.uint32(1):
-                    p = np.uint32(first + u * step)
                     pos = np.uint32(cuda.atomic.add(list_sizes, (g, h, 0), 1))
-                    _append_one(key_pairs, g, h, 2 * p + e, pos, cand_key, cand_idx, hists)
+                    _append_one(keys, g, h, np.uint32(first + u * step), e, pos, cand_key, cand_idx, hists)
 else:
     @cuda.jit(device=True, inline=True)
-    def _append(found, first, step, key_pairs, g, h, cand_key, cand_idx, list_sizes, hists):
-        """Append the candidates ``found`` marks (bit ``2u + e``: token ``2 (first + u · step) + e``) to the list: one reservation a warp for each bit some lane set, by its lowest lane, and
+    def _append(found, first, step, keys, g, h, cand_key, cand_idx, list_sizes, hists):
+        """Append the candidates ``found`` marks (bit ``2u + e``: token ``e`` of word ``first + u · step``) to the
+        list: one reservation a warp for each bit some lane set, by its lowest lane, and
         each lane's slot past the lanes below it (a vote and a popcount). Every lane of the warp calls it. The list
         is unordered (the passes over it mark by key; ties go to the earliest index by a radix select)."""
         if cuda.ballot_sync(FULL_MASK, found != 0) == 0:  # most rounds of a warp find none
@@ -299,21 +304,20 @@ else:
                         base = cuda.atomic.add(list_sizes, (g, h, 0), np.int32(cuda.popc(voters)))
                     base = cuda.shfl_sync(FULL_MASK, base, leader)
                     if mine:
-                        p = np.uint32(first + u * step)
                         pos = np.uint32(base + cuda.popc(voters & below))
-                        _append_one(key_pairs, g, h, 2 * p + e, pos, cand_key, cand_idx, hists)
+                        _append_one(keys, g, h, np.uint32(first + u * step), e, pos, cand_key, cand_idx, hists)
 
 
 # 40 registers hold 6 CTAs an SM at 256 threads (42 hold 5) and these passes are bound by their loads' latency: the
 # cap keeps them there (ptxas -v, sm_90: 40 uncapped; the third byte counted in shared memory took it to 42)
 @cuda.jit(cache=True, **max_registers(40))
-def _candidates_kernel(key_pairs, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hists,
+def _candidates_kernel(keys, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hists,
                        winners, any_rows, cand_key, cand_idx, list_sizes):
-    """Grid (chunks, G, streams), one pass over the high halves of the keys of a chunk for head h (``key_pairs``:
-    the split keys, ``fathom.cuda.score_keys``, read as uint32 ``[streams, G, 2, W / 2]``: word ``p`` of half 0
-    holds token ``2p``'s high half in its low 16 bits and token ``2p + 1``'s in its high 16): ``level`` 0 marks the
-    tokens above the k-th's top byte and counts the second byte of those in its bin; level 1 marks the tokens above
-    its second byte, appends those in its bin to the candidate list and counts their third byte (see the module).
+    """Grid (chunks, G, streams), one pass over the high halves of the keys of a chunk's tokens for head h (the
+    split keys, ``fathom.cuda.score_keys``: word ``w`` of ``keys[g, h, 0]`` holds two tokens' high halves):
+    ``level`` 0 marks the tokens above the k-th's top byte and counts the second byte of those in its bin; level 1
+    marks the tokens above its second byte, appends those in its bin to the candidate list and counts their third
+    byte (see the module).
     Block (0, 0) of each stream also keeps sink, local and tail, in level 0."""
     h = cuda.blockIdx.y
     g = cuda.blockIdx.z
@@ -350,25 +354,25 @@ def _candidates_kernel(key_pairs, lengths, heads_per_session, k, sink, local, pe
     digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
     # 32-bit unsigned indices and counts in the walks: Numba types int arithmetic and range() as int64, and a signed
     # index pays for a negative-index wraparound
-    highs_of = key_pairs[g, h, 0]
+    highs_of = keys[g, h, 0]
     step = np.uint32(n_threads)
     first_token = np.uint32(start)
     end_token = np.uint32(stop)
-    end = np.uint32((stop + 1) >> 1)  # the pairs holding tokens start .. stop - 1
+    end = np.uint32((((stop - 1) >> 6) + 1) << 5)  # the words of the blocks holding tokens start .. stop - 1
     lane = np.uint32(t & 31)
     last = np.uint32(RADIX)
     run = np.int32(0)
     highs = cuda.local.array(SCORES_IN_FLIGHT, np.uint32)
-    p0 = np.uint32((start >> 1) + t)
+    p0 = np.uint32(((start >> 6) << 5) + t)
     while p0 - lane < end:  # uniform in a warp: every lane reaches the append's votes
         for u in range(SCORES_IN_FLIGHT):  # every load before any use: the loads fly together
             p = np.uint32(p0 + u * step)
             highs[u] = highs_of[p] if p < end else np.uint32(0)
-        found = np.uint32(0)  # level 1: bit 2u + e, token 2 (p0 + u · step) + e is in the k-th's bin
+        found = np.uint32(0)  # level 1: bit 2u + e, token e of word p0 + u · step is in the k-th's bin
         for u in range(SCORES_IN_FLIGHT):
             p = np.uint32(p0 + u * step)
             for e in range(2):
-                j = np.uint32(2 * p + e)
+                j = _token(p, e)
                 if p < end and first_token <= j < end_token:
                     high = (highs[u] >> np.uint32(16 * e)) & np.uint32(0xFFFF)
                     top = high >> np.uint32(8)
@@ -384,7 +388,7 @@ def _candidates_kernel(key_pairs, lengths, heads_per_session, k, sink, local, pe
                         elif second == digit2:
                             found |= np.uint32(1) << np.uint32(2 * u + e)
         if level == 1:
-            _append(found, p0, step, key_pairs, g, h, cand_key, cand_idx, list_sizes, hists)
+            _append(found, p0, step, keys, g, h, cand_key, cand_idx, list_sizes, hists)
         p0 = np.uint32(p0 + SCORES_IN_FLIGHT * step)
     if level == 0:
         if run:
@@ -632,7 +636,7 @@ def select(keys, lengths, heads_per_session: int, k: int, sink: int, local: int,
     head, marked in ``winners`` (bit h) and ``any_rows``.
 
     Args:
-        keys: uint16 ``[streams, G, 2, key_width(T)]``: the split order keys of the sealed tokens' scores (from the
+        keys: uint32 ``[streams, G, 2, key_columns(T)]``: the split order keys of the sealed tokens' scores (from the
             scan; ``fathom.cuda.score_keys``).
         lengths: int32 ``[S]`` session lengths; stream ``g`` is session ``g // heads_per_session``.
         top_hist: int32 ``[streams, G, 256]``: the candidates' top-byte counts (from the scan); hists: int32
@@ -647,13 +651,13 @@ def select(keys, lengths, heads_per_session: int, k: int, sink: int, local: int,
             kernel (one a head); per_block: tokens per CTA of the two passes over the scores; list_ctas: CTAs a head
             of the two passes over its list (:func:`list_ctas_for`).
 
-    Example (``keys``: the scan's uint16 ``[streams, G, 2, key_width(T)]``, ``hist``: its counts of the top bytes):
+    Example (``keys``: the scan's uint32 ``[streams, G, 2, key_columns(T)]``, ``hist``: its counts of the top bytes):
         select(keys, lengths, H, 512, 4, 32, hist, hists, cand_key, cand_idx, list_sizes, ties, winners, any_rows,
                list_ctas=list_ctas_for(streams, G, 132))
     """
     streams, heads = keys.shape[:2]
     tokens = winners.shape[1] if winners.ndim == 2 else -1
-    if keys.dtype != np.uint16 or keys.shape != (streams, heads, HALVES, key_width(tokens)) \
+    if keys.dtype != np.uint32 or keys.shape != (streams, heads, HALVES, key_columns(tokens)) \
             or winners.shape != (streams, tokens) \
             or top_hist.shape != (streams, heads, RADIX) or hists.shape != (streams, heads, 3, RADIX) \
             or cand_key.shape != (streams, heads, tokens) or cand_idx.shape != cand_key.shape \
@@ -671,9 +675,8 @@ def select(keys, lengths, heads_per_session: int, k: int, sink: int, local: int,
     _checks.stream_sessions(streams, heads_per_session, lengths)
     if streams and heads and tokens:
         chunks = (math.ceil(tokens / per_block), heads, streams)
-        key_pairs = keys.view(np.uint32)  # two tokens' high halves a word (a view: no copy, no allocation)
         for level in (0, 1):
-            _candidates_kernel[chunks, threads, stream](key_pairs, lengths, heads_per_session, k, sink, local,
+            _candidates_kernel[chunks, threads, stream](keys, lengths, heads_per_session, k, sink, local,
                                                         per_block, level, top_hist, hists, winners, any_rows,
                                                         cand_key, cand_idx, list_sizes)
         for level in (2, 3):

@@ -44,7 +44,7 @@ class StepBuffers:
     q: torch.Tensor  # float32 [streams, G, d] the layer's raw query
     q_store: torch.Tensor  # float32 [streams, G, d] the query in the store's basis
     depths: torch.Tensor  # int8 [streams, d]
-    keys: torch.Tensor  # int16 [streams, G, 2, key_width(T)]: the scores' split order keys (fathom.cuda.score_keys)
+    keys: torch.Tensor  # int32 [streams, G, 2, key_columns(T)]: the scores' split order keys (fathom.cuda.score_keys)
     top_hist: torch.Tensor  # int32 [streams, G, 256]
 
 
@@ -202,7 +202,7 @@ class PlaneScan:
         near, far = cache_layer.stores[self.basis].arrays["near"], cache_layer.stores[self.basis].arrays["far"]
         q_store = as_array(buf.q_store if self.basis == "rotated" else buf.q)
         depths, lengths = as_array(buf.depths), cache_layer.arrays["lengths"]
-        keys, top_hist = as_array(buf.keys).view(np.uint16), as_array(buf.top_hist)
+        keys, top_hist = as_array(buf.keys).view(np.uint32), as_array(buf.top_hist)
         heads, layout, warps = self.cache.shape.kv_heads, self.cache.shape.layout, self.warps
         levels = None if self.levels is None else as_array(self.levels[layer])
         return [lambda stream: scan_planes(q_store, depths, lengths, heads, near, far, layout, sel.sink, sel.local,
@@ -228,7 +228,7 @@ class RowScan:
         rows = cache_layer.arrays["kv"] if self.rows == "keys" else cache_layer.arrays["marks"]
         bf16, per_row = (True, 1) if self.rows == "keys" else (False, LANDMARK_TOKENS)
         lengths, heads = cache_layer.arrays["lengths"], self.cache.shape.kv_heads
-        q, keys, top_hist = as_array(buf.q), as_array(buf.keys).view(np.uint16), as_array(buf.top_hist)
+        q, keys, top_hist = as_array(buf.q), as_array(buf.keys).view(np.uint32), as_array(buf.top_hist)
         return [lambda stream: scan_rows(q, rows, bf16, per_row, lengths, heads, sel.sink, sel.local, keys,
                                          top_hist, stream=stream)]
 

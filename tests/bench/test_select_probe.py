@@ -42,7 +42,7 @@ def test_its_keys_are_the_scans():
     for tokens in (320, 77):
         scores = (rng.standard_normal((2, 3, tokens)) * 10.0 ** rng.integers(-3, 4, (2, 3, tokens))).astype(np.float32)
         scores[0, 0, :3] = [-0.0, 0.0, np.float32(-1e-38)]
-        keys = split_keys(torch.from_numpy(scores)).numpy().view(np.uint16)
+        keys = split_keys(torch.from_numpy(scores)).numpy().view(np.uint32)
         assert np.array_equal(keys, score_keys(scores))
 
 

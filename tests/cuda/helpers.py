@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from fathom.cuda.interop import SIMULATED
-from fathom.cuda.score_keys import HALVES, key_width, keys_to_scores
+from fathom.cuda.score_keys import HALVES, key_columns, keys_to_scores
 from fathom.layout import StoreLayout
 from fathom.quantize import BLOCK, PLANES
 from fathom.scoring import LANDMARK_TOKENS
@@ -30,7 +30,7 @@ def unwritten_keys(streams: int, heads: int, tokens: int):
     what a scan leaves unwritten shows."""
     from numba import cuda
 
-    return cuda.to_device(np.full((streams, heads, HALVES, key_width(tokens)), 0xFFFF, np.uint16))
+    return cuda.to_device(np.full((streams, heads, HALVES, key_columns(tokens)), 0xFFFFFFFF, np.uint32))
 
 
 def read_scores(keys, tokens: int) -> np.ndarray:

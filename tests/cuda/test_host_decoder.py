@@ -667,16 +667,17 @@ def test_the_row_cache_serves_the_listed_rows():
         assert cache.row_cache_counts(LAYER)[0] > hits and cache.row_cache_counts(LAYER)[1] > lookups
         hbm, link = decoder.row_nbytes_by_tier(LAYER)
         assert hbm > 0 and hbm + link == decoder.row_nbytes(LAYER)
-        _append(cache, k, v, 130, 190)  # seals a block
+        _append(cache, k, v, 130, 192)  # seals a block: the third (at 190 tokens it sealed none)
+        assert cache.lengths(LAYER)[0] == 3 * 64
         cache.reset(1)  # session 1 refilled with other keys: the slab must not serve its old rows
         _append(cache, k_new, v_new, 0, 150, sessions=[1])
         k[1], v[1] = k_new[1], v_new[1]
         token = StepGraph(decoder, layers=[LAYER], append=True)
         q_t = torch.from_numpy(q).to(DEVICE)
-        k_t, v_t = (torch.from_numpy(x[:, :, 190:191]).to(DEVICE) for x in (k, v))
+        k_t, v_t = (torch.from_numpy(x[:, :, 192:193]).to(DEVICE) for x in (k, v))
         out = token(q_t, k_t, v_t).cpu().numpy()
         _assert_sources_hold_the_listed_rows(decoder)
-        k[1, :, 150], v[1, :, 150] = k[1, :, 190], v[1, :, 190]  # session 1 held 150 tokens: its new one is 150th
+        k[1, :, 150], v[1, :, 150] = k[1, :, 192], v[1, :, 192]  # session 1 held 150 tokens: its new one is 150th
         _assert_matches_reference(decoder, out, k, v, q, *data[3:], cache.lengths(LAYER))
 
 
