@@ -155,9 +155,9 @@ def scan_kernel_sass(heads: int, cap: int = 128, warps: int = 32, levels: bool =
 
     warps, per_warp = scan.launch_shape(heads, cap, warps)
     kernel = scan._scan_kernel(heads, warps, per_warp, levels)
-    f32, i64 = T.float32[:, :, ::1], T.int64
+    f32, i64, keys = T.float32[:, :, ::1], T.int64, T.uint32[:, :, :, ::1]
     signature = (f32, T.int8[:, ::1], T.int32[::1], i64, T.uint64[::1], T.uint64[::1]) + (i64,) * 8 \
-        + (f32, T.int32[:, :, ::1], T.float32[::1] if levels else f32)  # the midpoint kernel is given q as its table
+        + (keys, T.int32[:, :, ::1], T.float32[::1] if levels else f32)  # the midpoint kernel is given q as its table
     ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0), launch_bounds=32 * warps)
     with tempfile.TemporaryDirectory() as tmp:
         source, cubin = Path(tmp) / "scan.ptx", Path(tmp) / "scan.cubin"

@@ -24,6 +24,9 @@ module            what it does, and in what                                     
                   over its rows (split softmax)
 ``row_cache``     Numba kernel: the HBM row cache's step — hits, LRU victims,     ``row_cache.RowCache.assign``
                   each row's source (slab, fill or bypass)
+``score_keys``    the scores a scan hands the selection: float32 order keys split  ``selection.order_keys``
+                  into 16-bit halves (the selection's passes read the high ones);
+                  NumPy conversions, and the scans' device store
 ``block``         Numba device functions: block-wide prefix sum,                  —
                   order-preserving float keys, histogram flush
 ``half``          Numba device functions: fp32 <-> fp16 with integer              ``astype(np.float16)``

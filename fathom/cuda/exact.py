@@ -1,7 +1,8 @@
 """Scores from 16-bit rows read straight from host memory (design §7, §8 step 3): the oracle's exact ``q · k`` over
 the bf16 K rows, and landmark's ``q · mark`` over the fp16 mean keys, every token of an 8-token block taking its
-block's score. The twins of ``fathom.scoring.exact_scores`` / ``landmark_scores`` (float32 tolerance), and like
-``fathom.cuda.scan`` they count the top byte of every candidate's score for the selection.
+block's score. The twins of ``fathom.scoring.exact_scores`` / ``landmark_scores`` (float32 tolerance), written as
+``fathom.cuda.scan``'s are (split order keys, ``fathom.cuda.score_keys``), and like it they count the top byte of
+every candidate's score for the selection.
 
 One CTA per (tile of up to 128 rows, stream): the tile's rows are read coalesced (consecutive threads on
 consecutive 8-byte words of a row) into shared memory, then each thread scores one row. Rows past a session's
@@ -15,8 +16,9 @@ import math
 import numpy as np
 from numba import cuda
 
-from fathom.cuda.block import RADIX, flush_histogram, order_key
-from fathom.cuda.half import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bits
+from fathom.cuda.block import RADIX, flush_histogram
+from fathom.cuda.half import bf16_bits_to_f32, f16_bits_to_f32
+from fathom.cuda.score_keys import check_keys, store_one
 from fathom.quantize import BLOCK
 
 THREADS = 128
@@ -43,7 +45,7 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
     d = 4 * words
 
     @cuda.jit(cache=True)  # its closure holds only integers: cached on disk
-    def kernel(q, rows, lengths, heads_per_session, sink, local, scores, top_hist):
+    def kernel(q, rows, lengths, heads_per_session, sink, local, halves, top_hist):
         g = cuda.blockIdx.y
         t = cuda.threadIdx.x
         n_threads = cuda.blockDim.x
@@ -82,15 +84,15 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
                     for h in range(heads):
                         acc[h] += q_all[h, 4 * w + e] * value
             for h in range(heads):
-                key = np.int32(order_key(f32_to_bits(acc[h])) >> np.uint32(24))
+                key = np.uint32(0)
                 counted = 0
                 for e in range(tokens_per_row):
                     j = (first + r) * tokens_per_row + e
-                    scores[g, h, j] = acc[h]
+                    key = store_one(halves, g, h, j, acc[h])
                     if lo_cand <= j < hi_cand:
                         counted += 1
                 if counted:  # a row's tokens share its score: one add
-                    cuda.atomic.add(hist, (h, key), counted)
+                    cuda.atomic.add(hist, (h, np.int32(key >> np.uint32(24))), counted)
         flush_histogram(hist, top_hist, g, heads, t, n_threads)
 
     _KERNELS[key] = kernel
@@ -98,7 +100,7 @@ def _row_kernel(heads: int, bf16: bool, tokens_per_row: int, words: int):
 
 
 def scan_rows(q, rows, bf16: bool, tokens_per_row: int, lengths, heads_per_session: int, sink: int, local: int,
-              scores, top_hist, threads: int = THREADS, stream=0) -> None:
+              keys, top_hist, threads: int = THREADS, stream=0) -> None:
     """Scores of every sealed token from 16-bit rows, and the candidates' top-byte histogram.
 
     Args:
@@ -106,7 +108,7 @@ def scan_rows(q, rows, bf16: bool, tokens_per_row: int, lengths, heads_per_sessi
         rows: uint64 ``[streams, R, halves, d / 4]``: row ``r`` is half 0 of ``rows[g, r]`` (bf16 K rows of the
             K/V store, or fp16 landmarks with one half), 4 values per word.
         bf16: the rows hold bf16 (K rows) or fp16 (landmarks); tokens_per_row: 1 (K rows) or 8 (landmarks).
-        lengths, heads_per_session, sink, local, scores, top_hist: as in ``fathom.cuda.scan.scan_planes``.
+        lengths, heads_per_session, sink, local, keys, top_hist: as in ``fathom.cuda.scan.scan_planes``.
     """
     streams, heads, d = q.shape
     if d % 4 or d // 4 > MAX_WORDS or rows.shape[3] != d // 4:
@@ -115,7 +117,8 @@ def scan_rows(q, rows, bf16: bool, tokens_per_row: int, lengths, heads_per_sessi
     if heads < 1 or rows_per_cta(d // 4, heads) < 1:  # the query and histograms alone would fill shared memory
         most = (SHARED_BYTES - 8 * (d // 4 + 1)) // (4 * (d + RADIX))
         raise ValueError(f"q must have 1..{most} query heads at d = {d}, got {heads}")
+    check_keys(keys, streams, heads)
     if streams:
         grid = (math.ceil(rows.shape[1] / rows_per_cta(d // 4, heads)), streams)
         _row_kernel(heads, bf16, tokens_per_row, d // 4)[grid, threads, stream](q, rows, lengths, heads_per_session, sink,
-                                                                         local, scores, top_hist)
+                                                                         local, keys.view(np.uint16), top_hist)

@@ -1,8 +1,10 @@
 """The plane scan: approximate scores read straight from the store, wherever it lives (design §5, §8 steps 2-3).
 
 The twin of ``fathom.scoring.approx_scores`` (within float32 tolerance: the sum over channels runs in another
-order, with FMAs) that also counts the top byte of every candidate's score for the selection
-(``fathom.cuda.topk``), so the selection reads the scores once.
+order, with FMAs), its scores written as split order keys (``fathom.cuda.score_keys``: a lane's two tokens of a
+block as one word of each half; the selection's passes read the high halves alone), that also counts the top byte
+of every candidate's score for the selection (``fathom.cuda.topk``), so the selection's passes know the k-th's top
+byte before they start.
 
 One CUDA block (CTA) per (stream, part of a segment), launched stream-fastest so that CTAs start segment by
 segment and the sessions' last segments start last; the warps of a part-filled segment's CTA that hold no sealed
@@ -63,10 +65,11 @@ import numpy as np
 from numba import cuda
 
 from fathom import _checks
-from fathom.cuda.block import RADIX, exclusive_scan, flush_histogram, order_key
-from fathom.cuda.half import f16_bits_to_f32, f32_from_bits, f32_to_bits
+from fathom.cuda.block import RADIX, exclusive_scan, flush_histogram
+from fathom.cuda.half import f16_bits_to_f32, f32_from_bits
 from fathom.cuda.interop import launch_bounds
 from fathom.cuda.layout import plane_in_near, plane_word, record_offset, scales_in_near
+from fathom.cuda.score_keys import check_keys, store_pair
 from fathom.layout import SCALES_PER_WORD
 from fathom.quantize import BLOCK, CELLS, PLANES
 
@@ -180,7 +183,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
 
     @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only integers: cached on disk
     def kernel(q, depths, lengths, heads_per_session, near, far, n_seg, cap, scale_words, near_record_words,
-               far_record_words, hbm_planes, sink, local, scores, top_hist, cells):
+               far_record_words, hbm_planes, sink, local, keys, top_hist, cells):
         g = cuda.blockIdx.x
         parts = cap // per_cta
         seg = cuda.blockIdx.y // parts
@@ -342,7 +345,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
                             acc[2 * jb, h] += q_i[h] * k_lo
                             acc[2 * jb + 1, h] += q_i[h] * k_hi
 
-        # scores, and the top-byte histogram of the candidates (not sink / local; tail tokens are never scored)
+        # scores (their split order keys), and the top-byte histogram of the candidates (not sink / local; tail tokens
+        # are never scored)
         lo_cand = sink
         hi_cand = min(n_blocks * BLOCK, n - local)
         for h in range(heads):  # a thread's tokens in one bin add once: crowded bins do not serialise
@@ -351,12 +355,13 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
             for jb in range(per_warp):
                 b = warp * per_warp + jb
                 if b < valid:
+                    # the lane's two tokens are one word of each half (fathom.cuda.score_keys): two stores
+                    key0, key1 = store_pair(keys, g, h, np.uint32((first_block + b) * (BLOCK // 2) + lane),
+                                            acc[2 * jb, h], acc[2 * jb + 1, h])
                     for half in range(2):
                         j = (first_block + b) * BLOCK + lane + 32 * half
-                        value = acc[2 * jb + half, h]
-                        scores[g, h, j] = value
                         if lo_cand <= j < hi_cand:
-                            digit = order_key(f32_to_bits(value)) >> np.uint32(24)
+                            digit = (key1 if half else key0) >> np.uint32(24)
                             if digit == last:
                                 run += 1
                             else:
@@ -372,7 +377,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
     return kernel
 
 
-def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, sink: int, local: int, scores,
+def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, sink: int, local: int, keys,
                 top_hist, warps: int = 32, stream=0, levels=None) -> None:
     """Scores of every sealed token and the top-byte histogram of the candidates, straight from the store.
 
@@ -383,15 +388,17 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
             uint64 ``[layout.far_words]`` its far tier (host-mapped: planes ``t .. 3``, and the scales at t = 0);
             layout: :class:`fathom.layout.StoreLayout` (``t = layout.hbm_planes``).
         sink, local: design §6 (candidates are sealed tokens ``sink .. min(n_sealed, n − local)``).
-        scores: float32 ``[streams, G, ≥ n]``: columns ``0 .. n_sealed`` written; top_hist: int32
+        keys: uint32 ``[streams, G, 2, C]``, ``2C ≥ n``: the scores' split order keys (``fathom.cuda.score_keys``),
+            those of tokens ``0 .. n_sealed`` written; top_hist: int32
             ``[streams, G, 256]``, counts added (``fathom.cuda.topk.select`` consumes and clears them).
         warps: warps per CTA (at most 32); a CTA scores ``warps · blocks_per_warp(G)`` blocks, at most a segment
             and at most :data:`MAX_CTA_BLOCKS` (:func:`launch_shape`).
         levels: float32 ``[heads_per_session, d, 4, 16]`` on the GPU, each KV head's reconstruction table as
             :func:`scan_levels` lays it out (finite: not checked here, on the GPU), or None (the cells' midpoints).
 
-    Example (the reference's scores, ``fathom.scoring.approx_scores(q[g], planes, scales, depths[g], table)``):
-        scan_planes(q, depths, lengths, H, near, far, layout, 0, 0, scores, top_hist,
+    Example (the reference's scores, ``fathom.scoring.approx_scores(q[g], planes, scales, depths[g], table)``, are
+    ``keys_to_scores(keys.copy_to_host())[g]``):
+        scan_planes(q, depths, lengths, H, near, far, layout, 0, 0, keys, top_hist,
                     levels=cuda.to_device(scan_levels(tables)))  # tables: float32 [H, d, 4, 16]
     """
     streams, heads, d = q.shape
@@ -403,6 +410,7 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
     if depths.shape != (streams, d) or depths.dtype != np.int8:
         raise ValueError(f"depths must be int8 [{streams}, {d}], got {depths.dtype} {depths.shape}")
     _checks.stream_sessions(streams, heads_per_session, lengths)
+    check_keys(keys, streams, heads)
     if levels is not None:
         if levels.shape != (heads_per_session, d, PLANES, CELLS) or levels.dtype != np.float32:
             raise ValueError(f"levels must be float32 [{heads_per_session}, {d}, {PLANES}, {CELLS}], got "
@@ -422,5 +430,5 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
         cells = q if levels is None else levels.reshape(levels.size)
         _scan_kernel(heads, warps, per_warp, levels is not None)[grid, 32 * warps, stream](
             q, depths, lengths, heads_per_session, near, far, layout.segments, layout.cap, layout.scale_words,
-            layout.near_record_words, layout.far_record_words, layout.hbm_planes, sink, local, scores, top_hist,
+            layout.near_record_words, layout.far_record_words, layout.hbm_planes, sink, local, keys, top_hist,
             cells)

@@ -7,7 +7,10 @@ byte. Real scores crowd into one or two binades (a shared offset q · mean(k)): 
 can share the top byte. So a first pass marks the tokens above that byte and counts the second key byte of the
 tokens in its bin; a second pass marks the tokens above the k-th's second byte and appends those in its bin to a
 candidate list, counting their third key byte (measured on the H200 at 32k × 16: the list of the top byte alone,
-~32k a head, made one CTA per head walk it three times: 2.1× slower). The list is short on most heads and long on a
+~32k a head, made one CTA per head walk it three times: 2.1× slower). Both passes read the high halves of the
+scores' order keys alone (``fathom.cuda.score_keys``), two tokens a 32-bit load, and the second reads a low half
+only for a token in the bin, appending it as it walks: a warp reserves its slots with one atomic add (it walked its
+chunk a second time before, to append at block-scan offsets). The list is short on most heads and long on a
 few: a head whose scores crowd into one bin of their top 16 bits (layer 0 of the timing bench's data and of
 Qwen2.5-Coder-1.5B: up to 80% of the candidates, ``python -m bench.select_probe --census``). So two passes over the
 lists run ``list_ctas`` CTAs a head: the first counts the fourth key byte of the candidates in the k-th's bin of
@@ -18,9 +21,9 @@ Before, that CTA walked a head's whole list three to six times (two byte passes,
 4.6 ms of a 1M token on an H100. Sink, local and the unsealed tail are kept by every head. Histograms are counted per
 thread run (a thread's tokens in one bin add once) and per warp group, and the third byte straight into the global
 histogram once per digit a warp (a warp match: no shared histogram a CTA clears and flushes), so crowded bins do not
-serialise on one counter; the list is appended at block-scan offsets, one global reservation per CTA. Each thread loads
-4 scores (keys) before it uses any (one dependent load per token was the walk's chain: 5-7% less candidate time in an
-A/B on the H200 at 128k; 8 at a time, in an earlier form, was 10-20% slower).
+serialise on one counter. Each thread loads 4 words (8 tokens' high halves; in the list passes 4 keys) before it
+uses any (one dependent load per token was the walk's chain: 5-7% less candidate time in an A/B on the H200 at 128k;
+8 at a time, in an earlier form, was 10-20% slower).
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
@@ -38,8 +41,9 @@ import numpy as np
 from numba import cuda
 
 from fathom import _checks
-from fathom.cuda.block import RADIX, exclusive_scan, order_key
+from fathom.cuda.block import RADIX, exclusive_scan
 from fathom.cuda.interop import SIMULATED, max_registers
+from fathom.cuda.score_keys import HALVES, key_columns
 from fathom.quantize import BLOCK
 
 MAX_THREADS = 1024
@@ -249,15 +253,72 @@ def _flush(hist, hists, g, h, byte, t, n_threads):
             cuda.atomic.add(hists, (g, h, byte, i), hist[i])
 
 
+@cuda.jit(device=True, inline=True)
+def _token(w, e):
+    """Token ``e`` (0 or 1) of key word ``w`` (``fathom.cuda.score_keys``): ``64 (w // 32) + w % 32 + 32 e``."""
+    return ((w >> np.uint32(5)) << np.uint32(6)) | (w & np.uint32(31)) | (np.uint32(e) << np.uint32(5))
+
+
+@cuda.jit(device=True, inline=True)
+def _append_one(keys, g, h, w, e, pos, cand_key, cand_idx, hists):
+    """Write the key of token ``e`` of word ``w`` at ``pos`` of the list (its halves read again: a found candidate is
+    rare, and holding the pass's words for it cost registers) and count its third key byte."""
+    shift = np.uint32(16 * e)
+    high = (keys[g, h, 0, w] >> shift) & np.uint32(0xFFFF)
+    low = (keys[g, h, 1, w] >> shift) & np.uint32(0xFFFF)
+    key = (high << np.uint32(16)) | low
+    cand_key[g, h, pos] = key
+    cand_idx[g, h, pos] = _token(w, e)
+    _add_in_warp(hists, g, h, 1, (key >> np.uint32(8)) & np.uint32(0xFF))
+
+
+if SIMULATED:
+    @cuda.jit(device=True, inline=True)
+    def _append(found, first, step, keys, g, h, cand_key, cand_idx, list_sizes, hists):
+        """Append the candidates ``found`` marks (bit ``2u + e``: token ``e`` of word ``first + u · step``) to the list
+        (simulator: a slot reserved a candidate, as it has no warp vote)."""
+        for u in range(SCORES_IN_FLIGHT):
+            for e in range(2):
+                if found >> np.uint32(2 * u + e) & np.uint32(1):
+                    pos = np.uint32(cuda.atomic.add(list_sizes, (g, h, 0), 1))
+                    _append_one(keys, g, h, np.uint32(first + u * step), e, pos, cand_key, cand_idx, hists)
+else:
+    @cuda.jit(device=True, inline=True)
+    def _append(found, first, step, keys, g, h, cand_key, cand_idx, list_sizes, hists):
+        """Append the candidates ``found`` marks (bit ``2u + e``: token ``e`` of word ``first + u · step``) to the
+        list: one reservation a warp for each bit some lane set, by its lowest lane, and
+        each lane's slot past the lanes below it (a vote and a popcount). Every lane of the warp calls it. The list
+        is unordered (the passes over it mark by key; ties go to the earliest index by a radix select)."""
+        if cuda.ballot_sync(FULL_MASK, found != 0) == 0:  # most rounds of a warp find none
+            return
+        lane = np.uint32(cuda.laneid)
+        below = (np.uint32(1) << lane) - np.uint32(1)
+        for u in range(SCORES_IN_FLIGHT):
+            for e in range(2):
+                mine = found >> np.uint32(2 * u + e) & np.uint32(1)
+                voters = np.uint32(cuda.ballot_sync(FULL_MASK, mine != 0))
+                if voters:
+                    leader = np.uint32(cuda.ffs(voters) - 1)
+                    base = np.int32(0)
+                    if lane == leader:
+                        base = cuda.atomic.add(list_sizes, (g, h, 0), np.int32(cuda.popc(voters)))
+                    base = cuda.shfl_sync(FULL_MASK, base, leader)
+                    if mine:
+                        pos = np.uint32(base + cuda.popc(voters & below))
+                        _append_one(keys, g, h, np.uint32(first + u * step), e, pos, cand_key, cand_idx, hists)
+
+
 # 40 registers hold 6 CTAs an SM at 256 threads (42 hold 5) and these passes are bound by their loads' latency: the
 # cap keeps them there (ptxas -v, sm_90: 40 uncapped; the third byte counted in shared memory took it to 42)
 @cuda.jit(cache=True, **max_registers(40))
-def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hists,
+def _candidates_kernel(keys, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hists,
                        winners, any_rows, cand_key, cand_idx, list_sizes):
-    """Grid (chunks, G, streams), one pass over the scores of a chunk for head h: ``level`` 0 marks the tokens above
-    the k-th's top byte and counts the second byte of those in its bin; level 1 marks the tokens above its second
-    byte, appends those in its bin to the candidate list and counts their third byte (see the module). Block (0, 0)
-    of each stream also keeps sink, local and tail, in level 0."""
+    """Grid (chunks, G, streams), one pass over the high halves of the keys of a chunk's tokens for head h (the
+    split keys, ``fathom.cuda.score_keys``: word ``w`` of ``keys[g, h, 0]`` holds two tokens' high halves):
+    ``level`` 0 marks the tokens above the k-th's top byte and counts the second byte of those in its bin; level 1
+    marks the tokens above its second byte, appends those in its bin to the candidate list and counts their third
+    byte (see the module).
+    Block (0, 0) of each stream also keeps sink, local and tail, in level 0."""
     h = cuda.blockIdx.y
     g = cuda.blockIdx.z
     t = cuda.threadIdx.x
@@ -280,7 +341,7 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
                 _mark(winners, any_rows, g, j, bit)
         return
     hist = cuda.shared.array(RADIX, np.int32)
-    state = cuda.shared.array(7, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2; list base
+    state = cuda.shared.array(6, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2
     # one histogram staged a search, as the two levels need: fewer live registers (the cap above)
     _kth_digit(top_hist[g, h], k, hist, state, t, n_threads)
     digit1 = np.uint32(state[0])
@@ -293,63 +354,46 @@ def _candidates_kernel(score_bits, lengths, heads_per_session, k, sink, local, p
     digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
     # 32-bit unsigned indices and counts in the walks: Numba types int arithmetic and range() as int64, and a signed
     # index pays for a negative-index wraparound
-    scores = score_bits[g, h]
+    highs_of = keys[g, h, 0]
     step = np.uint32(n_threads)
-    end = np.uint32(stop)
-    first = np.uint32(start + t)
-    matches = np.int32(0)
+    first_token = np.uint32(start)
+    end_token = np.uint32(stop)
+    end = np.uint32((((stop - 1) >> 6) + 1) << 5)  # the words of the blocks holding tokens start .. stop - 1
+    lane = np.uint32(t & 31)
     last = np.uint32(RADIX)
     run = np.int32(0)
-    keys = cuda.local.array(SCORES_IN_FLIGHT, np.uint32)
-    j0 = first
-    while j0 < end:
+    highs = cuda.local.array(SCORES_IN_FLIGHT, np.uint32)
+    p0 = np.uint32(((start >> 6) << 5) + t)
+    while p0 - lane < end:  # uniform in a warp: every lane reaches the append's votes
         for u in range(SCORES_IN_FLIGHT):  # every load before any use: the loads fly together
-            j = np.uint32(j0 + u * step)
-            keys[u] = order_key(scores[j]) if j < end else np.uint32(0)
+            p = np.uint32(p0 + u * step)
+            highs[u] = highs_of[p] if p < end else np.uint32(0)
+        found = np.uint32(0)  # level 1: bit 2u + e, token e of word p0 + u · step is in the k-th's bin
         for u in range(SCORES_IN_FLIGHT):
-            j = np.uint32(j0 + u * step)
-            if j < end:
-                key = keys[u]
-                top = np.uint32(key >> np.uint32(24))
-                second = np.uint32((key >> np.uint32(16)) & np.uint32(0xFF))
-                if level == 0:
-                    if top > digit1:
-                        _mark(winners, any_rows, g, j, bit)
+            p = np.uint32(p0 + u * step)
+            for e in range(2):
+                j = _token(p, e)
+                if p < end and first_token <= j < end_token:
+                    high = (highs[u] >> np.uint32(16 * e)) & np.uint32(0xFFFF)
+                    top = high >> np.uint32(8)
+                    second = high & np.uint32(0xFF)
+                    if level == 0:
+                        if top > digit1:
+                            _mark(winners, any_rows, g, j, bit)
+                        elif top == digit1:
+                            last, run = _add_run(hist, second, last, run)
                     elif top == digit1:
-                        last, run = _add_run(hist, second, last, run)
-                elif top == digit1:
-                    if second > digit2:
-                        _mark(winners, any_rows, g, j, bit)
-                    elif second == digit2:
-                        matches = np.int32(matches + 1)
-        j0 = np.uint32(j0 + SCORES_IN_FLIGHT * step)
+                        if second > digit2:
+                            _mark(winners, any_rows, g, j, bit)
+                        elif second == digit2:
+                            found |= np.uint32(1) << np.uint32(2 * u + e)
+        if level == 1:
+            _append(found, p0, step, keys, g, h, cand_key, cand_idx, list_sizes, hists)
+        p0 = np.uint32(p0 + SCORES_IN_FLIGHT * step)
     if level == 0:
         if run:
             cuda.atomic.add(hist, last, run)
         _flush(hist, hists, g, h, 0, t, n_threads)
-        return
-    # append this CTA's candidates at block-scan offsets: one global reservation per CTA, no shared counter
-    counts = cuda.shared.array(MAX_THREADS, np.int32)
-    counts[t] = matches
-    offset, total = exclusive_scan(counts, t, n_threads)
-    if t == 0:
-        state[6] = cuda.atomic.add(list_sizes, (g, h, 0), np.int32(total))
-    cuda.syncthreads()
-    pos = np.uint32(state[6] + offset)
-    pos_end = np.uint32(pos + matches)  # the walk stops after this thread's last candidate
-    bin_ = (digit1 << np.uint32(8)) | digit2
-    keys = cand_key[g, h]
-    indices = cand_idx[g, h]
-    j = first
-    while pos < pos_end:
-        key = order_key(scores[j])
-        if key >> np.uint32(16) == bin_:
-            keys[pos] = key
-            indices[pos] = j
-            # straight to global memory: a shared histogram's clearing and flush cost every CTA two barriers
-            _add_in_warp(hists, g, h, 1, (key >> np.uint32(8)) & np.uint32(0xFF))
-            pos = np.uint32(pos + 1)
-        j = np.uint32(j + step)
 
 
 @cuda.jit(cache=True)
@@ -585,14 +629,15 @@ def list_ctas_for(streams: int, heads: int, multiprocessors: int) -> int:
     return max(4, -(-4 * multiprocessors // max(streams * heads, 1)))
 
 
-def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hists, cand_key,
+def select(keys, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hists, cand_key,
            cand_idx, list_sizes, ties, winners, any_rows, threads: int = 256, select_threads: int = MAX_THREADS,
            per_block: int = 8192, list_ctas: int = 4, stream=0) -> None:
     """Each head's top-k among its candidates (sealed tokens but sink and local), plus sink, local and tail for every
     head, marked in ``winners`` (bit h) and ``any_rows``.
 
     Args:
-        score_bits: uint32 ``[streams, G, T]``: the bits of the float32 scores of the sealed tokens (from the scan).
+        keys: uint32 ``[streams, G, 2, key_columns(T)]``: the split order keys of the sealed tokens' scores (from the
+            scan; ``fathom.cuda.score_keys``).
         lengths: int32 ``[S]`` session lengths; stream ``g`` is session ``g // heads_per_session``.
         top_hist: int32 ``[streams, G, 256]``: the candidates' top-byte counts (from the scan); hists: int32
             ``[streams, G, 3, 256]`` scratch, zero (the second, third and fourth key bytes' counts); both left zero.
@@ -606,17 +651,19 @@ def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local
             kernel (one a head); per_block: tokens per CTA of the two passes over the scores; list_ctas: CTAs a head
             of the two passes over its list (:func:`list_ctas_for`).
 
-    Example (``scores``: float32 ``[streams, G, T]`` device array; ``hist``: the scan's counts of its top bytes):
-        select(scores.view(np.uint32), lengths, H, 512, 4, 32, hist, hists, cand_key, cand_idx, list_sizes, ties,
-               winners, any_rows, list_ctas=list_ctas_for(streams, G, 132))
+    Example (``keys``: the scan's uint32 ``[streams, G, 2, key_columns(T)]``, ``hist``: its counts of the top bytes):
+        select(keys, lengths, H, 512, 4, 32, hist, hists, cand_key, cand_idx, list_sizes, ties, winners, any_rows,
+               list_ctas=list_ctas_for(streams, G, 132))
     """
-    streams, heads, tokens = score_bits.shape
-    if score_bits.dtype != np.uint32 or winners.shape != (streams, tokens) \
+    streams, heads = keys.shape[:2]
+    tokens = winners.shape[1] if winners.ndim == 2 else -1
+    if keys.dtype != np.uint32 or keys.shape != (streams, heads, HALVES, key_columns(tokens)) \
+            or winners.shape != (streams, tokens) \
             or top_hist.shape != (streams, heads, RADIX) or hists.shape != (streams, heads, 3, RADIX) \
-            or cand_key.shape != score_bits.shape or cand_idx.shape != score_bits.shape \
+            or cand_key.shape != (streams, heads, tokens) or cand_idx.shape != cand_key.shape \
             or list_sizes.shape != (streams, heads, 2) or ties.ndim != 3 or ties.shape[:2] != (streams, heads) \
             or ties.shape[2] < 1 or any_rows.shape != (streams, -(-tokens // 64)) or heads > 32:
-        raise ValueError(f"score bits {score_bits.dtype} {score_bits.shape} / winners {winners.shape} / histograms "
+        raise ValueError(f"keys {keys.dtype} {keys.shape} / winners {winners.shape} / histograms "
                          f"{top_hist.shape} {hists.shape} / candidates {cand_key.shape} {cand_idx.shape} / list sizes "
                          f"{list_sizes.shape} / ties {ties.shape} / bitmap {any_rows.shape} do not fit (at most 32 "
                          "heads)")
@@ -629,7 +676,7 @@ def select(score_bits, lengths, heads_per_session: int, k: int, sink: int, local
     if streams and heads and tokens:
         chunks = (math.ceil(tokens / per_block), heads, streams)
         for level in (0, 1):
-            _candidates_kernel[chunks, threads, stream](score_bits, lengths, heads_per_session, k, sink, local,
+            _candidates_kernel[chunks, threads, stream](keys, lengths, heads_per_session, k, sink, local,
                                                         per_block, level, top_hist, hists, winners, any_rows,
                                                         cand_key, cand_idx, list_sizes)
         for level in (2, 3):

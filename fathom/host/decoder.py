@@ -49,6 +49,7 @@ from fathom.cuda.attention import CHUNK_ROWS, plan_attention
 from fathom.cuda.block import RADIX
 from fathom.cuda.interop import DEVICE, SIMULATED, as_array, multiprocessors
 from fathom.cuda.row_cache import assign_slots, parts_pay, scratch_shapes
+from fathom.cuda.score_keys import HALVES, key_columns
 from fathom.cuda.scan import MAX_HEADS as MAX_GROUP_SIZE  # query heads a scan CTA accumulates
 from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, select, union_blocks, union_rows
 from fathom.decode import step_bits
@@ -142,7 +143,7 @@ class Decoder:
         self.q_store = zeros((streams, self.group_size, d), torch.float32)
         self.depths = zeros((streams, d), torch.int8)
         scored = tokens if not self.dense else 1
-        self.scores = zeros((streams, self.group_size, scored), torch.float32)
+        self.score_keys = zeros((streams, self.group_size, HALVES, key_columns(scored)), torch.int32)
         self.top_hist = zeros((streams, self.group_size, RADIX), torch.int32)
         self.hists = zeros((streams, self.group_size, 3, RADIX), torch.int32)
         self.cand_key = zeros((streams, self.group_size, scored), torch.int32)
@@ -258,14 +259,14 @@ class Decoder:
               "part_m", "part_l", "part_o")}
         winners = as_array(self.winners).view(np.uint32)
         any_rows = as_array(self.any_rows).view(np.uint64)
-        score_bits = as_array(self.scores).view(np.uint32)
+        keys = as_array(self.score_keys).view(np.uint32)
         cand_key = as_array(self.cand_key).view(np.uint32)
         threads, dense, scale, k = self.settings.threads, self.dense, self.scale, sel.k
         steps: list[tuple[str, list[Launch]]] = []
         if not dense:
-            buf = StepBuffers(q, self.q_store, self.depths, self.scores, self.top_hist)
+            buf = StepBuffers(q, self.q_store, self.depths, self.score_keys, self.top_hist)
             steps += [("plan", self.strategy.plan(layer, buf)), ("scan", self.strategy.scan(layer, buf, sel)),
-                      ("select", [lambda stream: select(score_bits, lengths, heads, k, sel.sink, sel.local,
+                      ("select", [lambda stream: select(keys, lengths, heads, k, sel.sink, sel.local,
                                                         a["top_hist"], a["hists"], cand_key, a["cand_idx"],
                                                         a["list_sizes"], a["ties"], winners, any_rows, threads,
                                                         select_threads=self.settings.ties_threads,

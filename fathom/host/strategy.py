@@ -44,7 +44,7 @@ class StepBuffers:
     q: torch.Tensor  # float32 [streams, G, d] the layer's raw query
     q_store: torch.Tensor  # float32 [streams, G, d] the query in the store's basis
     depths: torch.Tensor  # int8 [streams, d]
-    scores: torch.Tensor  # float32 [streams, G, T]
+    keys: torch.Tensor  # int32 [streams, G, 2, key_columns(T)]: the scores' split order keys (fathom.cuda.score_keys)
     top_hist: torch.Tensor  # int32 [streams, G, 256]
 
 
@@ -202,11 +202,11 @@ class PlaneScan:
         near, far = cache_layer.stores[self.basis].arrays["near"], cache_layer.stores[self.basis].arrays["far"]
         q_store = as_array(buf.q_store if self.basis == "rotated" else buf.q)
         depths, lengths = as_array(buf.depths), cache_layer.arrays["lengths"]
-        scores, top_hist = as_array(buf.scores), as_array(buf.top_hist)
+        keys, top_hist = as_array(buf.keys).view(np.uint32), as_array(buf.top_hist)
         heads, layout, warps = self.cache.shape.kv_heads, self.cache.shape.layout, self.warps
         levels = None if self.levels is None else as_array(self.levels[layer])
         return [lambda stream: scan_planes(q_store, depths, lengths, heads, near, far, layout, sel.sink, sel.local,
-                                           scores, top_hist, warps, stream, levels)]
+                                           keys, top_hist, warps, stream, levels)]
 
 
 class RowScan:
@@ -228,8 +228,8 @@ class RowScan:
         rows = cache_layer.arrays["kv"] if self.rows == "keys" else cache_layer.arrays["marks"]
         bf16, per_row = (True, 1) if self.rows == "keys" else (False, LANDMARK_TOKENS)
         lengths, heads = cache_layer.arrays["lengths"], self.cache.shape.kv_heads
-        q, scores, top_hist = as_array(buf.q), as_array(buf.scores), as_array(buf.top_hist)
-        return [lambda stream: scan_rows(q, rows, bf16, per_row, lengths, heads, sel.sink, sel.local, scores,
+        q, keys, top_hist = as_array(buf.q), as_array(buf.keys).view(np.uint32), as_array(buf.top_hist)
+        return [lambda stream: scan_rows(q, rows, bf16, per_row, lengths, heads, sel.sink, sel.local, keys,
                                          top_hist, stream=stream)]
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import torch
 
 from fathom.cuda.interop import SIMULATED
+from fathom.cuda.score_keys import HALVES, key_columns, keys_to_scores
 from fathom.layout import StoreLayout
 from fathom.quantize import BLOCK, PLANES
 from fathom.scoring import LANDMARK_TOKENS
@@ -22,6 +23,19 @@ def write_store(planes: np.ndarray, scales: np.ndarray, layout: StoreLayout, str
                 arrays[in_near][index] = planes[c, p, block]
             in_near, index = layout.scale(stream, block, c)
             arrays[in_near].view(np.uint16)[index] = scales.view(np.uint16)[c, block]
+
+
+def unwritten_keys(streams: int, heads: int, tokens: int):
+    """A device keys buffer (``fathom.cuda.score_keys``) for ``tokens`` tokens whose every entry reads back as NaN:
+    what a scan leaves unwritten shows."""
+    from numba import cuda
+
+    return cuda.to_device(np.full((streams, heads, HALVES, key_columns(tokens)), 0xFFFFFFFF, np.uint32))
+
+
+def read_scores(keys, tokens: int) -> np.ndarray:
+    """float32 ``[streams, G, tokens]``: the scores a device keys buffer holds."""
+    return keys_to_scores(keys.copy_to_host())[..., :tokens]
 
 
 def top_byte_histogram(scores: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from numba import cuda
 
 from fathom.cuda.exact import scan_rows
 from fathom.scoring import LANDMARK_TOKENS, exact_scores, landmark_scores, landmarks
-from tests.cuda.helpers import top_byte_histogram
+from tests.cuda.helpers import read_scores, top_byte_histogram, unwritten_keys
 
 
 def _bf16_words(x: np.ndarray) -> np.ndarray:
@@ -34,11 +34,11 @@ def test_scan_rows_matches_reference(seed, sessions, kv_heads, heads, d, marks, 
         rows = table.view(np.uint16).view(np.uint64)[:, :, None, :]
     else:  # bf16 K rows beside zero V rows
         rows = np.stack([_bf16_words(k), np.zeros_like(_bf16_words(k))], axis=2)
-    scores = cuda.to_device(np.full((streams, heads, tokens), np.nan, np.float32))
+    keys = unwritten_keys(streams, heads, tokens)
     top_hist = cuda.to_device(np.zeros((streams, heads, 256), np.int32))
     scan_rows(cuda.to_device(q), cuda.to_device(rows), not marks, LANDMARK_TOKENS if marks else 1,
-              cuda.to_device(lengths), kv_heads, sink, local, scores, top_hist, threads=32)
-    got, hist = scores.copy_to_host(), top_hist.copy_to_host()
+              cuda.to_device(lengths), kv_heads, sink, local, keys, top_hist, threads=32)
+    got, hist = read_scores(keys, tokens), top_hist.copy_to_host()
     for g in range(streams):
         n = int(lengths[g // kv_heads])
         n_sealed = n // 64 * 64
@@ -70,12 +70,12 @@ def test_the_largest_group_and_head_dim_score_as_the_reference():
     k = torch.from_numpy(rng.standard_normal((1, tokens, d)).astype(np.float32)).bfloat16().float().numpy()
     q = rng.standard_normal((1, heads, d)).astype(np.float32)
     rows = np.stack([_bf16_words(k), np.zeros_like(_bf16_words(k))], axis=2)
-    scores = cuda.to_device(np.full((1, heads, tokens), np.nan, np.float32))
+    keys = unwritten_keys(1, heads, tokens)
     top_hist = cuda.to_device(np.zeros((1, heads, 256), np.int32))
     scan_rows(cuda.to_device(q), cuda.to_device(rows), True, 1, cuda.to_device(np.array([100], np.int32)), 1, 4, 16,
-              scores, top_hist, threads=32)
+              keys, top_hist, threads=32)
     want = exact_scores(q[0], k[0, :64])
-    got = scores.copy_to_host()[0]
+    got = read_scores(keys, tokens)[0]
     np.testing.assert_allclose(got[:, :64], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert np.isnan(got[:, 64:]).all()
     np.testing.assert_array_equal(top_hist.copy_to_host()[0], top_byte_histogram(got[:, 4:64]))

@@ -15,7 +15,7 @@ from fathom.layout import StoreLayout
 from fathom.quantize import midpoint_levels
 from fathom.scoring import approx_scores
 from fathom.store import PlaneStore
-from tests.cuda.helpers import top_byte_histogram, write_store
+from tests.cuda.helpers import read_scores, top_byte_histogram, unwritten_keys, write_store
 
 
 def _store(rng, tokens: np.ndarray, kv_heads: int, d: int, cap: int) -> list[PlaneStore]:
@@ -36,12 +36,12 @@ def _scan(q, depths, tokens, kv_heads, stores, cap, hbm_planes, sink, local, war
     near, far = np.zeros(layout.near_words, np.uint64), np.zeros(layout.far_words, np.uint64)
     for g, store in enumerate(stores):
         write_store(store.planes(), store.scales(), layout, g, near, far)
-    scores = cuda.to_device(np.full((streams, heads, max_tokens), np.nan, np.float32))
+    keys = unwritten_keys(streams, heads, max_tokens)
     top_hist = cuda.to_device(np.zeros((streams, heads, 256), np.int32))
     scan_planes(cuda.to_device(q), cuda.to_device(depths), cuda.to_device(tokens), kv_heads, cuda.to_device(near),
-                cuda.to_device(far), layout, sink, local, scores, top_hist, warps,
+                cuda.to_device(far), layout, sink, local, keys, top_hist, warps,
                 levels=None if levels is None else cuda.to_device(scan_levels(levels)))
-    return scores.copy_to_host(), top_hist.copy_to_host()
+    return read_scores(keys, max_tokens), top_hist.copy_to_host()
 
 
 @pytest.mark.parametrize("hbm_planes", range(5))
@@ -271,17 +271,22 @@ def test_the_scan_refuses_a_layout_or_group_it_cannot_address():
     lengths = cuda.to_device(np.array([64], np.int32))
     store = cuda.to_device(np.zeros(layout.far_words, np.uint64))
     for heads, d, message in ((1, 16, "layout.d must equal q's 16 channels, got 8"), (0, 8, "1..8 query heads")):
-        scores = cuda.to_device(np.zeros((1, max(heads, 1), 64), np.float32))
+        keys = unwritten_keys(1, max(heads, 1), 64)
         top_hist = cuda.to_device(np.zeros((1, max(heads, 1), 256), np.int32))
         with pytest.raises(ValueError, match=message):
             scan_planes(cuda.to_device(np.zeros((1, heads, d), np.float32)), cuda.to_device(np.zeros((1, d), np.int8)),
-                        lengths, 1, store, store, layout, 0, 0, scores, top_hist)
-    scores, top_hist = cuda.to_device(np.zeros((1, 1, 64), np.float32)), cuda.to_device(np.zeros((1, 1, 256), np.int32))
+                        lengths, 1, store, store, layout, 0, 0, keys, top_hist)
+    keys, top_hist = unwritten_keys(1, 1, 64), cuda.to_device(np.zeros((1, 1, 256), np.int32))
     for levels in (np.zeros((2, 8, 4, 16), np.float32), np.zeros((1, 8, 4, 16), np.float64)):  # a table a KV head
         with pytest.raises(ValueError, match=r"levels must be float32 \[1, 8, 4, 16\]"):
             scan_planes(cuda.to_device(np.zeros((1, 1, 8), np.float32)), cuda.to_device(np.zeros((1, 8), np.int8)),
-                        lengths, 1, store, store, layout, 0, 0, scores, top_hist, levels=cuda.to_device(levels))
+                        lengths, 1, store, store, layout, 0, 0, keys, top_hist, levels=cuda.to_device(levels))
+    bad_keys = (np.zeros((1, 1, 2, 32), np.float32), np.zeros((1, 1, 2, 48), np.uint32), np.zeros((1, 2, 2, 32), np.uint32))
+    for bad in bad_keys:
+        with pytest.raises(ValueError, match=r"keys must be uint32 \[1, 1, 2, C\] with C a multiple of 32"):
+            scan_planes(cuda.to_device(np.zeros((1, 1, 8), np.float32)), cuda.to_device(np.zeros((1, 8), np.int8)),
+                        lengths, 1, store, store, layout, 0, 0, cuda.to_device(bad), top_hist)
     strided = cuda.to_device(np.zeros((1, 16, 4, 16), np.float32))[:, ::2]  # the right shape, read flat it is not
     with pytest.raises(ValueError, match="levels must be C-contiguous"):
         scan_planes(cuda.to_device(np.zeros((1, 1, 8), np.float32)), cuda.to_device(np.zeros((1, 8), np.int8)),
-                    lengths, 1, store, store, layout, 0, 0, scores, top_hist, levels=strided)
+                    lengths, 1, store, store, layout, 0, 0, keys, top_hist, levels=strided)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from fathom.cuda.block import exclusive_scan
+from fathom.cuda.score_keys import score_keys
 from fathom.cuda.topk import _find_digit, select, union_blocks, union_rows
 from fathom.selection import Selection
 from fathom.selection import select as ref_select
@@ -39,7 +40,7 @@ def _select_matches_reference(scores, lengths, kv_heads, k, sink, local, threads
     list_sizes = cuda.to_device(np.zeros((streams, heads, 2), np.int32))
     ties = cuda.device_array((streams, heads, capacity), np.int32)
     lengths_dev = cuda.to_device(lengths)
-    select(cuda.to_device(scores.view(np.uint32)), lengths_dev, kv_heads, k, sink, local, top_hist, hists, cand_key,
+    select(cuda.to_device(score_keys(scores)), lengths_dev, kv_heads, k, sink, local, top_hist, hists, cand_key,
            cand_idx, list_sizes, ties, winners, any_rows, threads=threads, select_threads=threads,
            per_block=per_block, list_ctas=list_ctas)
     assert not top_hist.copy_to_host().any() and not hists.copy_to_host().any()  # zero for the next step
