@@ -17,6 +17,10 @@
 # Once the kernels are cached: 128k x 1 ~34 s, 16 x 128k ~67 s, 1M x 1 with DS-136 ~45 s.
 # Three trees, all three settings, 1M first, fit one call on a fresh machine: 504 s on an H100 (fifteenth session:
 # 1M with DS-136 62-66 s a tree, then 128k x 1 34 s and 16 x 128k 70 s).
+# Sixteenth session: two trees, all three settings and one tree's GPU tests in one call on a fresh machine cut the
+# 1M and 16-session runs while they compiled (LIMIT 140 and 155); a later call must carry .ab again (without it the
+# machine's .ab lacked a tree), and carried trees compile again: give a fresh or re-carried pair LIMIT 200 at 1M and
+# 220 at 16 sessions (they took 108 and 160 s).
 # Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
