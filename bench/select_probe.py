@@ -260,7 +260,7 @@ def main(argv=None) -> None:
                         help="tokens a CTA of the candidate passes (default 8192,16384,32768; the first is the "
                              "reference selection)")
     parser.add_argument("--threads", type=int_list, default=[256, 512],
-                        help="threads a CTA of the candidate passes (default 256,512)")
+                        help="threads a CTA of the candidate passes, multiples of 32 (default 256,512)")
     parser.add_argument("--select-threads", type=int_list, default=[1024],
                         help="threads a CTA of the ties kernel (default 1024, the decoder's on a GPU)")
     parser.add_argument("--reps", type=int, default=20, help="selections a replay (default 20)")
@@ -287,8 +287,8 @@ def main(argv=None) -> None:
         for name, values, low in (("--sessions", args.sessions, 1), ("--per-block", args.per_block, 1)):
             for value in values:
                 at_least(name, value, low)
-        if any(not 32 <= t <= 1024 for t in args.threads):
-            raise UsageError(f"--threads must be in 32..1024, got {args.threads}")
+        if any(not 32 <= t <= 1024 or t % 32 for t in args.threads):
+            raise UsageError(f"--threads must be multiples of 32 in 32..1024, got {args.threads}")
         if any(not 32 <= t <= 1024 for t in args.select_threads):
             raise UsageError(f"--select-threads must be in 32..1024, got {args.select_threads}")
 

@@ -286,9 +286,10 @@ else:
     @cuda.jit(device=True, inline=True)
     def _append(found, first, step, keys, g, h, cand_key, cand_idx, list_sizes, hists):
         """Append the candidates ``found`` marks (bit ``2u + e``: token ``e`` of word ``first + u · step``) to the
-        list: one reservation a warp for each bit some lane set, by its lowest lane, and
-        each lane's slot past the lanes below it (a vote and a popcount). Every lane of the warp calls it. The list
-        is unordered (the passes over it mark by key; ties go to the earliest index by a radix select)."""
+        list: for each bit some lane set, one reservation a warp by its lowest such lane, and each lane's slot past
+        the lanes below it (a vote and a popcount). Every lane of the warp calls it (whole warps: :func:`select`
+        takes threads in multiples of 32). The list is unordered (the passes over it mark by key; ties go to the
+        earliest index by a radix select)."""
         if cuda.ballot_sync(FULL_MASK, found != 0) == 0:  # most rounds of a warp find none
             return
         lane = np.uint32(cuda.laneid)
@@ -317,8 +318,7 @@ def _candidates_kernel(keys, lengths, heads_per_session, k, sink, local, per_blo
     split keys, ``fathom.cuda.score_keys``: word ``w`` of ``keys[g, h, 0]`` holds two tokens' high halves):
     ``level`` 0 marks the tokens above the k-th's top byte and counts the second byte of those in its bin; level 1
     marks the tokens above its second byte, appends those in its bin to the candidate list and counts their third
-    byte (see the module).
-    Block (0, 0) of each stream also keeps sink, local and tail, in level 0."""
+    byte (see the module). Block (0, 0) of each stream also keeps sink, local and tail, in level 0."""
     h = cuda.blockIdx.y
     g = cuda.blockIdx.z
     t = cuda.threadIdx.x
@@ -647,9 +647,9 @@ def select(keys, lengths, heads_per_session: int, k: int, sink: int, local: int,
             where they are not all kept (more than ``C`` and the ties kernel walks the list for them instead).
         winners: uint32 ``[streams, T]`` and any_rows: uint64 ``[streams, ceil(T / 64)]``, zero as allocated and as
             :func:`union_rows` leaves them.
-        threads: per CTA of the passes over the scores and over the lists; select_threads: per CTA of the ties
-            kernel (one a head); per_block: tokens per CTA of the two passes over the scores; list_ctas: CTAs a head
-            of the two passes over its list (:func:`list_ctas_for`).
+        threads: per CTA of the passes over the scores and over the lists, whole warps; select_threads: per CTA of
+            the ties kernel (one a head); per_block: tokens per CTA of the two passes over the scores; list_ctas: CTAs
+            a head of the two passes over its list (:func:`list_ctas_for`).
 
     Example (``keys``: the scan's uint32 ``[streams, G, 2, key_columns(T)]``, ``hist``: its counts of the top bytes):
         select(keys, lengths, H, 512, 4, 32, hist, hists, cand_key, cand_idx, list_sizes, ties, winners, any_rows,
@@ -667,10 +667,12 @@ def select(keys, lengths, heads_per_session: int, k: int, sink: int, local: int,
                          f"{top_hist.shape} {hists.shape} / candidates {cand_key.shape} {cand_idx.shape} / list sizes "
                          f"{list_sizes.shape} / ties {ties.shape} / bitmap {any_rows.shape} do not fit (at most 32 "
                          "heads)")
-    if min(k, sink, local) < 0 or not 1 <= threads <= MAX_THREADS or not 32 <= select_threads <= MAX_THREADS \
+    if min(k, sink, local) < 0 or not 32 <= threads <= MAX_THREADS or threads % 32 \
+            or not 32 <= select_threads <= MAX_THREADS \
             or not _checks.is_integer(per_block) or per_block < 1 or not _checks.is_integer(list_ctas) \
             or not 1 <= list_ctas <= MAX_GRID_X:
-        raise ValueError(f"k, sink, local must be >= 0, threads in 1..{MAX_THREADS}, select_threads in "
+        raise ValueError(f"k, sink, local must be >= 0, threads a multiple of 32 in 32..{MAX_THREADS} (the second "
+                         f"pass votes across whole warps), select_threads in "
                          f"32..{MAX_THREADS}, per_block an integer >= 1, list_ctas an integer in 1..{MAX_GRID_X}")
     _checks.stream_sessions(streams, heads_per_session, lengths)
     if streams and heads and tokens:

@@ -94,8 +94,9 @@ class DecoderSettings:
             raise ValueError(f"scale must be finite and > 0 (or None), got {self.scale!r}")
         if not _checks.is_integer(self.scan_warps) or not 1 <= self.scan_warps <= 32:
             raise ValueError(f"scan_warps must be an integer in 1..32, got {self.scan_warps!r}")
-        if not _checks.is_integer(self.threads) or not 32 <= self.threads <= 1024:
-            raise ValueError(f"threads must be an integer in 32..1024, got {self.threads!r}")
+        if not _checks.is_integer(self.threads) or not 32 <= self.threads <= 1024 or self.threads % 32:
+            raise ValueError(f"threads must be a multiple of 32 in 32..1024 (the selection votes across whole warps), "
+                             f"got {self.threads!r}")
         if not _checks.is_integer(self.ties_threads) or not 32 <= self.ties_threads <= 1024:
             raise ValueError(f"ties_threads must be an integer in 32..1024, got {self.ties_threads!r}")
 

@@ -62,7 +62,8 @@ def test_its_selection_is_the_reference_selection():
 
 @pytest.mark.parametrize("argv, message", [
     (["--context", "1024"], "--context must be >= 4096"),
-    (["--threads", "16"], "--threads must be in 32..1024"),
+    (["--threads", "16"], "--threads must be multiples of 32 in 32..1024"),
+    (["--threads", "256,48"], "--threads must be multiples of 32 in 32..1024"),
     (["--select-threads", "2048"], "--select-threads must be in 32..1024"),
     (["--per-block", "0"], "--per-block must be >= 1"),
     (["--reps", "0"], "--reps must be >= 1"),

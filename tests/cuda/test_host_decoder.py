@@ -553,7 +553,8 @@ def test_bad_input_raises_before_any_kernel():
     with pytest.raises(ValueError, match="segment_blocks must be a power of two"):
         CacheShape(1, 1, 1, D, 64, segment_blocks=3)
     for settings, message in (({"scan_warps": 1.5}, "scan_warps must be an integer"),
-                              ({"threads": 40.5}, "threads must be an integer"),
+                              ({"threads": 40.5}, "threads must be a multiple of 32"),
+                              ({"threads": 48}, "threads must be a multiple of 32 in 32..1024"),
                               ({"ties_threads": 16}, "ties_threads must be an integer in 32..1024"),
                               ({"scale": "2"}, "scale must be finite")):
         with pytest.raises(ValueError, match=message):

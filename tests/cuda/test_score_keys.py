@@ -57,3 +57,18 @@ def test_select_refuses_keys_that_do_not_fit_its_tokens():
             select(cuda.to_device(keys), z(1), 1, 8, 0, 0, z((streams, heads, 256)), z((streams, heads, 3, 256)),
                    z((streams, heads, tokens), np.uint32), z((streams, heads, tokens)), z((streams, heads, 2)),
                    z((streams, heads, 4)), z((streams, tokens), np.uint32), z((streams, 2), np.uint64))
+
+
+def test_select_refuses_a_partial_warp():
+    """The second pass votes across whole warps: threads per CTA must be a multiple of 32."""
+    from numba import cuda
+
+    from fathom.cuda.topk import select
+
+    streams, heads, tokens = 1, 1, 64
+    z = lambda shape, dtype=np.int32: cuda.to_device(np.zeros(shape, dtype))  # noqa: E731
+    with pytest.raises(ValueError, match="threads a multiple of 32 in 32..1024"):
+        select(z((streams, heads, 2, 32), np.uint32), z(1), 1, 8, 0, 0, z((streams, heads, 256)),
+               z((streams, heads, 3, 256)), z((streams, heads, tokens), np.uint32), z((streams, heads, tokens)),
+               z((streams, heads, 2)), z((streams, heads, 4)), z((streams, tokens), np.uint32),
+               z((streams, 1), np.uint64), threads=48)
