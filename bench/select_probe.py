@@ -46,32 +46,6 @@ def session_lengths(context: int, sessions: int) -> np.ndarray:
     return np.array(Setting(context, sessions, "host", ragged=sessions > 1).lengths, np.int32)
 
 
-def _order_keys(scores):
-    """int64 ``[..., T]``: the order keys of float32 ``scores`` (``fathom.cuda.block.order_key``), any device."""
-    import torch
-
-    bits = scores.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    bits = torch.where(bits == 0x80000000, torch.zeros_like(bits), bits)  # -0 counts as +0
-    return torch.where(bits >> 31 == 1, ~bits & 0xFFFFFFFF, bits | 0x80000000)
-
-
-def split_keys(scores):
-    """int32 ``[streams, G, 2, key_columns(T)]``: float32 ``scores [streams, G, T]`` as a scan writes them, split
-    order keys (``fathom.cuda.score_keys``; the bits of uint32), on the scores' device."""
-    import torch
-
-    from fathom.cuda.score_keys import key_columns
-
-    columns = key_columns(scores.shape[-1])
-    keys = _order_keys(torch.nn.functional.pad(scores, (0, 2 * columns - scores.shape[-1])))
-    pairs = keys.unflatten(-1, (columns // 32, 2, 32))  # [..., block, e, l]: token 64 block + 32 e + l
-    first, second = pairs[..., 0, :].flatten(-2), pairs[..., 1, :].flatten(-2)  # word w = 32 block + l
-    high = (first >> 16) | (second & 0xFFFF0000)
-    low = (first & 0xFFFF) | ((second & 0xFFFF) << 16)
-    words = torch.stack([high, low], -2)
-    return ((words ^ 0x80000000) - 0x80000000).to(torch.int32)  # the uint32 bits, as int32 holds them
-
-
 def top_histogram(scores, lengths, heads_per_session: int, sink: int, local: int):
     """int32 ``[streams, G, 256]``: the top key byte of every candidate (sealed tokens ``sink .. min(n_sealed,
     n - local)``), as the scan counts it for the selection (``fathom.cuda.scan``)."""
@@ -80,7 +54,9 @@ def top_histogram(scores, lengths, heads_per_session: int, sink: int, local: int
     from fathom.quantize import BLOCK
 
     streams, heads, tokens = scores.shape
-    keys = _order_keys(scores)
+    bits = scores.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = torch.where(bits == 0x80000000, torch.zeros_like(bits), bits)  # -0 counts as +0
+    keys = torch.where(bits >> 31 == 1, ~bits & 0xFFFFFFFF, bits | 0x80000000)
     n = lengths.to(torch.int64).repeat_interleave(heads_per_session)[:, None, None]
     token = torch.arange(tokens, device=scores.device)
     candidate = (token >= sink) & (token < torch.minimum(n // BLOCK * BLOCK, n - local))
@@ -184,6 +160,7 @@ class SelectionBuffers:
         import torch
 
         from fathom.cuda.interop import DEVICE, multiprocessors
+        from fathom.cuda.score_keys import score_keys
         from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, union_blocks
 
         self.lengths = torch.tensor(session_lengths(context, sessions), device=DEVICE)
@@ -193,7 +170,8 @@ class SelectionBuffers:
         self.saved_hist = top_histogram(self.scores, self.lengths, kv_heads, SINK, LOCAL)
         zeros = lambda shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=DEVICE)  # noqa: E731
         self.top_hist, self.hists = zeros(self.saved_hist.shape), zeros((streams, GROUP, 3, 256))
-        self.keys = split_keys(self.scores)
+        # as the scan writes them (fathom.cuda.score_keys), made on the host once: the probe times the selection only
+        self.keys = torch.from_numpy(score_keys(self.scores.cpu().numpy()).view(np.int32)).to(DEVICE)
         self.cand_key, self.cand_idx = zeros(self.scores.shape), zeros(self.scores.shape)
         self.list_sizes, self.ties = zeros((streams, GROUP, 2)), zeros((streams, GROUP, min(TIES_PER_HEAD, context)))
         self.list_ctas = list_ctas_for(streams, GROUP, multiprocessors())  # as the decoder's

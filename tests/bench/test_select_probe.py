@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bench import select_probe
-from bench.select_probe import LOCAL, SINK, SelectionBuffers, session_lengths, split_keys, top_histogram
+from bench.select_probe import LOCAL, SINK, SelectionBuffers, session_lengths, top_histogram
 from fathom.selection import Selection
 from fathom.selection import select as ref_select
 from tests.cuda.helpers import top_byte_histogram
@@ -31,19 +31,6 @@ def test_the_histogram_counts_each_candidates_top_byte_as_the_scan_does():
     for g in range(4):
         n = lengths[g // 2]
         assert np.array_equal(hist[g], top_byte_histogram(scores[g, :, SINK:min(n // 64 * 64, n - LOCAL)]))
-
-
-def test_its_keys_are_the_scans():
-    """The probe's split keys (torch, on the scores' device) are ``fathom.cuda.score_keys``'s, odd widths and -0
-    included."""
-    from fathom.cuda.score_keys import score_keys
-
-    rng = np.random.default_rng(1)
-    for tokens in (320, 77):
-        scores = (rng.standard_normal((2, 3, tokens)) * 10.0 ** rng.integers(-3, 4, (2, 3, tokens))).astype(np.float32)
-        scores[0, 0, :3] = [-0.0, 0.0, np.float32(-1e-38)]
-        keys = split_keys(torch.from_numpy(scores)).numpy().view(np.uint32)
-        assert np.array_equal(keys, score_keys(scores))
 
 
 def test_its_selection_is_the_reference_selection():

@@ -44,31 +44,28 @@ def test_an_unwritten_key_reads_as_nan_and_a_bad_array_is_refused():
             keys_to_scores(bad)
 
 
-def test_select_refuses_keys_that_do_not_fit_its_tokens():
+def _select(keys, tokens: int, threads: int = 32) -> None:
+    """``select`` over ``keys`` with every other buffer fitting one stream of ``tokens`` tokens and its heads."""
     from numba import cuda
 
     from fathom.cuda.topk import select
 
-    streams, heads, tokens = 1, 2, 128
+    streams, heads = keys.shape[:2]
     z = lambda shape, dtype=np.int32: cuda.to_device(np.zeros(shape, dtype))  # noqa: E731
-    for keys in (np.zeros((streams, heads, 2, 96), np.uint32), np.zeros((streams, heads, tokens), np.float32),
-                 np.zeros((streams, heads, 2, 64), np.int32)):
+    select(cuda.to_device(keys), z(1), 1, 8, 0, 0, z((streams, heads, 256)), z((streams, heads, 3, 256)),
+           z((streams, heads, tokens), np.uint32), z((streams, heads, tokens)), z((streams, heads, 2)),
+           z((streams, heads, 4)), z((streams, tokens), np.uint32), z((streams, -(-tokens // 64)), np.uint64),
+           threads=threads)
+
+
+def test_select_refuses_keys_that_do_not_fit_its_tokens():
+    for keys in (np.zeros((1, 2, 2, 96), np.uint32), np.zeros((1, 2, 128), np.float32),
+                 np.zeros((1, 2, 2, 64), np.int32)):
         with pytest.raises(ValueError, match="keys"):
-            select(cuda.to_device(keys), z(1), 1, 8, 0, 0, z((streams, heads, 256)), z((streams, heads, 3, 256)),
-                   z((streams, heads, tokens), np.uint32), z((streams, heads, tokens)), z((streams, heads, 2)),
-                   z((streams, heads, 4)), z((streams, tokens), np.uint32), z((streams, 2), np.uint64))
+            _select(keys, 128)
 
 
 def test_select_refuses_a_partial_warp():
     """The second pass votes across whole warps: threads per CTA must be a multiple of 32."""
-    from numba import cuda
-
-    from fathom.cuda.topk import select
-
-    streams, heads, tokens = 1, 1, 64
-    z = lambda shape, dtype=np.int32: cuda.to_device(np.zeros(shape, dtype))  # noqa: E731
     with pytest.raises(ValueError, match="threads a multiple of 32 in 32..1024"):
-        select(z((streams, heads, 2, 32), np.uint32), z(1), 1, 8, 0, 0, z((streams, heads, 256)),
-               z((streams, heads, 3, 256)), z((streams, heads, tokens), np.uint32), z((streams, heads, tokens)),
-               z((streams, heads, 2)), z((streams, heads, 4)), z((streams, tokens), np.uint32),
-               z((streams, 1), np.uint64), threads=48)
+        _select(np.zeros((1, 1, 2, 32), np.uint32), 64, threads=48)
