@@ -65,6 +65,10 @@ FATHOM_STORES = (M.fathom, M.fathom_rotated, M.fathom_mixed)
 POOLING = (False, True)
 FATHOM_FAMILIES = tuple(make(0, gains=gains, pooled=pooled).name for pooled in POOLING for make in FATHOM_STORES
                         for gains in M.GAIN_SOURCES)
+# The per-layer plan of the per-head store with the plan rule's gains (design §5's optional tuning step), at every
+# flat budget the plan's candidates span: a curve reported beside the others, never the headline (runs made before
+# it hold none).
+PLAN_FAMILIES = tuple(M.fathom_plan((48.0,), 48.0, M.PER_HEAD, gains=gains).name for gains in M.GAIN_SOURCES)
 
 
 def method_grid(d: int, basis: str) -> list[M.Method]:
@@ -80,6 +84,13 @@ def method_grid(d: int, basis: str) -> list[M.Method]:
     other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, other) for b in (48, 64)]
     grid = flat + other_variance + M.baselines(d) + [M.sparq(16), M.double_sparsity(32)]
     return list({m.label(d): m for m in grid}.values())  # one method per label, in first-seen order
+
+
+def plan_curve_budgets(d: int) -> list[float]:
+    """The mean budgets of the per-head store's per-layer plan curve (:data:`PLAN_FAMILIES`): the flat curves'
+    budgets (:func:`method_grid`) that the plan's candidates span."""
+    flat = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
+    return [float(b) for b in flat if M.PLAN_BUDGETS[0] <= b <= M.PLAN_BUDGETS[-1]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -347,7 +358,7 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
         store_family(basis)
     fathom48 = by_label[f"{family}@48"]
     sparq68 = by_label["sparq@68"]
-    families = {f: family_summary(results, f, d) for f in FATHOM_FAMILIES if f in present}
+    families = {f: family_summary(results, f, d) for f in FATHOM_FAMILIES + PLAN_FAMILIES if f in present}
     summary = {"basis": basis, "variance": M.DEFAULT_VARIANCE[basis], "basis_rule_errors": basis_errors,
                "heads_rotated": heads_rotated, "plan_rule_errors": plan_errors,
                "plan_rule": plan_rule,
@@ -415,11 +426,13 @@ def run(args: argparse.Namespace) -> Path:
     calibration = calibration.with_preferred_basis(basis).with_head_basis(head_basis)
     seconds["basis_rule_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
     with tqdm(total=heads, desc="plan rule (calibration text)", unit="head") as bar:
-        _, plan_errors = choose_plan(calibration_capture, calibration, sel, bar.update, evaluate_fn)
+        pick, plan_errors = choose_plan(calibration_capture, calibration, sel, bar.update, evaluate_fn)
     seconds["plan_rule_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
-    with tqdm(total=heads, desc="per-layer plan (calibration text)", unit="head") as bar:
+    with tqdm(total=2 * heads, desc="per-layer plans (calibration text)", unit="head") as bar:
         plans = plan_layers(calibration_capture, calibration, list(PLAN_MEANS), sel, basis, on_head=bar.update,
                             evaluator=evaluate_fn)
+        plans += plan_layers(calibration_capture, calibration, plan_curve_budgets(d), sel, M.PER_HEAD,
+                             on_head=bar.update, evaluator=evaluate_fn, gains=M.read_spec(f"{pick}@48").gains)
     seconds["per_layer_plan_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
     methods = method_grid(d, basis) + plans
     with tqdm(total=heads, desc=f"fidelity {name}", unit="head") as bar:
@@ -564,7 +577,7 @@ def _plot(path: Path, results: list[MethodResult], shape: dict, sel: Selection, 
         if family == "oracle":
             ax.axhline(rs[0].rel_error, color="k", ls=":", label=f"oracle (exact top-{sel.k})")
             continue
-        curve = family in FATHOM_FAMILIES  # the flat budgets of each store and gain model: a line
+        curve = family in FATHOM_FAMILIES + PLAN_FAMILIES  # the budgets of each store, gain model, plan: a line
         style = ("--o" if "[gains]" in family else "-o") if curve else "s"
         ax.plot([r.bits_read for r in rs], [r.rel_error for r in rs], style, label=family, ms=5)
     ax.set_xscale("log", base=2)

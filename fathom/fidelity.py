@@ -14,6 +14,7 @@ them together.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -178,15 +179,20 @@ Evaluator = Callable[..., list[MethodResult]]  # evaluate or its torch twin (sam
 
 def plan_layers(calibration_capture: Capture, calibration: Calibration, mean_budgets: list[float], sel: Selection,
                 basis: str = "raw", candidates: tuple[float, ...] = PLAN_BUDGETS,
-                on_head: Callable[[], None] | None = None, evaluator: Evaluator = evaluate) -> list[Method]:
+                on_head: Callable[[], None] | None = None, evaluator: Evaluator = evaluate,
+                gains: str = "design") -> list[Method]:
     """Per-layer plans at each mean budget, calibrated on ``calibration_capture`` (never the evaluation text).
 
-    Per-layer error curves come from fathom at every candidate flat budget (by ``evaluator``: this module's
-    :func:`evaluate` or its torch twin); the greedy of :func:`~fathom.waterfill.per_layer_plan` then spends
-    each mean budget.
+    Per-layer error curves come from fathom on ``basis``' store (raw, rotated or ``"per-head"``) with ``gains``
+    at every candidate flat budget (by ``evaluator``: this module's :func:`evaluate` or its torch twin); the
+    greedy of :func:`~fathom.waterfill.per_layer_plan` then spends each mean budget.
     """
-    flat = [M.fathom(b) if basis == "raw" else M.fathom_rotated(b) for b in candidates]
+    stores = {"raw": partial(M.fathom, gains=gains), "rotated": partial(M.fathom_rotated, gains=gains),
+              M.PER_HEAD: partial(M.fathom_mixed, gains=gains)}
+    if basis not in stores:
+        raise ValueError(f"basis must be one of {', '.join(stores)}, got {basis!r}")
+    flat = [stores[basis](b) for b in candidates]
     curves = np.array([r.rel_error_per_layer for r in evaluator(calibration_capture, calibration, flat, sel,
                                                                 on_head)]).T
-    return [M.fathom_plan(tuple(per_layer_plan(curves, np.array(candidates, float), b)), b, basis)
+    return [M.fathom_plan(tuple(per_layer_plan(curves, np.array(candidates, float), b)), b, basis, gains=gains)
             for b in mean_budgets]

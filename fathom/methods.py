@@ -9,6 +9,7 @@ method              basis     depth policy
 fathom              raw       water-filled depths under a budget (bits / token); σ² from the store
 fathom-rotated      rotated   the same on the KLT basis (nothing truncated); σ² from calibration
 fathom-plan         either    water-filling with a per-layer budget calibrated offline
+fathom-mixed-plan   per head  the same on the per-head store (a curve of ``bench fidelity``)
 fathom-mixed        per head  the same on each (layer, KV head)'s basis, chosen on calibration text
 fathom[pooled]      any       one water line for a layer's KV heads (their mean budget)
 sparq               raw       depth 4 on the r channels with the largest Σ_h |q[h, c]|
@@ -426,11 +427,19 @@ def fathom_mixed(budget: float, gains: str = "design", pooled: bool = False) -> 
 
 
 def fathom_plan(budgets: tuple[float, ...], target: float, basis: str = "raw",
-                variance: str | None = None) -> Method:
+                variance: str | None = None, gains: str = "design") -> Method:
     """Fathom with a per-layer plan (``budgets[layer]``, mean <= ``target``; see
-    :func:`fathom.waterfill.per_layer_plan`); σ² by default the basis' default."""
-    name, variance = _named("fathom-plan" if basis == "raw" else "fathom-rotated-plan", basis, variance)
-    return Method(name, basis=basis, policy=LayerWaterfill(tuple(float(b) for b in budgets), float(target), variance))
+    :func:`fathom.waterfill.per_layer_plan`) on the raw, rotated or per-head store (``basis`` ``"per-head"``:
+    ``fathom-mixed-plan``, each head on its basis' default σ², so no ``variance``); σ² by default the basis'
+    default; ``gains`` as in :func:`fathom`."""
+    if basis == PER_HEAD:
+        if variance is not None:
+            raise ValueError(f"the per-head store reads each basis' default σ²: variance must be None, got {variance!r}")
+        name, variance = _tagged("fathom-mixed-plan", _variant_tags(gains, False)), PER_BASIS
+    else:
+        name, variance = _named("fathom-plan" if basis == "raw" else "fathom-rotated-plan", basis, variance, gains)
+    return Method(name, basis=basis,
+                  policy=LayerWaterfill(tuple(float(b) for b in budgets), float(target), variance, gains))
 
 
 def sparq(r: int) -> Method:

@@ -140,6 +140,23 @@ def test_per_layer_plan_reads_each_layers_own_budget_and_keeps_the_mean(capture_
         assert result.rel_error_per_layer[layer] == pytest.approx(reference.rel_error_per_layer[layer])
 
 
+def test_per_layer_plan_of_the_per_head_store_reads_each_layers_flat_per_head_store(capture_and_calibration):
+    capture, calibration = capture_and_calibration
+    calibration = calibration.with_head_basis(np.array([["raw", "rotated"], ["rotated", "raw"]]))
+    calibration_capture = generate(SyntheticConfig(**{**SMALL.__dict__, "text_seed": 1}))
+    sel = Selection(k=32)
+    (plan,) = plan_layers(calibration_capture, calibration, [32], sel, M.PER_HEAD, candidates=(8, 16, 32, 48, 64),
+                          gains="calibrated")
+    budgets = plan.policy.budgets
+    assert len(budgets) == 2 and np.mean(budgets) <= 32 and plan.label(16) == "fathom-mixed-plan[gains]@32"
+    (result,) = evaluate(capture, calibration, [plan], sel)
+    flat = evaluate(capture, calibration, [M.fathom_mixed(b, "calibrated") for b in budgets], sel)
+    for layer, reference in enumerate(flat):  # layer l reads exactly fathom-mixed[gains]@budgets[l], head by head
+        np.testing.assert_allclose(result.rel_error_per_head[layer], reference.rel_error_per_head[layer])
+    with pytest.raises(ValueError, match="^basis must be one of raw, rotated, per-head, got 'klt'"):
+        plan_layers(calibration_capture, calibration, [32], sel, "klt")
+
+
 def test_plane_drops_of_uniform_keys_are_the_design_model():
     """Keys uniform in every block lose (3/4) 4^-(t-1) of their variance to the t-th plane: design §5's gains."""
     rng = np.random.default_rng(0)

@@ -97,6 +97,11 @@ def test_each_basis_reads_its_own_default_variance_and_names_the_other():
     assert M.fathom_rotated(48, "calibration").name == "fathom-rotated"
     assert M.fathom_plan((48,), 48, "rotated").policy.variance == "calibration"
     assert M.fathom_plan((48,), 48, "rotated", "store").name == "fathom-rotated-plan[store]"
+    mixed = M.fathom_plan((48,), 48, M.PER_HEAD, gains="calibrated")  # each head on its basis' default σ²
+    assert (mixed.name, mixed.policy.variance, mixed.on_basis("rotated").policy.variance) == \
+        ("fathom-mixed-plan[gains]", M.PER_BASIS, "calibration")
+    with pytest.raises(ValueError, match="^the per-head store reads each basis' default σ²: variance must be None"):
+        M.fathom_plan((48,), 48, M.PER_HEAD, "store")
     with pytest.raises(ValueError, match="^variance"):
         M.fathom(48, "window")
 

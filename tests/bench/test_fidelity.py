@@ -47,15 +47,18 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
     assert summary["heads"] == 8 and 0 <= summary["heads_fathom48_worse_than_sparq68"] <= 8
     assert summary["fathom48_overlap"] == records[f"{summary['fathom_family']}@48"]["oracle_overlap"]
     assert "fathom-rotated[store]@48" not in records and "fathom[calibration]@48" in records  # raw store chosen
-    plans = payload["per_layer_plans"]
-    assert len(plans) == 2 and all(len(b) == 4 for b in plans.values())
+    plans = payload["per_layer_plans"]  # the model's store at 48 and 64 bits; the per-head store's curve
+    mixed_plan = fidelity.PLAN_FAMILIES["[gains" in summary["plan_rule"]]  # with the plan rule's pick's gains
+    assert list(plans) == [f"fathom-plan@{b}" for b in fidelity.PLAN_MEANS] + \
+        [f"{mixed_plan}@{b:g}" for b in fidelity.plan_curve_budgets(128)]
+    assert all(len(b) == 4 and sum(b) / 4 <= float(label.split("@")[1]) for label, b in plans.items())
     assert all(f"{label}" in records for label in plans)
     assert records["oracle@2048"]["rel_error"] <= min(r["rel_error"] for r in payload["records"] if r["label"] != "dense")
     assert "synthetic" in (tmp_path / "fidelity-synthetic-quick.md").read_text()
     assert (tmp_path / "fidelity-synthetic-quick.png").read_bytes()[:4] == b"\x89PNG"
     # every store × gain model × plan is reported; the headline is the plan rule's pick of the per-head store
     assert set(summary["families"]) == {f"{store}{tags}" for store in ("fathom", "fathom-rotated", "fathom-mixed")
-                                        for tags in ("", "[gains]", "[pooled]", "[gains,pooled]")}
+                                        for tags in ("", "[gains]", "[pooled]", "[gains,pooled]")} | {mixed_plan}
     assert payload["levels"] == "midpoint" and records["fathom[pooled]@48"]["bits_read"] <= 48
     plans = summary["plan_rule_errors"]  # decided on calibration text like the basis rule, recorded, the headline
     assert set(plans) == {"fathom-mixed", "fathom-mixed[gains]", "fathom-mixed[pooled]",

@@ -18,7 +18,8 @@ from fathom.synthetic import SyntheticConfig, generate
 
 SMALL = SyntheticConfig(layers=2, kv_heads=2, group_size=3, head_dim=16, tokens=700, positions=6)
 GRID = [M.fathom(24), M.fathom(24, "calibration"), M.fathom_rotated(24), M.fathom_rotated(24, "store"),
-        M.fathom_plan((16, 32), 24), M.fathom(24, gains="calibrated"), M.fathom_rotated(24, gains="calibrated"),
+        M.fathom_plan((16, 32), 24), M.fathom_plan((32, 16), 24, M.PER_HEAD, gains="calibrated"),
+        M.fathom(24, gains="calibrated"), M.fathom_rotated(24, gains="calibrated"),
         M.fathom_mixed(24), M.fathom_mixed(24, "calibrated"), M.fathom(24, pooled=True),
         M.fathom_mixed(24, pooled=True), M.fathom_mixed(24, "calibrated", pooled=True), M.sparq(4),
         M.double_sparsity(4), M.loki(4),
