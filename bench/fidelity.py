@@ -47,6 +47,7 @@ BASIS_RULE_BUDGETS = (48, 64)  # the raw-vs-rotated decision compares these budg
 QUICK_MODEL, QUICK_CONTEXT, QUICK_POSITIONS = "smollm2-135m", 4096, 32
 CALIBRATION_CORPUS = "austen"  # the calibration text when --calibration-corpus is not given
 EVALUATION_CORPUS = "paul-graham"
+CALIBRATION_SOURCES = ("text", "prompt")  # --calibrate-on: another text, or the evaluation text's prompt
 DEVICES = ("cpu", "cuda")
 SYNTHETIC_QUICK = SyntheticConfig(layers=4, kv_heads=2, group_size=4, head_dim=128, tokens=4096, positions=16)
 SYNTHETIC_FULL = SyntheticConfig(layers=8, kv_heads=4, group_size=4, head_dim=128, tokens=16384, positions=32)
@@ -109,6 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-corpus", default=None,
                         help="calibration corpus, not the evaluation one: the same choices as --corpus "
                              f"(default {CALIBRATION_CORPUS})")
+    parser.add_argument("--calibrate-on", default="text",
+                        help="text (default): calibrate on --calibration-corpus; prompt: on the evaluation text's "
+                             "own first n - P tokens and the queries of their last P positions, the positions just "
+                             "before the evaluated ones (what a cache can measure at prefill; every method's "
+                             "calibration, DS's channels too; the result's name ends in -prompt)")
     parser.add_argument("--positions", type=int, default=None, help="decode positions P (default 128; 64 at >= 64k)")
     parser.add_argument("--synthetic", action="store_true", help="synthetic keys instead of a real model")
     parser.add_argument("--quick", action="store_true",
@@ -161,7 +167,13 @@ def check_arguments(args: argparse.Namespace) -> None:
     cli.file_stem("--name", args.name)
     if args.k is not None:
         cli.at_least("-k", args.k, 1)
+    if args.calibrate_on not in CALIBRATION_SOURCES:
+        raise cli.UsageError(f"--calibrate-on must be one of {', '.join(CALIBRATION_SOURCES)}, got "
+                             f"{args.calibrate_on!r}")
     if args.synthetic:
+        if args.calibrate_on == "prompt":
+            raise cli.UsageError("--calibrate-on prompt does not apply to --synthetic (its calibration text is "
+                                 "another synthetic text)")
         given = [flag for flag, value in (("--model", args.model), ("--context", args.context),
                                           ("--positions", args.positions), ("--text", args.text),
                                           ("--corpus", args.corpus), ("--calibration-corpus", args.calibration_corpus))
@@ -195,7 +207,15 @@ def _check_real(args: argparse.Namespace) -> tuple[int, int]:
                              f"got {args.positions}")
     if args.positions is None:  # a default too long for a short --context is reported as a too-short context
         args.positions = QUICK_POSITIONS if args.quick else decode_positions(args.context)
-    args.calibration_corpus = args.calibration_corpus or CALIBRATION_CORPUS
+    if args.calibrate_on == "prompt":
+        if args.calibration_corpus is not None:
+            raise cli.UsageError("give --calibration-corpus or --calibrate-on prompt, not both (both name the "
+                                 "calibration text)")
+        if 2 * args.positions > args.context:  # the prompt's own P queries lie before the evaluated P
+            raise cli.UsageError(f"--positions must lie in 1..{args.context // 2} with --calibrate-on prompt (its "
+                                 f"queries are the {args.positions} before the evaluated ones), got {args.positions}")
+    else:
+        args.calibration_corpus = args.calibration_corpus or CALIBRATION_CORPUS
     for flag, name in (("--corpus", args.corpus), ("--calibration-corpus", args.calibration_corpus)):
         if name is not None:
             check_argument(flag, name)
@@ -235,17 +255,22 @@ def _real(args) -> tuple[Capture, Capture, str, dict]:
         return loaded[0]
 
     evaluation_text = args.text if args.text is not None else args.corpus
+    text_name = evaluation_text.name if isinstance(evaluation_text, Path) else evaluation_text
+    prompt = args.calibrate_on == "prompt"
+    # the prompt: the evaluation window's first n - P tokens (a window is a text's first tokens), its last P queries
+    calibration = (evaluation_text, n - args.positions) if prompt else (args.calibration_corpus, n)
     captures, seconds = [], {}
-    for role, text in (("evaluation", evaluation_text), ("calibration", args.calibration_corpus)):
-        print(f"capture {model} at {n} tokens of {text} ({role}) ...", flush=True)
-        cap, secs = load_capture(model, text, n, args.cache, positions=args.positions, loaded=model_once,
+    for role, (text, tokens) in (("evaluation", (evaluation_text, n)), ("calibration", calibration)):
+        print(f"capture {model} at {tokens} tokens of {text} ({role}) ...", flush=True)
+        cap, secs = load_capture(model, text, tokens, args.cache, positions=args.positions, loaded=model_once,
                                  device=args.device)
         captures.append(cap)
         seconds[f"prefill_{role}_s"] = round(secs, 1)
-    text_name = evaluation_text.name if isinstance(evaluation_text, Path) else evaluation_text
-    name = f"fidelity-{model}-{context_label(n)}-{text_name}" + ("-quick" if args.quick else "")
+    name = f"fidelity-{model}-{context_label(n)}-{text_name}" + ("-quick" if args.quick else "") + \
+        ("-prompt" if prompt else "")
     info = {"synthetic": False, "model": model, "evaluation_text": text_name,
-            "calibration_text": args.calibration_corpus, **seconds}
+            "calibration_text": f"the prompt ({text_name}'s first {n - args.positions} tokens)" if prompt else
+            args.calibration_corpus, "calibrated_on": args.calibrate_on, **seconds}
     return captures[0], captures[1], name, info
 
 

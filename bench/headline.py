@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench import cli
 from bench.capture import decode_positions
-from bench.fidelity import FATHOM_FAMILIES, store_family
+from bench.fidelity import FATHOM_FAMILIES, PLAN_FAMILIES, store_family
 from bench.report import RESULTS, context_label, markdown_table
 
 COLUMNS = [("setting", "model, context (text)", "s"), ("d", "d", "d"), ("basis", "store (basis rule), σ²", "s"),
@@ -43,14 +43,15 @@ def rows(results: Path) -> list[dict]:
 
 
 def _setting(payload: dict) -> str:
-    """``model 32k (text)``, with ``P = 512`` when the run used other than the default decode positions and
-    ``levels`` when its planes were read through calibrated levels (two runs of one setting that differ are two
-    rows that must not read alike)."""
+    """``model 32k (text)``, with ``P = 512`` when the run used other than the default decode positions,
+    ``levels`` when its planes were read through calibrated levels and ``calibrated on the prompt`` when it was
+    (two runs of one setting that differ are two rows that must not read alike)."""
     shape = payload["capture"]
     positions = shape.get("positions", decode_positions(shape["tokens"]))  # older results: the default
     at = "" if positions == decode_positions(shape["tokens"]) else f", P = {positions}"
     levels = ", levels" if payload.get("levels") == "calibrated" else ""  # older results: the midpoints
-    return f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']}{at}{levels})"
+    prompt = ", calibrated on the prompt" if payload.get("calibrated_on") == "prompt" else ""  # older: on a text
+    return f"{payload['model']} {context_label(shape['tokens'])} ({payload['evaluation_text']}{at}{levels}{prompt})"
 
 
 def _row(payload: dict) -> dict:
@@ -117,7 +118,7 @@ def _family_row(payload: dict) -> dict | None:
     s = payload["summary"]
     row = {"setting": _setting(payload), "sparq68": s["sparq68_error"],
            "ds_quarter": f"{s['ds_quarter_error']:.4f} ({s['ds_quarter_label']})"}
-    for name in FATHOM_FAMILIES:
+    for name in FATHOM_FAMILIES + PLAN_FAMILIES:
         f = families.get(name)
         if f is not None:
             row[name] = _curve(f)
@@ -135,13 +136,13 @@ def _curve(family: dict) -> str:
 
 FAMILY_COLUMNS = [("setting", "model, context (text)", "s"), ("ds_quarter", "DS r=d/4 err", "s"),
                   ("sparq68", "sparq-68 err", ".4f"), ("plan_rule", "the plan rule's pick", "s")] + \
-    [(f, f, "s") for f in FATHOM_FAMILIES]
+    [(f, f, "s") for f in FATHOM_FAMILIES + PLAN_FAMILIES]
 
 
 def family_columns(rows: list[dict]) -> list[tuple[str, str, str]]:
-    """:data:`FAMILY_COLUMNS` less the columns no run reports (the pooled plan's curves and the plan rule's pick,
-    before they were run)."""
-    optional = ("pooled", "plan_rule")
+    """:data:`FAMILY_COLUMNS` less the columns no run reports (the pooled plan's curves, the plan rule's pick and the
+    per-head store's per-layer plan, before they were run)."""
+    optional = ("pooled", "plan_rule", "-plan")
     return [c for c in FAMILY_COLUMNS if not any(o in c[0] for o in optional) or any(c[0] in row for row in rows)]
 
 
@@ -170,7 +171,9 @@ def run(args: argparse.Namespace) -> Path:
                     "Every fathom curve, in the runs that report them all: error at 48 bits / equal-error saving vs "
                     "DS at r = d/4. Raw and rotated stores, and the per-head store (fathom-mixed); `[gains]`: "
                     "water-filled with the plane gains measured on the calibration text instead of design §5's "
-                    "model; `[pooled]`: one water line for every KV head of a layer. The plan rule's pick: the per-head "
+                    "model; `[pooled]`: one water line for every KV head of a layer; fathom-mixed-plan: the per-head store "
+                    "with a per-layer plan calibrated on the calibration text at each mean budget, with the plan "
+                    "rule's gains (runs since 2026-12-07; never the headline). The plan rule's pick: the per-head "
                     "store's plan (gains, pooling) with the lowest error on calibration text (runs since the rule; "
                     "the fathom columns above).\n\n"
                     f"{markdown_table(families, family_columns(families))}\n")

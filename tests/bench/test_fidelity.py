@@ -157,6 +157,10 @@ def test_fidelity_refuses_a_device_it_cannot_use(capsys, monkeypatch):
     (["--calibration-corpus", "pg19"], "--calibration-corpus must be one of"),
     (["--corpus", "kjv", "--text", "README.md"], "give --text or --corpus, not both"),
     (["--name", "../elsewhere"], "--name must be a file name stem"),
+    (["--calibrate-on", "corpus"], "--calibrate-on must be one of text, prompt, got 'corpus'"),
+    (["--calibrate-on", "prompt", "--calibration-corpus", "kjv"],
+     "give --calibration-corpus or --calibrate-on prompt, not both"),
+    (["--calibrate-on", "prompt", "--positions", "2049"], "--positions must lie in 1..2048 with --calibrate-on prompt"),
 ])
 def test_fidelity_refuses_bad_arguments_before_loading_anything(nothing_loads, capsys, argv, message):
     err = refused(["fidelity", "--quick", "--out", str(nothing_loads / "out"), *argv], capsys)
@@ -170,6 +174,8 @@ def test_synthetic_refuses_what_it_would_ignore_and_a_k_beyond_its_tokens(nothin
                                                                   capsys)
     assert "--model does not apply" in refused(["fidelity", "--synthetic", "--model", "gemma3-270m", *out], capsys)
     assert "-k must lie in 1..4027" in refused(["fidelity", "--synthetic", "--quick", "-k", "4096", *out], capsys)
+    assert "--calibrate-on prompt does not apply to --synthetic" in refused(
+        ["fidelity", "--synthetic", "--calibrate-on", "prompt", *out], capsys)
 
 
 def test_an_unwritable_out_is_refused_first(nothing_loads, capsys):
@@ -208,16 +214,33 @@ def test_contexts_below_1024_or_not_whole_k_are_named_by_tokens(monkeypatch, tmp
     monkeypatch.setattr(bench_capture, "load_capture", lambda *a, **k: (tiny, 1.0))
     args = SimpleNamespace(model=None, context=1000, text=None, corpus=None, calibration_corpus="austen",
                            positions=None, synthetic=False, quick=False, cache=tmp_path, out=tmp_path,
-                           name=None, k=None, device="cpu")
+                           name=None, k=None, device="cpu", calibrate_on="text")
     fidelity.check_arguments(args)
     assert (args.context, args.positions, args.k) == (1000, 128, 128)
     assert fidelity._real(args)[2] == "fidelity-smollm2-135m-1000-paul-graham"
 
 
+def test_calibrating_on_the_prompt_captures_the_evaluation_texts_first_n_minus_p_tokens(monkeypatch, tmp_path):
+    """--calibrate-on prompt: the calibration capture is the evaluation window's prefix up to the evaluated
+    positions (a window is a text's first tokens), its queries the P positions just before them."""
+    calls = []
+    monkeypatch.setattr(bench_capture, "load_capture", lambda model, text, n, cache, positions, **k: (
+        calls.append((text, n, positions)) or SimpleNamespace(meta={}), 1.0))
+    args = SimpleNamespace(model=None, context=4096, text=None, corpus="cpython", calibration_corpus=None,
+                           positions=None, synthetic=False, quick=False, cache=tmp_path, out=tmp_path,
+                           name=None, k=None, device="cpu", calibrate_on="prompt")
+    fidelity.check_arguments(args)
+    assert args.calibration_corpus is None and args.positions == 128
+    _, _, name, info = fidelity._real(args)
+    assert calls == [("cpython", 4096, 128), ("cpython", 3968, 128)]
+    assert name == "fidelity-smollm2-135m-4k-cpython-prompt" and info["calibrated_on"] == "prompt"
+    assert info["calibration_text"] == "the prompt (cpython's first 3968 tokens)"
+
+
 def test_quick_results_go_to_a_folder_git_ignores(tmp_path):
     args = SimpleNamespace(model=None, context=None, text=None, corpus=None, calibration_corpus=None,
                            positions=None, synthetic=True, quick=True, cache=None, out=None, name=None, k=None,
-                           device="cpu")
+                           device="cpu", calibrate_on="text")
     fidelity.check_arguments(args)
     assert args.out == LOCAL_RESULTS and LOCAL_RESULTS.parent == RESULTS
     if shutil.which("git") is None or not (REPO / ".git").exists():
