@@ -49,7 +49,9 @@ def test_twin_equals_the_reference(seed, L, H, d, n, P, G):
         np.testing.assert_allclose(got.scale2_raw, ref.scale2_raw, rtol=1e-12)
         np.testing.assert_allclose(got.plane_drops_raw, ref.plane_drops_raw, rtol=1e-9,
                                    atol=1e-12 * ref.plane_drops_raw.max())
-        np.testing.assert_allclose(got.scale2_rotated, ref.scale2_rotated, rtol=1e-3)
+        # a block scale is an fp16 max: a rotated key a round-off apart can round it to the next fp16, 2^-10 of it
+        # at most, so its square by 2^-9 (seen: 1.2e-3 over a single block, seed 92, L 2, H 3, d 16, n 64)
+        np.testing.assert_allclose(got.scale2_rotated, ref.scale2_rotated, rtol=2.0 ** -9 + 1e-6)
         np.testing.assert_allclose(got.plane_drops_rotated, ref.plane_drops_rotated, rtol=5e-2,
                                    atol=1e-3 * ref.plane_drops_rotated.max())
     else:
