@@ -224,21 +224,35 @@ def _moved_levels(rng, shape: CacheShape) -> np.ndarray:
 @pytest.mark.parametrize("method", [methods.fathom(12.0), methods.double_sparsity(2)], ids=lambda m: m.name)
 def test_planes_read_through_levels_as_the_reference(filled, method):
     """Every plane method scans through each (layer, KV head)'s reconstruction table as the reference reads it
-    (``HeadStats.levels``), selecting what the midpoints would not; a table set later (``set_calibration``) is the
-    one the next step reads."""
+    (``HeadStats.levels``), selecting what the midpoints would not (the reference's selection through the midpoints:
+    a midpoint decoder's, test_run_matches_reference_decode); a table set later (``set_calibration``) is the one the
+    next step reads."""
     cache, data = filled(3, False)
     rng = np.random.default_rng(5)
     q = torch.from_numpy(data[2]).to(DEVICE)
-    midpoint = _decoder(cache, method, data)
-    midpoint.run(LAYER, q)
     first, second = _moved_levels(rng, cache.shape), _moved_levels(rng, cache.shape)
     decoder = Decoder(cache, DecoderSettings(method, SEL), GROUP_SIZE, sigma2=data[4], ds_rank=data[5], levels=first)
     out = decoder.run(LAYER, q).cpu().numpy()
     _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER), levels=first)
-    assert (selected(decoder, LAYER) != selected(midpoint, LAYER)).any()  # the tables change what is selected
+    assert (selected(decoder, LAYER) != _reference_masks(method, data, cache.lengths(LAYER))).any()  # tables matter
     decoder.set_calibration(LAYER, levels=second[LAYER])
     out = decoder.run(LAYER, q).cpu().numpy()
     _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER), levels=second)
+
+
+def _reference_masks(method, data, lengths: np.ndarray) -> np.ndarray:
+    """The reference decode's selection through the cells' midpoints as bool ``[S·H, G, max n]`` (``selected``'s
+    layout), for a method that scans and selects."""
+    k, v, q, basis, sigma2, ds_rank = data
+    heads = k.shape[1]
+    masks = np.zeros((k.shape[0] * heads, GROUP_SIZE, int(lengths.max())), bool)
+    for s, n in enumerate(lengths):
+        for h in range(heads):
+            stats = {b: _head_stats(sigma2, ds_rank, LAYER, h) for b in ("raw", "rotated")}
+            index = HeadIndex.build(k[s, h, :n], stats, basis=basis[LAYER, h])
+            masks[s * heads + h, :, :n] = decode_step(q[s, h * GROUP_SIZE:(h + 1) * GROUP_SIZE], k[s, h, :n],
+                                                      v[s, h, :n], index, method, SEL, layer=LAYER).mask
+    return masks
 
 
 def test_levels_are_refused_where_no_plane_scan_reads_them(filled):
