@@ -224,21 +224,35 @@ def _moved_levels(rng, shape: CacheShape) -> np.ndarray:
 @pytest.mark.parametrize("method", [methods.fathom(12.0), methods.double_sparsity(2)], ids=lambda m: m.name)
 def test_planes_read_through_levels_as_the_reference(filled, method):
     """Every plane method scans through each (layer, KV head)'s reconstruction table as the reference reads it
-    (``HeadStats.levels``), selecting what the midpoints would not; a table set later (``set_calibration``) is the
-    one the next step reads."""
+    (``HeadStats.levels``), selecting what the midpoints would not (the reference's selection through the midpoints:
+    a midpoint decoder's, test_run_matches_reference_decode); a table set later (``set_calibration``) is the one the
+    next step reads."""
     cache, data = filled(3, False)
     rng = np.random.default_rng(5)
     q = torch.from_numpy(data[2]).to(DEVICE)
-    midpoint = _decoder(cache, method, data)
-    midpoint.run(LAYER, q)
     first, second = _moved_levels(rng, cache.shape), _moved_levels(rng, cache.shape)
     decoder = Decoder(cache, DecoderSettings(method, SEL), GROUP_SIZE, sigma2=data[4], ds_rank=data[5], levels=first)
     out = decoder.run(LAYER, q).cpu().numpy()
     _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER), levels=first)
-    assert (selected(decoder, LAYER) != selected(midpoint, LAYER)).any()  # the tables change what is selected
+    assert (selected(decoder, LAYER) != _reference_masks(method, data, cache.lengths(LAYER))).any()  # tables matter
     decoder.set_calibration(LAYER, levels=second[LAYER])
     out = decoder.run(LAYER, q).cpu().numpy()
     _assert_matches_reference(decoder, out, *data, cache.lengths(LAYER), levels=second)
+
+
+def _reference_masks(method, data, lengths: np.ndarray) -> np.ndarray:
+    """The reference decode's selection through the cells' midpoints as bool ``[S·H, G, max n]`` (``selected``'s
+    layout), for a method that scans and selects."""
+    k, v, q, basis, sigma2, ds_rank = data
+    heads = k.shape[1]
+    masks = np.zeros((k.shape[0] * heads, GROUP_SIZE, int(lengths.max())), bool)
+    for s, n in enumerate(lengths):
+        for h in range(heads):
+            stats = {b: _head_stats(sigma2, ds_rank, LAYER, h) for b in ("raw", "rotated")}
+            index = HeadIndex.build(k[s, h, :n], stats, basis=basis[LAYER, h])
+            masks[s * heads + h, :, :n] = decode_step(q[s, h * GROUP_SIZE:(h + 1) * GROUP_SIZE], k[s, h, :n],
+                                                      v[s, h, :n], index, method, SEL, layer=LAYER).mask
+    return masks
 
 
 def test_levels_are_refused_where_no_plane_scan_reads_them(filled):
@@ -410,11 +424,17 @@ def test_a_grown_cache_keeps_both_tiers_of_its_store(hbm_planes):
 
 
 def test_oracle_with_k_beyond_the_context_is_dense(filled):
+    """Dense: the reference's attention over every token (what the dense decoder's step gives on this cache,
+    test_run_matches_reference_decode[dense-3]; the simulator is slow)."""
     cache, data = filled(3, False)
-    q = torch.from_numpy(data[2]).to(DEVICE)
-    sparse = _decoder(cache, methods.oracle(), data, Selection(k=500)).run(LAYER, q).cpu().numpy()
-    dense = _decoder(cache, methods.dense(), data).run(LAYER, q).cpu().numpy()
-    np.testing.assert_allclose(sparse, dense, rtol=1e-5, atol=1e-6)
+    k, v, q = data[:3]
+    decoder = _decoder(cache, methods.oracle(), data, Selection(k=500))
+    sparse = decoder.run(LAYER, torch.from_numpy(q).to(DEVICE)).cpu().numpy()
+    for s, n in enumerate(cache.lengths(LAYER)):
+        for h in range(cache.shape.kv_heads):
+            heads = slice(h * GROUP_SIZE, (h + 1) * GROUP_SIZE)
+            np.testing.assert_allclose(sparse[s, heads], attention(q[s, heads], k[s, h, :n], v[s, h, :n]),
+                                       rtol=1e-5, atol=1e-6)
 
 
 def test_reset_empties_a_session_for_reuse():
