@@ -171,9 +171,10 @@ def run(args: argparse.Namespace) -> Path:
                     "Every fathom curve, in the runs that report them all: error at 48 bits / equal-error saving vs "
                     "DS at r = d/4. Raw and rotated stores, and the per-head store (fathom-mixed); `[gains]`: "
                     "water-filled with the plane gains measured on the calibration text instead of design §5's "
-                    "model; `[pooled]`: one water line for every KV head of a layer; fathom-mixed-plan: the per-head store "
-                    "with a per-layer plan calibrated on the calibration text at each mean budget, with the plan "
-                    "rule's gains (runs since 2026-12-07; never the headline). The plan rule's pick: the per-head "
+                    "model; `[pooled]`: one water line for every KV head of a layer; fathom-mixed-plan: the "
+                    "per-head store with a per-layer plan calibrated on the calibration text at each mean budget, "
+                    "with the plan rule's gains (runs since 2026-12-07; never the headline). The plan rule's pick: "
+                    "the per-head "
                     "store's plan (gains, pooling) with the lowest error on calibration text (runs since the rule; "
                     "the fathom columns above).\n\n"
                     f"{markdown_table(families, family_columns(families))}\n")

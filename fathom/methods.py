@@ -9,8 +9,8 @@ method              basis     depth policy
 fathom              raw       water-filled depths under a budget (bits / token); σ² from the store
 fathom-rotated      rotated   the same on the KLT basis (nothing truncated); σ² from calibration
 fathom-plan         either    water-filling with a per-layer budget calibrated offline
-fathom-mixed-plan   per head  the same on the per-head store (a curve of ``bench fidelity``)
 fathom-mixed        per head  the same on each (layer, KV head)'s basis, chosen on calibration text
+fathom-mixed-plan   per head  the per-head store with fathom-plan's per-layer budgets (``bench fidelity``)
 fathom[pooled]      any       one water line for a layer's KV heads (their mean budget)
 sparq               raw       depth 4 on the r channels with the largest Σ_h |q[h, c]|
 double-sparsity     raw       depth 4 on r channels fixed offline per KV head
@@ -434,7 +434,8 @@ def fathom_plan(budgets: tuple[float, ...], target: float, basis: str = "raw",
     default; ``gains`` as in :func:`fathom`."""
     if basis == PER_HEAD:
         if variance is not None:
-            raise ValueError(f"the per-head store reads each basis' default σ²: variance must be None, got {variance!r}")
+            raise ValueError(f"the per-head store reads each basis' default σ²: variance must be None, got "
+                             f"{variance!r}")
         name, variance = _tagged("fathom-mixed-plan", _variant_tags(gains, False)), PER_BASIS
     else:
         name, variance = _named("fathom-plan" if basis == "raw" else "fathom-rotated-plan", basis, variance, gains)
