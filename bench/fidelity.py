@@ -78,20 +78,23 @@ def method_grid(d: int, basis: str) -> list[M.Method]:
     query group or pooled over a layer's KV heads (:data:`FATHOM_FAMILIES`); the other σ² source on the preferred
     store; every baseline at the design's channel fractions, and SparQ r = 16 / Double Sparsity r = 32 (68 / 136
     bits at any d). (Per-layer plans are added by :func:`run`.)"""
-    budgets = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
     flat = [make(b, gains=g, pooled=p) for p in POOLING for make in FATHOM_STORES for g in M.GAIN_SOURCES
-            for b in budgets]
+            for b in flat_budgets(d)]
     other = "calibration" if M.DEFAULT_VARIANCE[basis] == "store" else "store"
     other_variance = [(M.fathom if basis == "raw" else M.fathom_rotated)(b, other) for b in (48, 64)]
     grid = flat + other_variance + M.baselines(d) + [M.sparq(16), M.double_sparsity(32)]
     return list({m.label(d): m for m in grid}.values())  # one method per label, in first-seen order
 
 
+def flat_budgets(d: int) -> list[float]:
+    """The budgets of every flat fathom curve at head dim ``d``: :data:`FATHOM_BUDGETS` and DS at r = d/4's bits."""
+    return sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
+
+
 def plan_curve_budgets(d: int) -> list[float]:
     """The mean budgets of the per-head store's per-layer plan curve (:data:`PLAN_FAMILIES`): the flat curves'
-    budgets (:func:`method_grid`) that the plan's candidates span."""
-    flat = sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
-    return [float(b) for b in flat if M.PLAN_BUDGETS[0] <= b <= M.PLAN_BUDGETS[-1]]
+    budgets that the plan's candidates span."""
+    return [float(b) for b in flat_budgets(d) if M.PLAN_BUDGETS[0] <= b <= M.PLAN_BUDGETS[-1]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -52,11 +52,10 @@ def top_histogram(scores, lengths, heads_per_session: int, sink: int, local: int
     import torch
 
     from fathom.quantize import BLOCK
+    from fathom.selection import order_keys
 
     streams, heads, tokens = scores.shape
-    bits = scores.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    bits = torch.where(bits == 0x80000000, torch.zeros_like(bits), bits)  # -0 counts as +0
-    keys = torch.where(bits >> 31 == 1, ~bits & 0xFFFFFFFF, bits | 0x80000000)
+    keys = torch.from_numpy(order_keys(scores.cpu().numpy()).astype(np.int64)).to(scores.device)  # made once, at setup
     n = lengths.to(torch.int64).repeat_interleave(heads_per_session)[:, None, None]
     token = torch.arange(tokens, device=scores.device)
     candidate = (token >= sink) & (token < torch.minimum(n // BLOCK * BLOCK, n - local))

@@ -93,6 +93,14 @@ def _decoder(cache, method, data, sel=SEL) -> Decoder:
     return Decoder(cache, DecoderSettings(method, sel), GROUP_SIZE, sigma2=data[4], ds_rank=data[5])
 
 
+def _reference_index(keys: np.ndarray, basis, sigma2, ds_rank, head: int, drops=None, scale2=None, levels=None
+                     ) -> HeadIndex:
+    """The reference's index of one session's KV head ``head`` of :data:`LAYER` (its ``keys [n, d]``), both bases'
+    statistics from the calibration arrays (see :func:`_assert_matches_reference`)."""
+    return HeadIndex.build(keys, {b: _head_stats(sigma2, ds_rank, LAYER, head, drops, scale2, levels)
+                                  for b in ("raw", "rotated")}, basis=basis[LAYER, head])
+
+
 def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis, sigma2, ds_rank,
                               lengths: np.ndarray, sel=SEL, drops=None, scale2=None, levels=None):
     """Every (session, KV head) of a step against ``decode_step`` on that session's first ``lengths[s]`` tokens
@@ -104,8 +112,7 @@ def _assert_matches_reference(decoder: Decoder, out: np.ndarray, k, v, q, basis,
     for s in range(shape.sessions):
         n = int(lengths[s])
         blocks = np.array([n // 64])
-        indexes = [HeadIndex.build(k[s, h, :n], {b: _head_stats(sigma2, ds_rank, LAYER, h, drops, scale2, levels)
-                                                 for b in ("raw", "rotated")}, basis=basis[LAYER, h])
+        indexes = [_reference_index(k[s, h, :n], basis, sigma2, ds_rank, h, drops, scale2, levels)
                    for h in range(shape.kv_heads)]
         groups = q[s].reshape(shape.kv_heads, GROUP_SIZE, -1)
         # a pooled method: the session's KV heads planned on one water line, each head's part decoded as its own
@@ -248,8 +255,7 @@ def _reference_masks(method, data, lengths: np.ndarray) -> np.ndarray:
     masks = np.zeros((k.shape[0] * heads, GROUP_SIZE, int(lengths.max())), bool)
     for s, n in enumerate(lengths):
         for h in range(heads):
-            stats = {b: _head_stats(sigma2, ds_rank, LAYER, h) for b in ("raw", "rotated")}
-            index = HeadIndex.build(k[s, h, :n], stats, basis=basis[LAYER, h])
+            index = _reference_index(k[s, h, :n], basis, sigma2, ds_rank, h)
             masks[s * heads + h, :, :n] = decode_step(q[s, h * GROUP_SIZE:(h + 1) * GROUP_SIZE], k[s, h, :n],
                                                       v[s, h, :n], index, method, SEL, layer=LAYER).mask
     return masks
