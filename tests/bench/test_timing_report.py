@@ -32,9 +32,9 @@ def test_the_kernel_table_puts_the_largest_first_and_sums_every_kernel():
     assert table[3] == "| topk._ties_kernel | 2172 | — |" and table[-1] == "| all kernels | 6561 | 9381 |"
 
 
-def test_the_readme_throughput_section_is_the_committed_runs_table_with_the_peers(tmp_path):
-    """--readme rewrites each section its file holds, the rest untouched; the README's throughput table is the one
-    the committed runs make (so a new run that is not replotted into it shows here)."""
+def test_replot_into_a_readme_rewrites_its_sections_and_sets_ds_in_hbm_beside_its_run(tmp_path):
+    """--readme rewrites each section its file holds, the rest untouched; an hbm-regime run of DS-136 fills the
+    "DS-136 in HBM" column of the host run's setting (the H200 runs of 2026-12-05)."""
     runs = [str(RESULTS / f"timing-{name}.json")
             for name in ("k128-host-hbm-h200", "scan-kernels-128k-16", "k16-hbm-h200", "1m-final")]
     readme = tmp_path / "README.md"
@@ -45,12 +45,19 @@ def test_the_readme_throughput_section_is_the_committed_runs_table_with_the_peer
     assert "old" not in text and text.startswith("before\n<!-- throughput:start -->\n`python -m bench timing")
     assert "\n<!-- throughput:end -->\nbetween\n<!-- timing:start -->\n" in text
     assert text.endswith("<!-- timing:end -->\nafter\n")
-    # DS-136 with its label cache in HBM: the hbm-regime run beside it
     assert "| 128k × 16 ragged, t = 2, row cache 32768 | 6 | 44.17 | **362** | 79.57 | 201 | 1.80× | " \
            "49.90 (1.13×) | 0.973 / 0.983 | 7.7 |" in text
     assert all(f"| {name} | {setting} | {hardware} | {rate:g} |" in text for name, setting, hardware, rate in PEERS)
-    merged = json.loads((tmp_path / "timing-x.json").read_text())
-    assert throughput_table(merged) in (RESULTS.parents[1] / "README.md").read_text()
+
+
+def test_the_readme_throughput_section_is_the_committed_runs_table_with_the_peers():
+    """The README's throughput table is the one the committed run makes (so a new run that is not replotted into it
+    shows here): the H100 run of 2026-12-07, its three settings merged into one JSON."""
+    merged = json.loads((RESULTS / "timing-throughput-h100.json").read_text())
+    readme = (RESULTS.parents[1] / "README.md").read_text()
+    assert throughput_table(merged) in readme
+    assert "bench/results/timing-throughput-h100.json" in readme
+    assert all(f"| {name} | {setting} | {hardware} | {rate:g} |" in readme for name, setting, hardware, rate in PEERS)
 
 
 def _record(label, regime, gpu_ms, **extra):
