@@ -8,6 +8,10 @@ from hypothesis import settings
 ON_GPU = os.environ.get("FATHOM_GPU") == "1"
 if not ON_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# One BLAS / OpenMP / torch thread per process (before NumPy or torch is first imported): CI runs two pytest-xdist
+# workers on two cores, where a second thread per worker only contends (the NumPy fidelity runs were ~2x slower).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 # CI runs on 2 cores: keep property tests small and free of wall-clock deadlines.
 settings.register_profile("ci", max_examples=40, deadline=None)
