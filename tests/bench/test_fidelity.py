@@ -1,6 +1,7 @@
 """``python -m bench fidelity``: the quick run's files, the equal-error interpolation, and bad arguments refused
 before any model, corpus or capture is loaded (``nothing_loads``, tests/bench/conftest.py)."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -83,22 +84,26 @@ def test_fidelity_quick_writes_json_table_and_plot(tmp_path, capsys):
     assert old["fathom48_error"] == records["fathom-mixed@48"]["rel_error"]
 
 
-def test_fidelity_levels_reads_every_plane_through_the_calibrated_levels(tmp_path, capsys):
+def test_fidelity_levels_reads_every_plane_through_the_calibrated_levels(tmp_path, capsys, monkeypatch):
     """--levels: the run's name, JSON and table say so, and every plane method's error is the evaluation's through
-    the calibration's tables (checked on one method against the evaluation itself)."""
-    from bench.fidelity import SYNTHETIC_QUICK
+    the calibration's tables (checked on one method against the evaluation itself). On a smaller synthetic shape
+    than --quick's (the quick run itself is checked above): the same stages, methods and files, a quarter of the
+    tokens and half the decode positions."""
     from fathom.calibration import calibrate
     from fathom.fidelity import evaluate
     from fathom.selection import Selection
     from fathom.synthetic import SyntheticConfig, generate
     from fathom import methods as M
 
+    small = dataclasses.replace(fidelity.SYNTHETIC_QUICK, tokens=1024, positions=8)
+    monkeypatch.setattr(fidelity, "SYNTHETIC_QUICK", small)
     main(["fidelity", "--synthetic", "--quick", "--levels", "--out", str(tmp_path)])
     payload = json.loads((tmp_path / "fidelity-synthetic-quick-levels.json").read_text())
     assert payload["levels"] == "calibrated" and "--levels" in payload["command"]
+    assert payload["capture"]["tokens"] == 1024  # the small shape ran
     assert "calibrated levels" in (tmp_path / "fidelity-synthetic-quick-levels.md").read_text()
-    calibration_text = SyntheticConfig(**{**SYNTHETIC_QUICK.__dict__, "text_seed": SYNTHETIC_QUICK.text_seed + 1})
-    (want,) = evaluate(generate(SYNTHETIC_QUICK), calibrate(generate(calibration_text)), [M.sparq(16)],
+    calibration_text = SyntheticConfig(**{**small.__dict__, "text_seed": small.text_seed + 1})
+    (want,) = evaluate(generate(small), calibrate(generate(calibration_text)), [M.sparq(16)],
                        Selection(**payload["selection"]), levels=True)
     got = next(r for r in payload["records"] if r["label"] == "sparq@68")
     assert got["rel_error"] == pytest.approx(want.rel_error, rel=1e-12)
