@@ -23,6 +23,8 @@
 # 220 at 16 sessions (they took 108 and 160 s).
 # Eighteenth session, a fresh H100: two trees at 16 x 128k (LIMIT 230) then 128k x 1 (LIMIT 110), and one tree's scan and
 # decoder tests, in one call of 281 s (16 sessions 90 and 87 s a tree, compiling; 128k x 1 37 s each).
+# Nineteenth session, a fresh H100: two trees at 16 x 128k (LIMIT 240, --reps 3) then 128k x 1 (LIMIT 110) in one call
+# of 312 s (16 sessions 101 and 121 s a tree, compiling; 128k x 1 46 and 43 s).
 # Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
