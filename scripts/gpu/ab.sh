@@ -25,6 +25,9 @@
 # decoder tests, in one call of 281 s (16 sessions 90 and 87 s a tree, compiling; 128k x 1 37 s each).
 # Nineteenth session, a fresh H100: two trees at 16 x 128k (LIMIT 240, --reps 3) then 128k x 1 (LIMIT 110) in one call
 # of 312 s (16 sessions 101 and 121 s a tree, compiling; 128k x 1 46 and 43 s).
+# Twentieth session, fresh H100s: four trees at 16 x 128k (LIMIT 560, --reps 3) in one call of 434 s (94-117 s a tree,
+# compiling); three trees at 16 x 128k (LIMIT 370) then 128k x 1 (LIMIT 160) in one call of 430 s; two trees at
+# 16 x 128k with LIMIT 240 cut the second at its 120-s share while it compiled (the first took 120): give a pair 280.
 # Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
