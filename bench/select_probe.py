@@ -19,7 +19,8 @@ candidate list (the k-th's bin of the top 16 key bits) of each query head at fat
 over the timing bench's synthetic data (and this probe's scores) or, with ``--model``, a real model's capture at its
 last decode position. It holds ~100 candidates on every head of these scores; on the timing bench's data a median
 of 4-137 on most layers and up to ~10^5 on layer 0's heads, on Qwen2.5-Coder-1.5B at 16k up to 7,200 on layer 0's:
-the list passes' slowest head sets their time.
+the list passes' slowest head sets their time. Beside it, each head's share of 64-token blocks holding a token each
+pass over the scores acts on (``block_census``): what those passes would walk if they skipped the other blocks.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def synthetic_scores(streams: int, context: int, generator, device):
         shape, generator=generator, device=device).clamp(-3, 3)
 
 
+BLOCK_FIELDS = ("blocks_first", "blocks_first_carried", "blocks_second")  # block_census's fractions
+
+
 def bin_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = LOCAL) -> tuple[int, int]:
     """(candidates in the k-th largest's bin of the top 16 key bits, candidates whose key equals the k-th's) among
     the candidates ``sink .. n − local`` of ``scores float32 [n]`` (n a multiple of 64: every token sealed): the
@@ -86,6 +90,34 @@ def bin_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = LO
         raise ValueError(f"the census needs more than k = {k} candidates, got {len(keys)}")
     kth = np.partition(keys, len(keys) - k)[len(keys) - k]
     return int(np.count_nonzero(keys >> 16 == kth >> 16)), int(np.count_nonzero(keys == kth))
+
+
+def block_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = LOCAL) -> dict[str, float]:
+    """How much of the candidates ``sink .. n − local`` of ``scores float32 [n]`` (n a multiple of 64) each pass over
+    the scores would walk if it skipped the 64-token blocks holding no token it acts on (a block's largest key would
+    tell): the fractions of those blocks holding a key at or above the k-th largest's top byte (``first``: the first
+    pass counts every token of that bin), at or above the least key the first pass acts on when it counts only from
+    the (4k)-th largest's top two bytes (``first_carried``: its top byte and a zero byte where that is not the k-th's,
+    a head's prefix carried from a step like this one, the twentieth session's branches), and at or above the k-th's
+    top two bytes (``second``)."""
+    from fathom.quantize import BLOCK
+    from fathom.selection import order_keys
+
+    candidates = np.asarray(scores, np.float32)[sink:len(scores) - local]
+    keys = order_keys(candidates)
+    if len(keys) <= k:
+        raise ValueError(f"the census needs more than k = {k} candidates, got {len(keys)}")
+    kth = np.partition(keys, len(keys) - k)[len(keys) - k]
+    tokens = np.arange(sink, sink + len(keys))
+    block_max = np.zeros(int(tokens[-1]) // BLOCK + 1, np.uint32)
+    np.maximum.at(block_max, tokens // BLOCK, keys)
+    block_max = block_max[int(tokens[0]) // BLOCK:]
+    bin_low = int(kth >> 24) << 8
+    bound = int(np.partition(keys, len(keys) - 4 * k)[len(keys) - 4 * k]) if len(keys) > 4 * k else 0
+    prefix = bound >> 16 if bound >> 24 == kth >> 24 else (bound >> 24) << 8
+    lower = min(max(prefix, bin_low), bin_low + 256)
+    return {f"blocks_{name}": float(np.mean(block_max >> 16 >= least))
+            for name, least in (("first", bin_low), ("first_carried", lower), ("second", int(kth >> 16)))}
 
 
 def head_census(keys: np.ndarray, q: np.ndarray, k: int, layer: int, kv_head: int) -> list[dict]:
@@ -106,8 +138,12 @@ def head_census(keys: np.ndarray, q: np.ndarray, k: int, layer: int, kv_head: in
 def census_records(scores: np.ndarray, k: int, layer: int | None, kv_head: int) -> list[dict]:
     """:func:`bin_census` of each query head's ``scores float32 [G, n]``: a record per head, labelled with ``layer``
     (None: this probe's own scores) and ``kv_head``."""
-    return [{"layer": layer, "kv_head": kv_head, "head": g, "in_bin": in_bin, "ties": ties}
-            for g, (in_bin, ties) in enumerate(bin_census(row, k) for row in scores)]
+    records = []
+    for g, row in enumerate(scores):
+        in_bin, ties = bin_census(row, k)
+        records.append({"layer": layer, "kv_head": kv_head, "head": g, "in_bin": in_bin, "ties": ties,
+                        **block_census(row, k)})
+    return records
 
 
 def census(context: int, layers: list[int] | None = None, seed: int = 0) -> list[dict]:
@@ -347,17 +383,28 @@ def main_census(parser, args, argv) -> None:
             continue
         bins = [r["in_bin"] for r in mine]
         rows.append({"layer": "this probe's scores" if layer is None else str(layer), "heads": len(mine),
-                     "median": float(np.median(bins)), "max": max(bins), "ties": max(r["ties"] for r in mine)})
+                     "median": float(np.median(bins)), "max": max(bins), "ties": max(r["ties"] for r in mine),
+                     **{name: float(np.mean([r[name] for r in mine])) for name in BLOCK_FIELDS}})
+    every = [r for r in records if r["layer"] is not None]
+    if every:
+        rows.append({"layer": "every layer", "heads": len(every), "median": float(np.median([r["in_bin"] for r in every])),
+                     "max": max(r["in_bin"] for r in every), "ties": max(r["ties"] for r in every),
+                     **{name: float(np.mean([r[name] for r in every])) for name in BLOCK_FIELDS}})
     out = {"command": command_line(argv, "python -m bench.select_probe"), "source": source,
            "context": args.context, "records": records, "layers": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     table = markdown_table(rows, [("layer", "layer", "s"), ("heads", "query heads", "d"),
                                   ("median", "k-th's bin, median", ".0f"), ("max", "k-th's bin, max", "d"),
-                                  ("ties", "ties at the k-th, max", "d")])
+                                  ("ties", "ties at the k-th, max", "d"),
+                                  ("blocks_first", "blocks the first pass acts on", ".3f"),
+                                  ("blocks_first_carried", "… counting from the (4k)-th's prefix", ".3f"),
+                                  ("blocks_second", "blocks the second pass acts on", ".3f")])
     args.out.with_suffix(".md").write_text(f"`{out['command']}`: the candidates the selection's second pass appends "
                                            f"for the ties kernel (the k-th largest's bin of the top 16 key bits) "
-                                           f"at fathom@48 through the reference scan; {source}\n\n{table}\n")
+                                           f"at fathom@48 through the reference scan; {source}. The blocks columns: "
+                                           f"the mean fraction of a head's 64-token blocks of candidates holding a "
+                                           f"token each pass acts on (``block_census``)\n\n{table}\n")
     print(table)
 
 

@@ -87,6 +87,23 @@ def test_the_census_counts_the_kth_bin_and_its_ties():
     heads = {(r["layer"], r["kv_head"], r["head"]) for r in records}
     assert len(heads) == len(records) == 2 * 4 + 4  # the model's 2 KV heads x G = 4, then the probe's 4
     assert all(r["in_bin"] >= r["ties"] >= 1 for r in records)
+    assert all(0 < r["blocks_second"] <= r["blocks_first_carried"] <= r["blocks_first"] <= 1 for r in records)
+
+
+def test_the_block_census_counts_the_blocks_each_pass_acts_on():
+    """Four blocks of candidates: the largest and a key of the k-th's top two bytes in the second, the k-th largest
+    (k = 2) in the third, one of its top byte only in the fourth, the first holding none: the second pass acts on two
+    blocks of four, the first on three; the (4k)-th largest lies below the k-th's top byte, so the first pass counts
+    from the carried prefix as without it."""
+    from bench.select_probe import block_census
+
+    scores = np.full(4 * 64 + LOCAL, -5.0, np.float32)  # candidates: tokens SINK .. 255, blocks 0..3
+    scores[64 + 10] = 8.0
+    scores[64 + 11] = 4.0
+    scores[128 + 5] = np.float32(4.0) + np.float32(2.0 ** -20)  # the 2nd largest: 4.0's top 16 key bits
+    scores[192 + 7] = 3.0  # the k-th's top byte (sign and the exponent's top 7 bits), not its top 16 bits
+    census = block_census(scores, k=2)
+    assert census["blocks_second"] == 0.5 and census["blocks_first"] == census["blocks_first_carried"] == 0.75
 
 
 def test_a_captures_census_reads_its_last_position_at_the_contexts_k():
