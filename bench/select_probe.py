@@ -97,9 +97,9 @@ def block_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = 
     the scores would walk if it skipped the 64-token blocks holding no token it acts on (a block's largest key would
     tell): the fractions of those blocks holding a key at or above the k-th largest's top byte (``first``: the first
     pass counts every token of that bin), at or above the least key the first pass acts on when it counts only from
-    the (4k)-th largest's top two bytes (``first_carried``: its top byte and a zero byte where that is not the k-th's,
-    a head's prefix carried from a step like this one, the twentieth session's branches), and at or above the k-th's
-    top two bytes (``second``)."""
+    the (4k)-th largest's top two bytes (``first_carried``: its top byte and a zero byte where that is not the k-th's;
+    what a head would carry from a step like this one, as the carried-prefix branches of docs/results.md did), and at
+    or above the k-th's top two bytes (``second``)."""
     from fathom.quantize import BLOCK
     from fathom.selection import order_keys
 
@@ -387,7 +387,8 @@ def main_census(parser, args, argv) -> None:
                      **{name: float(np.mean([r[name] for r in mine])) for name in BLOCK_FIELDS}})
     every = [r for r in records if r["layer"] is not None]
     if every:
-        rows.append({"layer": "every layer", "heads": len(every), "median": float(np.median([r["in_bin"] for r in every])),
+        rows.append({"layer": "every layer", "heads": len(every),
+                     "median": float(np.median([r["in_bin"] for r in every])),
                      "max": max(r["in_bin"] for r in every), "ties": max(r["ties"] for r in every),
                      **{name: float(np.mean([r[name] for r in every])) for name in BLOCK_FIELDS}})
     out = {"command": command_line(argv, "python -m bench.select_probe"), "source": source,
