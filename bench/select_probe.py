@@ -79,16 +79,22 @@ def synthetic_scores(streams: int, context: int, generator, device):
 BLOCK_FIELDS = ("blocks_first", "blocks_first_carried", "blocks_second")  # block_census's fractions
 
 
-def bin_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = LOCAL) -> tuple[int, int]:
-    """(candidates in the k-th largest's bin of the top 16 key bits, candidates whose key equals the k-th's) among
-    the candidates ``sink .. n − local`` of ``scores float32 [n]`` (n a multiple of 64: every token sealed): the
-    list the second pass appends for the ties kernel, and the ties it breaks by index."""
+def _candidate_keys(scores: np.ndarray, k: int, sink: int, local: int) -> tuple[np.ndarray, int]:
+    """The order keys of the candidates ``sink .. n − local`` of ``scores float32 [n]`` and the k-th largest of
+    them; refused where there are at most k."""
     from fathom.selection import order_keys
 
     keys = order_keys(np.asarray(scores, np.float32)[sink:len(scores) - local])
     if len(keys) <= k:
         raise ValueError(f"the census needs more than k = {k} candidates, got {len(keys)}")
-    kth = np.partition(keys, len(keys) - k)[len(keys) - k]
+    return keys, np.partition(keys, len(keys) - k)[len(keys) - k]
+
+
+def bin_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = LOCAL) -> tuple[int, int]:
+    """(candidates in the k-th largest's bin of the top 16 key bits, candidates whose key equals the k-th's) among
+    the candidates ``sink .. n − local`` of ``scores float32 [n]`` (n a multiple of 64: every token sealed): the
+    list the second pass appends for the ties kernel, and the ties it breaks by index."""
+    keys, kth = _candidate_keys(scores, k, sink, local)
     return int(np.count_nonzero(keys >> 16 == kth >> 16)), int(np.count_nonzero(keys == kth))
 
 
@@ -101,13 +107,8 @@ def block_census(scores: np.ndarray, k: int = K, sink: int = SINK, local: int = 
     what a head would carry from a step like this one, as the carried-prefix branches of docs/results.md did), and at
     or above the k-th's top two bytes (``second``)."""
     from fathom.quantize import BLOCK
-    from fathom.selection import order_keys
 
-    candidates = np.asarray(scores, np.float32)[sink:len(scores) - local]
-    keys = order_keys(candidates)
-    if len(keys) <= k:
-        raise ValueError(f"the census needs more than k = {k} candidates, got {len(keys)}")
-    kth = np.partition(keys, len(keys) - k)[len(keys) - k]
+    keys, kth = _candidate_keys(scores, k, sink, local)
     tokens = np.arange(sink, sink + len(keys))
     block_max = np.zeros(int(tokens[-1]) // BLOCK + 1, np.uint32)
     np.maximum.at(block_max, tokens // BLOCK, keys)
@@ -342,6 +343,15 @@ def main(argv=None) -> None:
     print(table)
 
 
+def _census_row(label: str, records: list[dict]) -> dict:
+    """One row of the census table over ``records``: the k-th's bin (median, max), the most ties, the mean block
+    shares."""
+    bins = [r["in_bin"] for r in records]
+    return {"layer": label, "heads": len(records), "median": float(np.median(bins)), "max": max(bins),
+            "ties": max(r["ties"] for r in records),
+            **{name: float(np.mean([r[name] for r in records])) for name in BLOCK_FIELDS}}
+
+
 def main_census(parser, args, argv) -> None:
     """``--census``: :func:`census` at ``--context`` tokens, or with ``--model`` :func:`capture_census` of the
     model's capture over ``--corpus``; its records as JSON and a table a layer."""
@@ -381,16 +391,10 @@ def main_census(parser, args, argv) -> None:
         mine = [r for r in records if r["layer"] == layer]
         if not mine:  # a capture's census has no probe row
             continue
-        bins = [r["in_bin"] for r in mine]
-        rows.append({"layer": "this probe's scores" if layer is None else str(layer), "heads": len(mine),
-                     "median": float(np.median(bins)), "max": max(bins), "ties": max(r["ties"] for r in mine),
-                     **{name: float(np.mean([r[name] for r in mine])) for name in BLOCK_FIELDS}})
+        rows.append(_census_row("this probe's scores" if layer is None else str(layer), mine))
     every = [r for r in records if r["layer"] is not None]
     if every:
-        rows.append({"layer": "every layer", "heads": len(every),
-                     "median": float(np.median([r["in_bin"] for r in every])),
-                     "max": max(r["in_bin"] for r in every), "ties": max(r["ties"] for r in every),
-                     **{name: float(np.mean([r[name] for r in every])) for name in BLOCK_FIELDS}})
+        rows.append(_census_row("every layer", every))
     out = {"command": command_line(argv, "python -m bench.select_probe"), "source": source,
            "context": args.context, "records": records, "layers": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
