@@ -23,7 +23,12 @@ thread run (a thread's tokens in one bin add once) and per warp group, and the t
 histogram once per digit a warp (a warp match: no shared histogram a CTA clears and flushes), so crowded bins do not
 serialise on one counter. Each thread loads 4 words (8 tokens' high halves; in the list passes 4 keys) before it
 uses any (one dependent load per token was the walk's chain: 5-7% less candidate time in an A/B on the H200 at 128k;
-8 at a time, in an earlier form, was 10-20% slower).
+8 at a time, in an earlier form, was 10-20% slower). A pass's first round of loads goes out before it stages and
+searches the histograms (they need no digit), and the second pass stages its two histograms in one round: a CTA of
+a pass walks only four rounds at 128k, so each dependent trip to memory before its walk is a large part of it
+(with a kernel a pass, compiled without spills: both passes 8.93 -> 7.44 ms a token at 16 × 128k, 1.44 -> 1.22 ms
+at 128k × 1 on two H100s). Loading fewer words does not pay: a second pass that loaded only the blocks a note from
+the first said may hold its tokens (a quarter of them) took 3.79 ms where this one takes 3.90 (docs/results.md).
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
@@ -111,19 +116,6 @@ def _find_digit(hist, wanted, descending, out, t, n_threads):
                 passed = np.int32(passed + hist[digit])
         lane = np.uint32(lane + step)
     cuda.syncthreads()
-
-
-@cuda.jit(device=True, inline=True)
-def _kth_digit(src, wanted, hist, state, t, n_threads):
-    """From a 256-bin histogram (the global row ``src``, staged through shared ``hist``): state[0] = the digit of the
-    ``wanted``-th largest, state[1] = how many of the wanted fall in its bin, state[2] = the bin's count. Every
-    thread calls it; it syncs."""
-    i = np.uint32(t)
-    while i < RADIX:
-        hist[i] = src[i]
-        i = np.uint32(i + n_threads)
-    cuda.syncthreads()
-    _find_digit(hist, wanted, True, state, t, n_threads)
 
 
 @cuda.jit(device=True, inline=True)
@@ -309,11 +301,9 @@ else:
                         _append_one(keys, g, h, np.uint32(first + u * step), e, pos, cand_key, cand_idx, hists)
 
 
-# 40 registers hold 6 CTAs an SM at 256 threads (42 hold 5) and these passes are bound by their loads' latency: the
-# cap keeps them there (ptxas -v, sm_90: 40 uncapped; the third byte counted in shared memory took it to 42)
-@cuda.jit(cache=True, **max_registers(40))
-def _candidates_kernel(keys, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hists,
-                       winners, any_rows, cand_key, cand_idx, list_sizes):
+@cuda.jit(device=True, inline=True)
+def _candidates_pass(keys, lengths, heads_per_session, k, sink, local, per_block, level, top_hist, hists, winners,
+                     any_rows, cand_key, cand_idx, list_sizes):
     """Grid (chunks, G, streams), one pass over the high halves of the keys of a chunk's tokens for head h (the
     split keys, ``fathom.cuda.score_keys``: word ``w`` of ``keys[g, h, 0]`` holds two tokens' high halves):
     ``level`` 0 marks the tokens above the k-th's top byte and counts the second byte of those in its bin; level 1
@@ -340,34 +330,43 @@ def _candidates_kernel(keys, lengths, heads_per_session, k, sink, local, per_blo
             for j in range(start + t, stop, n_threads):
                 _mark(winners, any_rows, g, j, bit)
         return
+    # 32-bit unsigned indices and counts in the walks: Numba types int arithmetic and range() as int64, and a signed
+    # index pays for a negative-index wraparound
+    highs_of = keys[g, h, 0]
+    step = np.uint32(n_threads)
+    end = np.uint32((((stop - 1) >> 6) + 1) << 5)  # the words of the blocks holding tokens start .. stop - 1
+    highs = cuda.local.array(SCORES_IN_FLIGHT, np.uint32)
+    p0 = np.uint32(((start >> 6) << 5) + t)
+    # the walk's first loads go out before the histograms are staged and searched: they need no digit, and their
+    # latency then overlaps the searches' instead of following them
+    for u in range(SCORES_IN_FLIGHT):
+        p = np.uint32(p0 + u * step)
+        highs[u] = highs_of[p] if p < end else np.uint32(0)
     hist = cuda.shared.array(RADIX, np.int32)
+    second_hist = cuda.shared.array(RADIX, np.int32)  # level 1: the second byte's, staged in the same round
     state = cuda.shared.array(6, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2
-    # one histogram staged a search, as the two levels need: fewer live registers (the cap above)
-    _kth_digit(top_hist[g, h], k, hist, state, t, n_threads)
+    i = np.uint32(t)
+    while i < RADIX:
+        hist[i] = top_hist[g, h, i]
+        if level == 1:
+            second_hist[i] = hists[g, h, 0, i]
+        i = np.uint32(i + n_threads)
+    cuda.syncthreads()
+    _find_digit(hist, k, True, state, t, n_threads)
     digit1 = np.uint32(state[0])
     if level == 1:
-        _kth_digit(hists[g, h, 0], state[1], hist, state[3:], t, n_threads)
+        _find_digit(second_hist, state[1], True, state[3:], t, n_threads)
     else:
         for i in range(t, RADIX, n_threads):
             hist[i] = 0
         cuda.syncthreads()
     digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
-    # 32-bit unsigned indices and counts in the walks: Numba types int arithmetic and range() as int64, and a signed
-    # index pays for a negative-index wraparound
-    highs_of = keys[g, h, 0]
-    step = np.uint32(n_threads)
     first_token = np.uint32(start)
     end_token = np.uint32(stop)
-    end = np.uint32((((stop - 1) >> 6) + 1) << 5)  # the words of the blocks holding tokens start .. stop - 1
     lane = np.uint32(t & 31)
     last = np.uint32(RADIX)
     run = np.int32(0)
-    highs = cuda.local.array(SCORES_IN_FLIGHT, np.uint32)
-    p0 = np.uint32(((start >> 6) << 5) + t)
     while p0 - lane < end:  # uniform in a warp: every lane reaches the append's votes
-        for u in range(SCORES_IN_FLIGHT):  # every load before any use: the loads fly together
-            p = np.uint32(p0 + u * step)
-            highs[u] = highs_of[p] if p < end else np.uint32(0)
         found = np.uint32(0)  # level 1: bit 2u + e, token e of word p0 + u · step is in the k-th's bin
         for u in range(SCORES_IN_FLIGHT):
             p = np.uint32(p0 + u * step)
@@ -390,10 +389,33 @@ def _candidates_kernel(keys, lengths, heads_per_session, k, sink, local, per_blo
         if level == 1:
             _append(found, p0, step, keys, g, h, cand_key, cand_idx, list_sizes, hists)
         p0 = np.uint32(p0 + SCORES_IN_FLIGHT * step)
+        for u in range(SCORES_IN_FLIGHT):  # the next round's loads, every one before any use: they fly together
+            p = np.uint32(p0 + u * step)
+            highs[u] = highs_of[p] if p < end else np.uint32(0)
     if level == 0:
         if run:
             cuda.atomic.add(hist, last, run)
         _flush(hist, hists, g, h, 0, t, n_threads)
+
+
+# A kernel a level, each compiled with its level a constant: one kernel for both held both levels' variables, and
+# ptxas spilled across its walk (sm_90 at 40 registers: 16 bytes stored, 88 loaded, a load a token of the walk).
+# 40 registers hold 6 CTAs an SM at 256 threads (42 hold 5) and these passes are bound by their loads' latency: the
+# cap keeps them there
+@cuda.jit(cache=True, **max_registers(40))
+def _first_pass_kernel(keys, lengths, heads_per_session, k, sink, local, per_block, top_hist, hists, winners,
+                       any_rows, cand_key, cand_idx, list_sizes):
+    """:func:`_candidates_pass` at level 0."""
+    _candidates_pass(keys, lengths, heads_per_session, k, sink, local, per_block, 0, top_hist, hists, winners,
+                     any_rows, cand_key, cand_idx, list_sizes)
+
+
+@cuda.jit(cache=True, **max_registers(40))
+def _second_pass_kernel(keys, lengths, heads_per_session, k, sink, local, per_block, top_hist, hists, winners,
+                        any_rows, cand_key, cand_idx, list_sizes):
+    """:func:`_candidates_pass` at level 1."""
+    _candidates_pass(keys, lengths, heads_per_session, k, sink, local, per_block, 1, top_hist, hists, winners,
+                     any_rows, cand_key, cand_idx, list_sizes)
 
 
 @cuda.jit(cache=True)
@@ -677,10 +699,9 @@ def select(keys, lengths, heads_per_session: int, k: int, sink: int, local: int,
     _checks.stream_sessions(streams, heads_per_session, lengths)
     if streams and heads and tokens:
         chunks = (math.ceil(tokens / per_block), heads, streams)
-        for level in (0, 1):
-            _candidates_kernel[chunks, threads, stream](keys, lengths, heads_per_session, k, sink, local,
-                                                        per_block, level, top_hist, hists, winners, any_rows,
-                                                        cand_key, cand_idx, list_sizes)
+        for kernel in (_first_pass_kernel, _second_pass_kernel):
+            kernel[chunks, threads, stream](keys, lengths, heads_per_session, k, sink, local, per_block, top_hist,
+                                            hists, winners, any_rows, cand_key, cand_idx, list_sizes)
         for level in (2, 3):
             _list_kernel[(list_ctas, heads, streams), threads, stream](lengths, heads_per_session, k, sink, local,
                                                                       level, top_hist, hists, cand_key, cand_idx,
