@@ -28,6 +28,9 @@
 # Twentieth session, fresh H100s: four trees at 16 x 128k (LIMIT 560, --reps 3) in one call of 434 s (94-117 s a tree,
 # compiling); three trees at 16 x 128k (LIMIT 370) then 128k x 1 (LIMIT 160) in one call of 430 s; two trees at
 # 16 x 128k with LIMIT 240 cut the second at its 120-s share while it compiled (the first took 120): give a pair 280.
+# Twenty-first session, fresh H100s: one tree's selection tests (31 s) then three trees at 16 x 128k (LIMIT 330: 90-98 s a
+# tree, compiling) and 128k x 1 (LIMIT 130: 36-43 s) in one call of 435 s. A tree's full `test` (~125 s) before the timing
+# runs compiles into the tree's own cache, not /tmp/numba-ab: the runs compile again (LIMIT 240 cut both of a pair).
 # Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
