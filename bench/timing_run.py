@@ -20,7 +20,7 @@ PROFILED_TOKENS = 3  # eager tokens per method under the profiler (--kernels), a
 
 def kernel_name(raw: str) -> str:
     """A profiler's kernel name, short: a Numba kernel of the package as ``module.function``
-    (``topk._candidates_kernel``; a factory's kernel by its factory, ``scan._scan_kernel``), any other kernel's
+    (``topk._first_pass_kernel``; a factory's kernel by its factory, ``scan._scan_kernel``), any other kernel's
     first 60 characters."""
     name = raw.split("[abi", 1)[0]
     if name.startswith("fathom::cuda::"):

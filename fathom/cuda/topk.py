@@ -238,7 +238,7 @@ else:
 @cuda.jit(device=True, inline=True)
 def _flush(hist, hists, g, h, byte, t, n_threads):
     """Add a CTA's shared 256-bin ``hist`` into ``hists[g, h, byte]`` (non-zero bins only; indexed in full: passing
-    the row as a view took the candidates kernel from 40 to 42 registers). Syncs first."""
+    the row as a view took the passes' kernel, then one for both, from 40 to 42 registers). Syncs first."""
     cuda.syncthreads()
     for i in range(t, RADIX, n_threads):
         if hist[i]:
