@@ -10,6 +10,8 @@ evaluation in torch on the GPU (:mod:`fathom.cuda.fidelity`); ``--device cpu``
 (default): CPU prefills and the NumPy evaluation (:mod:`fathom.fidelity`).
 ``--levels``: every plane method's planes read through the reconstruction
 tables calibrated on the calibration text instead of the cells' midpoints.
+``--predict``: the plan rule's pick and the baselines also scored through
+:mod:`fathom.prediction` (``[lmmse]`` curves, beside the others).
 
 Writes ``<name>.json`` (one record per method × budget, and a ``summary``),
 ``<name>.md`` and ``<name>.png`` under ``--out`` (``bench/results``; with
@@ -86,6 +88,14 @@ def method_grid(d: int, basis: str) -> list[M.Method]:
     return list({m.label(d): m for m in grid}.values())  # one method per label, in first-seen order
 
 
+def predicting_grid(grid: list[M.Method], family: str, d: int) -> list[M.Method]:
+    """``--predict``'s methods: every flat budget of the ``family`` curve in ``grid`` and the comparators the
+    summary reads (Double Sparsity at r = d/4 and at 136 bits, SparQ-68), each scoring through
+    :mod:`fathom.prediction`."""
+    comparators = {f"double-sparsity@{fixed_channel_bits(d // 4):g}", "double-sparsity@136", "sparq@68"}
+    return [M.predicting(m) for m in grid if m.name == family or m.label(d) in comparators]
+
+
 def flat_budgets(d: int) -> list[float]:
     """The budgets of every flat fathom curve at head dim ``d``: :data:`FATHOM_BUDGETS` and DS at r = d/4's bits."""
     return sorted(set(FATHOM_BUDGETS) | {fixed_channel_bits(d // 4)})
@@ -139,6 +149,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "calibration text (each cell read as the mean of the calibration keys in it) instead of "
                              "the cells' midpoints (design §2); the basis and plan rules and the per-layer plans "
                              "too; the result's name ends in -levels")
+    parser.add_argument("--predict", action="store_true",
+                        help="also score the plan rule's pick at every flat budget, Double Sparsity (r = d/4 and r = "
+                             "32) and SparQ r = 16 through fathom.prediction: the planes read predict the unread "
+                             "channels from the store's own key covariance (the same planes and bits; curves tagged "
+                             "[lmmse], reported beside the others, never the headline)")
     parser.add_argument("--device", default="cpu", help="cpu (default): CPU prefills and the NumPy evaluation; "
                         "cuda: prefills with the model on the GPU (fp32) and the evaluation in torch on the GPU")
 
@@ -356,6 +371,28 @@ def family_summary(results: list[MethodResult], family: str, d: int) -> dict:
     return out
 
 
+def predicted_summary(results: list[MethodResult], family: str, d: int) -> dict | None:
+    """``--predict``'s figures (None in a run without them): the ``family`` curve scored through
+    :mod:`fathom.prediction` against the baselines as the paper defines them (:func:`family_summary`) and against
+    the same baselines scoring through the same prediction (``_lmmse`` keys)."""
+    name = M.predicting_name(family)
+    by_label = {r.label: r for r in results}
+    if f"{name}@48" not in by_label:
+        return None
+    out = {"family": name, **family_summary(results, name, d)}
+    curve = [r for r in results if r.method == name]
+    sparq = by_label[M.predicting_name("sparq") + "@68"]
+    out.update({"sparq68_lmmse_error": sparq.rel_error,
+                "fathom48_beats_sparq68_lmmse": out["fathom48_error"] < sparq.rel_error})
+    for key, ds in _double_sparsity(by_label, d):
+        ds = by_label[M.predicting_name(ds.method) + f"@{ds.bits:g}"]
+        bits, how = equal_error_bits(curve, ds.rel_error)
+        out.update({f"ds{key}_lmmse_error": ds.rel_error, f"equal_error_bits{key}_lmmse": bits,
+                    f"equal_error_how{key}_lmmse": how,
+                    f"equal_error_saving{key}_lmmse": None if bits is None else ds.bits / bits})
+    return out
+
+
 def store_family(basis: str) -> str:
     """The fathom curve of the store the basis rule chose for the whole model: the headline of runs made before the
     per-head rule."""
@@ -393,6 +430,8 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
                **({} if gains_errors is None else {"gains_rule_errors": gains_errors,
                                                    "gains_rule": min(gains_errors, key=gains_errors.get)}),
                "families": families, "fathom_family": family,
+               **({} if plan_rule is None or predicted_summary(results, plan_rule, d) is None else
+                  {"predicted": predicted_summary(results, plan_rule, d)}),
                "fathom48_error": fathom48.rel_error, "sparq68_error": sparq68.rel_error,
                "fathom48_beats_sparq68": fathom48.rel_error < sparq68.rel_error,
                "oracle_error": by_label[f"oracle@{16 * d}"].rel_error,
@@ -463,6 +502,8 @@ def run(args: argparse.Namespace) -> Path:
                              on_head=bar.update, evaluator=evaluate_fn, gains=M.read_spec(f"{pick}@48").gains)
     seconds["per_layer_plan_s"], tick = round(time.perf_counter() - tick, 1), time.perf_counter()
     methods = method_grid(d, basis) + plans
+    if args.predict:
+        methods += predicting_grid(methods, pick, d)
     with tqdm(total=heads, desc=f"fidelity {name}", unit="head") as bar:
         results = evaluate_fn(capture, calibration, methods, sel, on_head=bar.update)
     seconds["evaluation_s"] = round(time.perf_counter() - tick, 1)
@@ -519,7 +560,8 @@ def _write_table(path: Path, records: list[dict], shape: dict, sel: Selection, i
              f"{summary['sparq68_overlap']:.3f}. {fathom48} is less accurate than {ds} on "
              f"{summary['heads_fathom48_worse_than_ds_quarter']} and than {sparq} on "
              f"{summary['heads_fathom48_worse_than_sparq68']} of {summary['heads']} (layer, KV head) pairs.", "",
-             *_family_lines(summary, shape, info.get("levels") == "calibrated"), markdown_table(kib, COLUMNS), ""]
+             *_family_lines(summary, shape, info.get("levels") == "calibrated"), *_predicted_lines(summary),
+             markdown_table(kib, COLUMNS), ""]
     key = list(dict.fromkeys([fathom48, ds, "double-sparsity@136", sparq, M.oracle().label(shape['head_dim'])]))
     hit = [fathom48, ds, sparq]
     by_label = {r["label"]: r for r in records}
@@ -580,6 +622,29 @@ def _family_lines(summary: dict, shape: dict, levels: bool = False) -> list[str]
             markdown_table(rows, columns), "", *rule]
 
 
+def _predicted_lines(summary: dict) -> list[str]:
+    """``--predict``'s paragraph: the plan rule's pick scored through the prediction, against the baselines as the
+    paper defines them and as they score through the same prediction (none in a run without it)."""
+    p = summary.get("predicted")
+    if p is None:
+        return []
+
+    def saving(key: str) -> str:
+        value = p[f"equal_error_saving{key}"]
+        return "not reached" if value is None else f"{value:.2f}×"
+
+    quarter, ds136 = summary["ds_quarter_label"], summary["ds_label"]
+    both = quarter != ds136
+    return [f"Scored through the prediction (`[lmmse]`: the planes read predict the unread channels from the store's "
+            f"own key covariance, fathom.prediction; the same planes and bits, not the headline): {p['family']}@48 "
+            f"{p['fathom48_error']:.4f} (sparq@68 {summary['sparq68_error']:.4f}, sparq[lmmse]@68 "
+            f"{p['sparq68_lmmse_error']:.4f}); equal-error saving vs {quarter} {saving('_quarter')}"
+            + (f", vs {ds136} {saving('')}" if both else "")
+            + f"; vs the same baseline through the prediction ({p['ds_quarter_lmmse_error']:.4f}) "
+            f"{saving('_quarter_lmmse')}" + (f", vs DS-136 through it {saving('_lmmse')}" if both else "") + ".",
+            ""]
+
+
 def _cache_call(family: str, levels: bool = False) -> str:
     """The FathomCache call that decodes with a fathom curve of this run (``family``: its label's name; ``levels``:
     a run through the calibrated levels), its calibration this run's ``.calibration.npz``."""
@@ -605,8 +670,10 @@ def _plot(path: Path, results: list[MethodResult], shape: dict, sel: Selection, 
         if family == "oracle":
             ax.axhline(rs[0].rel_error, color="k", ls=":", label=f"oracle (exact top-{sel.k})")
             continue
-        curve = family in FATHOM_FAMILIES + PLAN_FAMILIES  # the budgets of each store, gain model, plan: a line
-        style = ("--o" if "[gains]" in family else "-o") if curve else "s"
+        predicted = family.endswith("lmmse]")
+        curve = family in FATHOM_FAMILIES + PLAN_FAMILIES or (predicted and family.startswith("fathom"))
+        style = (":o" if predicted else "--o" if "[gains]" in family else "-o") if curve else \
+            ("x" if predicted else "s")
         ax.plot([r.bits_read for r in rs], [r.rel_error for r in rs], style, label=family, ms=5)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -34,7 +34,8 @@ from fathom.bits import row_bytes, scan_bits
 from fathom.growing import GrowingRows
 from fathom import methods as M
 from fathom.methods import HeadStats, LayerWaterfill, Method, pooled_depths
-from fathom.quantize import BLOCK
+from fathom.prediction import StoreMoments, predicted_queries, store_moments
+from fathom.quantize import BLOCK, MAX_DEPTH
 from fathom.scoring import DepthScorer, exact_scores, landmark_scores, landmarks
 from fathom.selection import Selection, select, union_rows
 from fathom.store import PlaneStore
@@ -66,6 +67,7 @@ class HeadIndex:
         self.scorers = {b: DepthScorer(s.planes(), s.scales(), self.stats[b].levels) for b, s in self.stores.items()}
         self._keys = GrowingRows(d)
         self._landmarks = GrowingRows(d, np.float16)
+        self._moments: dict[tuple[str, bytes], StoreMoments] = {}
 
     @classmethod
     def build(cls, keys: np.ndarray, calibration: dict[str, HeadStats] | None,
@@ -94,6 +96,7 @@ class HeadIndex:
         for store in self.stores.values():  # every store takes them, or none does
             store.checked(keys)
         sealed = self.stores["raw"].n_blocks
+        self._moments.clear()
         for store in self.stores.values():
             store.append(keys)
         self._keys.append(keys)
@@ -105,6 +108,15 @@ class HeadIndex:
     def store_variance(self, basis: str, blocks: np.ndarray) -> np.ndarray:
         """σ² from the store at each context: mean squared scale over the first ``blocks[p]`` blocks -> ``[P, d]``."""
         return running_scale_variance(self.stores[basis].scales(), blocks)
+
+    def store_moments(self, basis: str, blocks: np.ndarray) -> StoreMoments:
+        """The ``basis`` store's key covariance and read noise at the contexts of ``blocks [P]`` sealed blocks
+        (:func:`fathom.prediction.store_moments`); kept until the next append, for the next method that asks."""
+        key = (basis, np.asarray(blocks).tobytes())
+        if key not in self._moments:
+            scorer = self.scorers[basis]
+            self._moments[key] = store_moments([scorer.khat(t) for t in range(1, MAX_DEPTH + 1)], blocks)
+        return self._moments[key]
 
 
 def unit_stats(d: int, bases: tuple[str, ...]) -> dict[str, HeadStats]:
@@ -174,6 +186,8 @@ def method_scores(method: Method, q: np.ndarray, index: HeadIndex, blocks: np.nd
     if depths is None:
         depths = plane_depths(method, q_store, index.stats[method.basis],
                               index.store_variance(method.basis, blocks), layer)
+    if method.predicts:
+        q_store = predicted_queries(q_store, depths, index.store_moments(method.basis, blocks))
     return index.scorers[method.basis](q_store, depths), depths
 
 

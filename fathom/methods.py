@@ -332,10 +332,13 @@ class Method:
     scorer: str = "planes"
     basis: str = "raw"
     policy: DepthPolicy | None = None
+    predicts: bool = False  # scores as the prediction of q·k from the planes read (fathom.prediction)
 
     def __post_init__(self):
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}")
+        if self.predicts and self.scorer != "planes":
+            raise ValueError("predicts is a plane method's estimator: scorer must be 'planes'")
         if self.basis not in BASES + (PER_HEAD,):
             raise ValueError(f"basis must be one of {BASES + (PER_HEAD,)}, got {self.basis!r}")
         if (self.scorer == "planes") != (self.policy is not None):
@@ -385,6 +388,23 @@ class Method:
 
 def _tagged(name: str, tags: list[str]) -> str:
     return f"{name}[{','.join(tags)}]" if tags else name
+
+
+def predicting(method: Method) -> Method:
+    """``method`` scoring its planes through the prediction of :mod:`fathom.prediction` (the same depths and bits;
+    its name tagged ``lmmse``: ``fathom-mixed[gains,lmmse]``, ``double-sparsity[lmmse]``).
+
+    >>> predicting(double_sparsity(32)).label(128)
+    'double-sparsity[lmmse]@136'
+    """
+    if not method.scans_planes or method.predicts:
+        raise ValueError(f"only a plane method that does not predict yet can predict, got {method.name!r}")
+    return replace(method, name=predicting_name(method.name), predicts=True)
+
+
+def predicting_name(name: str) -> str:
+    """The name a method called ``name`` has when it predicts (:func:`predicting`): ``lmmse`` among its tags."""
+    return f"{name[:-1]},lmmse]" if name.endswith("]") else f"{name}[lmmse]"
 
 
 def _variant_tags(gains: str, pooled: bool) -> list[str]:

@@ -2,11 +2,13 @@
 capture, on any torch device (design §6).
 
 What is O(P·d) per head stays the reference's own, on the host: the depth policies
-(:func:`fathom.decode.plane_depths`), the query rotation, the landmarks, the protocol's fixed masks and the
-bit accounting (:class:`fathom.fidelity.Tally`). Every O(n) step runs in torch on ``device``:
+(:func:`fathom.decode.plane_depths`), the query rotation, the predicted queries of a method that predicts
+(:func:`fathom.prediction.predicted_queries`), the landmarks, the protocol's fixed masks and the bit accounting
+(:class:`fathom.fidelity.Tally`). Every O(n) step runs in torch on ``device``:
 
 * the dequantized copies ``k̂_1..4`` of each store (:func:`dequantized_copies`: the codes of
   :func:`fathom.quantize.quantize`, bit for bit);
+* each store's key covariance and read noise (:meth:`_Head.store_moments`), for the methods that predict;
 * the scores of a chunk of methods at every position, one GEMM per store:
   ``[q ⊙ [b_c = t]]_{c,t} @ [k̂_t[:, c]]_{c,t}ᵀ`` (the depth one-hot folded into the inner dimension);
 * the selection protocol (:func:`select_many`: sink, local, tail, top-k per head, ties to the earlier token);
@@ -44,6 +46,7 @@ from fathom.capture import Capture
 from fathom.decode import plane_depths, running_scale_variance, unit_stats
 from fathom.fidelity import MethodResult, Tally, check_levels_source, head_methods, needs_rotated
 from fathom.methods import HeadStats, Method, pooled_depths
+from fathom.prediction import StoreMoments, predicted_queries
 from fathom.quantize import BLOCK, MAX_DEPTH, check_levels
 from fathom.scoring import LANDMARK_TOKENS, landmarks
 from fathom.selection import Selection, protocol_masks
@@ -147,7 +150,7 @@ class _Head:
                                               self.stats[b].levels)
             self.copies[b] = khat.permute(1, 2, 0).reshape(self.n_sealed, d * MAX_DEPTH)  # [n, (channel, depth)]
             self.sigma2_store[b] = running_scale_variance(scales.cpu().numpy(), blocks)
-        self.device = device
+        self.device, self.blocks, self._moments = device, blocks, {}
         self.keys = torch.from_numpy(keys).to(device)
         self.q = torch.from_numpy(q).to(device)
         self.q_rotated = torch.from_numpy(self.q_store["rotated"]).to(device) if rotated else None
@@ -167,12 +170,42 @@ class _Head:
         """Exact attention of every head over its selected set ``mask bool [..., P, G, n]`` -> float64."""
         return torch.softmax(self.logits.masked_fill(~mask, float("-inf")), dim=-1) @ self.values
 
-    def plane_scores(self, basis: str, depths: np.ndarray) -> torch.Tensor:
-        """Scores of methods reading ``depths int [m, P, d]`` of the ``basis`` store -> ``[m, P, G, n_sealed]``."""
-        q = self.q if basis == "raw" else self.q_rotated  # [P, G, d]
+    def store_moments(self, basis: str) -> StoreMoments:
+        """Twin of :meth:`fathom.decode.HeadIndex.store_moments` at this head's contexts: the ``basis`` store's key
+        covariance and read noise (:func:`fathom.prediction.store_moments`), summed on the device in float64."""
+        if basis not in self._moments:
+            n, d = self.n_sealed, self.copies[basis].shape[1] // MAX_DEPTH
+            khat = self.copies[basis].reshape(n, d, MAX_DEPTH).double()
+            counts, which = np.unique(self.blocks, return_inverse=True)
+            cov, noise = [], []
+            for count in counts.tolist():
+                rows = khat[:count * BLOCK]
+                if count == 0:
+                    cov.append(torch.zeros((d, d), dtype=torch.float64, device=self.device))
+                    noise.append(torch.zeros((MAX_DEPTH, d), dtype=torch.float64, device=self.device))
+                    continue
+                full = rows[:, :, -1]
+                centred = full - full.mean(dim=0)
+                cov.append(centred.T @ centred / rows.shape[0])
+                noise.append((full[:, :, None] - rows).var(dim=0, correction=0).T)
+            self._moments[basis] = StoreMoments(torch.stack(cov).cpu().numpy(), torch.stack(noise).cpu().numpy(),
+                                                which.astype(np.int64))
+        return self._moments[basis]
+
+    def plane_queries(self, method: Method, depths: np.ndarray) -> torch.Tensor:
+        """The queries ``[P, G, d]`` a plane method scores its store with: the query in the store's basis, or its
+        prediction (:func:`fathom.prediction.predicted_queries`) for a method that predicts."""
+        if method.predicts:
+            x = predicted_queries(self.q_store[method.basis], depths, self.store_moments(method.basis))
+            return torch.from_numpy(x).to(self.device)
+        return self.q if method.basis == "raw" else self.q_rotated
+
+    def plane_scores(self, basis: str, depths: np.ndarray, queries: torch.Tensor) -> torch.Tensor:
+        """Scores of methods reading ``depths int [m, P, d]`` of the ``basis`` store with ``queries [m, P, G, d]``
+        (:meth:`plane_queries`) -> ``[m, P, G, n_sealed]``."""
         depths = torch.from_numpy(depths).to(self.device)
         at = (depths[..., None] == torch.arange(1, MAX_DEPTH + 1, device=self.device)).float()  # [m, P, d, 4]
-        folded = q[None, :, :, :, None] * at[:, :, None]  # [m, P, G, d, 4]
+        folded = queries[..., None] * at[:, :, None]  # [m, P, G, d, 4]
         return (folded.reshape(-1, folded.shape[-2] * MAX_DEPTH) @ self.copies[basis].T).reshape(
             folded.shape[:3] + (self.n_sealed,))
 
@@ -238,7 +271,9 @@ def _measure(h: _Head, methods: list[Method], chunk: range, depths: dict[int, np
     for basis in ("raw", "rotated"):
         at = [j for j, i in enumerate(chunk) if methods[i].scans_planes and methods[i].basis == basis]
         if at:
-            scores[at] = h.plane_scores(basis, np.stack([depths[chunk[j]] for j in at]))
+            read = [depths[chunk[j]] for j in at]
+            queries = torch.stack([h.plane_queries(methods[chunk[j]], r) for j, r in zip(at, read)])
+            scores[at] = h.plane_scores(basis, np.stack(read), queries)
     for j, i in enumerate(chunk):
         if methods[i].scorer == "exact":
             scores[j] = h.exact

@@ -88,6 +88,9 @@ class DecoderSettings:
     def __post_init__(self):
         if not isinstance(self.method, methods.Method):
             raise ValueError(f"method must be a fathom.methods.Method, got {type(self.method).__name__}")
+        if self.method.predicts:
+            raise ValueError(f"method {self.method.name!r} scores through fathom.prediction, which the offloaded step "
+                             "does not run (the reference backend and the fidelity bench do)")
         if not isinstance(self.selection, Selection):
             raise ValueError(f"selection must be a fathom.selection.Selection, got {type(self.selection).__name__}")
         if self.scale is not None and not (_checks.is_real(self.scale) and self.scale > 0):

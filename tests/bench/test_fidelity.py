@@ -88,7 +88,8 @@ def test_fidelity_levels_reads_every_plane_through_the_calibrated_levels(tmp_pat
     """--levels: the run's name, JSON and table say so, and every plane method's error is the evaluation's through
     the calibration's tables (checked on one method against the evaluation itself). On a smaller synthetic shape
     than --quick's (the quick run itself is checked above): the same stages, methods and files, a quarter of the
-    tokens and half the decode positions."""
+    tokens and half the decode positions. With --predict (in the same run): the plan rule's pick and the
+    comparators through the prediction, summarised beside the headline, which stays the pick's own."""
     from fathom.calibration import calibrate
     from fathom.fidelity import evaluate
     from fathom.selection import Selection
@@ -97,7 +98,7 @@ def test_fidelity_levels_reads_every_plane_through_the_calibrated_levels(tmp_pat
 
     small = dataclasses.replace(fidelity.SYNTHETIC_QUICK, tokens=1024, positions=8)
     monkeypatch.setattr(fidelity, "SYNTHETIC_QUICK", small)
-    main(["fidelity", "--synthetic", "--quick", "--levels", "--out", str(tmp_path)])
+    main(["fidelity", "--synthetic", "--quick", "--levels", "--predict", "--out", str(tmp_path)])
     payload = json.loads((tmp_path / "fidelity-synthetic-quick-levels.json").read_text())
     assert payload["levels"] == "calibrated" and "--levels" in payload["command"]
     assert payload["capture"]["tokens"] == 1024  # the small shape ran
@@ -107,6 +108,20 @@ def test_fidelity_levels_reads_every_plane_through_the_calibrated_levels(tmp_pat
                        Selection(**payload["selection"]), levels=True)
     got = next(r for r in payload["records"] if r["label"] == "sparq@68")
     assert got["rel_error"] == pytest.approx(want.rel_error, rel=1e-12)
+    summary, records = payload["summary"], {r["label"]: r for r in payload["records"]}
+    predicted = summary["predicted"]
+    assert predicted["family"] == M.predicting_name(summary["plan_rule"]) and summary["fathom_family"] == \
+        summary["plan_rule"]  # beside the headline, not it
+    curve = [r for r in payload["records"] if r["method"] == predicted["family"]]
+    assert [r["bits"] for r in curve] == [r["bits"] for r in payload["records"] if r["method"] == summary["plan_rule"]]
+    for label in ("sparq[lmmse]@68", "double-sparsity[lmmse]@136"):
+        assert label in records
+    assert predicted["fathom48_error"] == records[f"{predicted['family']}@48"]["rel_error"]
+    assert predicted["ds_lmmse_error"] == records["double-sparsity[lmmse]@136"]["rel_error"]
+    (want,) = evaluate(generate(small), calibrate(generate(calibration_text)), [M.predicting(M.sparq(16))],
+                       Selection(**payload["selection"]), levels=True)
+    assert records["sparq[lmmse]@68"]["rel_error"] == pytest.approx(want.rel_error, rel=1e-12)
+    assert "Scored through the prediction" in (tmp_path / "fidelity-synthetic-quick-levels.md").read_text()
 
 
 def test_equal_error_bits_interpolates_in_log_log_and_says_when_it_cannot():

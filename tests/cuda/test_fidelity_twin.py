@@ -23,7 +23,9 @@ GRID = [M.fathom(24), M.fathom(24, "calibration"), M.fathom_rotated(24), M.fatho
         M.fathom_mixed(24), M.fathom_mixed(24, "calibrated"), M.fathom(24, pooled=True),
         M.fathom_mixed(24, pooled=True), M.fathom_mixed(24, "calibrated", pooled=True), M.sparq(4),
         M.double_sparsity(4), M.loki(4),
-        M.thumbnail(2), M.landmark(), M.oracle(), M.dense()]
+        M.thumbnail(2), M.landmark(), M.oracle(), M.dense(),
+        M.predicting(M.fathom(24)), M.predicting(M.fathom_mixed(24, "calibrated", pooled=True)),
+        M.predicting(M.double_sparsity(4))]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,8 @@ def test_twin_equals_the_numpy_evaluation_for_every_method(small):
     _assert_equal_results(twin.evaluate(capture, calibration, GRID, sel), want, rtol=1e-9)
     # chunks of one method at a time give the same numbers
     _assert_equal_results(twin.evaluate(capture, calibration, GRID, sel, chunk_elements=1), want, rtol=1e-9)
-    assert want[-1].rel_error == 0 and want[-1].oracle_overlap == want[-2].oracle_overlap == 1
+    dense, oracle = want[GRID.index(M.dense())], want[GRID.index(M.oracle())]
+    assert dense.rel_error == 0 and dense.oracle_overlap == oracle.oracle_overlap == 1
     assert 0 < want[0].oracle_overlap < 1 and len(want[0].rel_error_per_head) == SMALL.layers
 
 
@@ -118,7 +121,7 @@ def test_twin_on_the_gpu_equals_the_reference_except_float_ties():
     calibration = calibrate(generate(SyntheticConfig(**{**config.__dict__, "text_seed": 1})))
     sel = Selection(k=128)
     grid = [M.fathom(48), M.fathom_rotated(48), M.sparq(16), M.double_sparsity(16), M.loki(16), M.thumbnail(2),
-            M.landmark(), M.oracle(), M.dense()]
+            M.landmark(), M.predicting(M.fathom(48)), M.predicting(M.fathom_rotated(48)), M.oracle(), M.dense()]
     pooled = [M.fathom(48, pooled=True), M.fathom_rotated(48, gains="calibrated", pooled=True)]
     for levels in (False, True):
         _assert_equal_results(twin.evaluate(capture, calibration, grid + pooled, sel, levels=levels, device="cuda"),
@@ -135,7 +138,8 @@ def test_twin_on_the_gpu_equals_the_reference_except_float_ties():
         scores, depths = method_scores(method, capture.queries[0, 0], index, blocks, layer=0)
         want = select_many(scores, capture.positions + 1, blocks * 64, sel, n)
         got_scores = head.exact if method.scorer == "exact" else head.landmark_scores() \
-            if method.scorer == "landmark" else head.plane_scores(method.basis, depths[None])[0]
+            if method.scorer == "landmark" else \
+            head.plane_scores(method.basis, depths[None], head.plane_queries(method, depths)[None])[0]
         got = twin.select_many(got_scores, head.keep, head.candidate, sel.k).cpu().numpy()
         differ = got != want
         kth = np.sort(np.where(want[..., :scores.shape[-1]] & candidate[:, None, :scores.shape[-1]], scores,

@@ -585,6 +585,8 @@ def test_bad_input_raises_before_any_kernel():
                               ({"scale": "2"}, "scale must be finite")):
         with pytest.raises(ValueError, match=message):
             DecoderSettings(methods.fathom(12.0), **settings)
+    with pytest.raises(ValueError, match="scores through fathom.prediction, which the offloaded step does not run"):
+        DecoderSettings(methods.predicting(methods.fathom(12.0)))
     for layers in ([1.9], [True]):
         with pytest.raises(ValueError, match="layers must be a non-empty list of layers"):
             StepGraph(decoder, layers=layers)
