@@ -415,7 +415,8 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
     model (``basis``; runs made before the per-head rule).
     ``plan_errors``: the plan rule's errors on calibration text (:func:`choose_plan`), recorded with its pick;
     ``gains_errors``: the gains rule's of runs made before the plan rule (design §5's or the calibrated gains on
-    the per-head store, planned per query group), kept as they were recorded."""
+    the per-head store, planned per query group), kept as they were recorded. A ``--predict`` run also gets
+    ``predicted`` (:func:`predicted_summary` of the plan rule's pick), beside the headline."""
     by_label = {r.label: r for r in results}
     present = {r.method for r in results}
     plan_rule = None if plan_errors is None else min(plan_errors, key=plan_errors.get)
@@ -424,14 +425,14 @@ def summarize(results: list[MethodResult], d: int, basis: str, basis_errors: dic
     fathom48 = by_label[f"{family}@48"]
     sparq68 = by_label["sparq@68"]
     families = {f: family_summary(results, f, d) for f in FATHOM_FAMILIES + PLAN_FAMILIES if f in present}
+    predicted = None if plan_rule is None else predicted_summary(results, plan_rule, d)
     summary = {"basis": basis, "variance": M.DEFAULT_VARIANCE[basis], "basis_rule_errors": basis_errors,
                "heads_rotated": heads_rotated, "plan_rule_errors": plan_errors,
                "plan_rule": plan_rule,
                **({} if gains_errors is None else {"gains_rule_errors": gains_errors,
                                                    "gains_rule": min(gains_errors, key=gains_errors.get)}),
                "families": families, "fathom_family": family,
-               **({} if plan_rule is None or predicted_summary(results, plan_rule, d) is None else
-                  {"predicted": predicted_summary(results, plan_rule, d)}),
+               **({} if predicted is None else {"predicted": predicted}),
                "fathom48_error": fathom48.rel_error, "sparq68_error": sparq68.rel_error,
                "fathom48_beats_sparq68": fathom48.rel_error < sparq68.rel_error,
                "oracle_error": by_label[f"oracle@{16 * d}"].rel_error,
