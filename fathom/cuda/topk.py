@@ -342,25 +342,19 @@ def _candidates_pass(keys, lengths, heads_per_session, k, sink, local, per_block
     for u in range(SCORES_IN_FLIGHT):
         p = np.uint32(p0 + u * step)
         highs[u] = highs_of[p] if p < end else np.uint32(0)
-    hist = cuda.shared.array(RADIX, np.int32)
-    second_hist = cuda.shared.array(RADIX, np.int32)  # level 1: the second byte's, staged in the same round
-    state = cuda.shared.array(6, np.int64)  # digit 1, wanted in its bin, its count; the same of digit 2
-    i = np.uint32(t)
-    while i < RADIX:
-        hist[i] = top_hist[g, h, i]
-        if level == 1:
-            second_hist[i] = hists[g, h, 0, i]
-        i = np.uint32(i + n_threads)
-    cuda.syncthreads()
-    _find_digit(hist, k, True, state, t, n_threads)
-    digit1 = np.uint32(state[0])
-    if level == 1:
-        _find_digit(second_hist, state[1], True, state[3:], t, n_threads)
-    else:
-        for i in range(t, RADIX, n_threads):
+    hist = cuda.shared.array(RADIX, np.int32)  # level 0: the second byte's counts in the k-th's top-byte bin
+    staged = cuda.shared.array((2, RADIX), np.int32)  # the top byte's histogram; level 1: the second byte's too
+    state = cuda.shared.array(3, np.int64)
+    if level == 0:  # cleared before the search's first barrier, which orders it before the walk's counts
+        i = np.uint32(t)
+        while i < RADIX:
             hist[i] = 0
-        cuda.syncthreads()
-    digit2 = np.uint32(state[3]) if level == 1 else np.uint32(0)
+            i = np.uint32(i + n_threads)
+    # both levels' histograms staged in one round and walked by one warp: two barriers, where a block-wide search a
+    # level took two each (and level 0 one more to clear its histogram)
+    prefix, _, _ = _threshold(top_hist, hists, g, h, k, level + 1, staged, state, t, n_threads)
+    digit1 = prefix >> np.uint32(24)
+    digit2 = (prefix >> np.uint32(16)) & np.uint32(0xFF)  # level 0: 0, not read
     first_token = np.uint32(start)
     end_token = np.uint32(stop)
     lane = np.uint32(t & 31)
