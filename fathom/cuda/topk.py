@@ -645,6 +645,25 @@ def list_ctas_for(streams: int, heads: int, multiprocessors: int) -> int:
     return max(4, -(-4 * multiprocessors // max(streams * heads, 1)))
 
 
+PASS_TOKENS = 8192  # tokens a CTA of the passes over the scores walks, at least
+MAX_PASS_TOKENS = 16384  # and at most: the longest walk measured
+PASS_CTAS_PER_SM = 16  # the passes' CTAs an SM below which a CTA's tokens are not doubled
+
+
+def pass_tokens_for(streams: int, heads: int, tokens: int, multiprocessors: int) -> int:
+    """Tokens a CTA of the two passes over the scores walks (:func:`select`'s ``per_block``): :data:`PASS_TOKENS`,
+    doubled up to :data:`MAX_PASS_TOKENS` while the passes' grid over ``tokens`` would still hold
+    :data:`PASS_CTAS_PER_SM` CTAs an SM. A CTA pays a
+    fixed chain (staging and searching the histograms, their barriers) before its few rounds of loads, so where a
+    layer's CTAs come in many waves fewer and longer ones do less of it; where they do not fill the GPU, shorter ones
+    spread the walk. Measured on an H100 (the selection alone, ``python -m bench.select_probe``, 36 layers): 16
+    ragged sessions of 128k 8.45 -> 7.78 ms at 16,384 tokens a CTA; one session 1.66 -> 1.81 ms."""
+    per = PASS_TOKENS
+    while per < MAX_PASS_TOKENS and streams * heads * -(-tokens // (2 * per)) >= PASS_CTAS_PER_SM * multiprocessors:
+        per *= 2
+    return per
+
+
 def select(keys, lengths, heads_per_session: int, k: int, sink: int, local: int, top_hist, hists, cand_key,
            cand_idx, list_sizes, ties, winners, any_rows, threads: int = 256, select_threads: int = MAX_THREADS,
            per_block: int = 8192, list_ctas: int = 4, stream=0) -> None:

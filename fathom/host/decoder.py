@@ -51,7 +51,7 @@ from fathom.cuda.interop import DEVICE, SIMULATED, as_array, multiprocessors
 from fathom.cuda.row_cache import assign_slots, parts_pay, scratch_shapes
 from fathom.cuda.score_keys import HALVES, key_columns
 from fathom.cuda.scan import MAX_HEADS as MAX_GROUP_SIZE  # query heads a scan CTA accumulates
-from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, select, union_blocks, union_rows
+from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, pass_tokens_for, select, union_blocks, union_rows
 from fathom.decode import step_bits
 from fathom.host.cache import FLOAT_DTYPES, STATE, HostKVCache
 from fathom.host.launch import Launch, run_launches
@@ -166,6 +166,7 @@ class Decoder:
         self.miss_rows = zeros((streams, cached_rows), torch.int32)
         sm_count = multiprocessors()
         self.list_ctas = list_ctas_for(streams, self.group_size, sm_count)
+        self.pass_tokens = pass_tokens_for(streams, self.group_size, tokens, sm_count)
         # the slot assignment in parts where a layer's streams leave most multiprocessors idle (on a GPU; the
         # simulator's one runs a CTA a stream); its scratch (age histogram, victims a part, threshold age) is shared
         # by the layers' steps
@@ -274,7 +275,8 @@ class Decoder:
                                                         a["top_hist"], a["hists"], cand_key, a["cand_idx"],
                                                         a["list_sizes"], a["ties"], winners, any_rows, threads,
                                                         select_threads=self.settings.ties_threads,
-                                                        list_ctas=self.list_ctas, stream=stream)]),
+                                                        per_block=self.pass_tokens, list_ctas=self.list_ctas,
+                                                        stream=stream)]),
                       ("union", [lambda stream: union_rows(any_rows, winners, lengths, heads, a["block_rows"],
                                                            a["row_index"], a["head_mask"], a["n_rows"], threads,
                                                            stream)])]
