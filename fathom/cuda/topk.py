@@ -27,7 +27,11 @@ uses any (one dependent load per token was the walk's chain: 5-7% less candidate
 searches the histograms (they need no digit), and the second pass stages its two histograms in one round: a CTA of
 a pass walks only four rounds at 128k, so each dependent trip to memory before its walk is a large part of it
 (with a kernel a pass, compiled without spills: both passes 8.93 -> 7.44 ms a token at 16 × 128k, 1.44 -> 1.22 ms
-at 128k × 1 on two H100s). Loading fewer words does not pay: a second pass that loaded only the blocks a note from
+at 128k × 1 on two H100s). Both passes find their digits as the list kernels do (:func:`_threshold`: one warp walks
+the staged levels with no barrier between them; a CTA of the second pass reaches 2 barriers before its walk, of the
+first 3 in all, where each took 5), and at many sessions a CTA walks 16,384 tokens, not 8,192
+(:func:`pass_tokens_for`): both passes 7.44 -> 7.09 -> 6.62 ms a token at 16 × 128k (the token 36.0 -> 34.8-35.3
+ms), 1.21 -> 1.16 ms at 128k × 1, on one H100. Loading fewer words does not pay: a second pass that loaded only the blocks a note from
 the first said may hold its tokens (a quarter of them) took 3.79 ms where this one takes 3.90 (docs/results.md).
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
@@ -653,11 +657,14 @@ PASS_CTAS_PER_SM = 16  # the passes' CTAs an SM below which a CTA's tokens are n
 def pass_tokens_for(streams: int, heads: int, tokens: int, multiprocessors: int) -> int:
     """Tokens a CTA of the two passes over the scores walks (:func:`select`'s ``per_block``): :data:`PASS_TOKENS`,
     doubled up to :data:`MAX_PASS_TOKENS` while the passes' grid over ``tokens`` would still hold
-    :data:`PASS_CTAS_PER_SM` CTAs an SM. A CTA pays a
-    fixed chain (staging and searching the histograms, their barriers) before its few rounds of loads, so where a
-    layer's CTAs come in many waves fewer and longer ones do less of it; where they do not fill the GPU, shorter ones
-    spread the walk. Measured on an H100 (the selection alone, ``python -m bench.select_probe``, 36 layers): 16
-    ragged sessions of 128k 8.45 -> 7.78 ms at 16,384 tokens a CTA; one session 1.66 -> 1.81 ms."""
+    :data:`PASS_CTAS_PER_SM` CTAs an SM. A CTA pays a fixed chain (staging and searching the histograms, their
+    barriers) before its few rounds of loads, so where a layer's CTAs come in many waves fewer and longer ones pay it
+    less often; where they do not fill the GPU, shorter ones spread the walk. Measured on H100s, 36 layers: the
+    selection alone (``python -m bench.select_probe``), 16 ragged sessions of 128k 8.45 -> 7.78 ms a token at 16,384
+    tokens a CTA, one session 1.66 -> 1.81 ms; in the whole 16-session token (``bench timing``, graph mode) both
+    passes 7.09 -> 6.62 ms and the token 35.71 -> 34.83 ms. One session of 128k or 1M keeps 8,192.
+
+    Example: ``pass_tokens_for(16 * 8, 4, 131072, 132)`` is 16384; ``pass_tokens_for(8, 4, 131072, 132)`` 8192."""
     per = PASS_TOKENS
     while per < MAX_PASS_TOKENS and streams * heads * -(-tokens // (2 * per)) >= PASS_CTAS_PER_SM * multiprocessors:
         per *= 2
@@ -683,7 +690,8 @@ def select(keys, lengths, heads_per_session: int, k: int, sink: int, local: int,
         winners: uint32 ``[streams, T]`` and any_rows: uint64 ``[streams, ceil(T / 64)]``, zero as allocated and as
             :func:`union_rows` leaves them.
         threads: per CTA of the passes over the scores and over the lists, whole warps; select_threads: per CTA of
-            the ties kernel (one a head); per_block: tokens per CTA of the two passes over the scores; list_ctas: CTAs
+            the ties kernel (one a head); per_block: tokens per CTA of the two passes over the scores
+            (:func:`pass_tokens_for`); list_ctas: CTAs
             a head of the two passes over its list (:func:`list_ctas_for`).
 
     Example (``keys``: the scan's uint32 ``[streams, G, 2, key_columns(T)]``, ``hist``: its counts of the top bytes):
