@@ -9,7 +9,8 @@ from numba import cuda
 
 from fathom.cuda.block import exclusive_scan
 from fathom.cuda.score_keys import score_keys
-from fathom.cuda.topk import _find_digit, select, union_blocks, union_rows
+from fathom.cuda.topk import MAX_PASS_TOKENS, PASS_CTAS_PER_SM, PASS_TOKENS, _find_digit, pass_tokens_for, select, \
+    union_blocks, union_rows
 from fathom.selection import Selection
 from fathom.selection import select as ref_select
 from tests.cuda.helpers import top_byte_histogram
@@ -79,6 +80,18 @@ def test_select_and_union_match_reference(seed, sessions, kv_heads, heads, k, si
     lengths = rng.integers(1, tokens + 1, sessions).astype(np.int32)
     scores = _scores(rng, sessions * kv_heads, heads, tokens, levels)
     _select_matches_reference(scores, lengths, kv_heads, k, sink, local, threads, per_block, list_ctas, capacity)
+
+
+@given(streams=st.integers(1, 4096), heads=st.integers(1, 8), tokens=st.integers(1, 2**21),
+       multiprocessors=st.integers(1, 264))
+def test_pass_tokens_double_only_while_the_passes_grid_stays_many_waves_deep(streams, heads, tokens, multiprocessors):
+    """The passes' tokens a CTA: 8,192, or 16,384 where the grid at 16,384 still holds 16 CTAs an SM (never more:
+    the longest walk measured); one session of 128k or 1M on an H100's 132 SMs keeps 8,192, 16 sessions double."""
+    per = pass_tokens_for(streams, heads, tokens, multiprocessors)
+    doubled = streams * heads * -(-tokens // MAX_PASS_TOKENS) >= PASS_CTAS_PER_SM * multiprocessors
+    assert per == (MAX_PASS_TOKENS if doubled else PASS_TOKENS)
+    assert [pass_tokens_for(8 * s, 4, n, 132) for s, n in ((1, 2**17), (1, 2**20), (16, 2**17))] == \
+        [8192, 8192, 16384]
 
 
 @pytest.mark.parametrize("capacity", [1, 320])
