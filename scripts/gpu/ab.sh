@@ -31,6 +31,10 @@
 # Twenty-first session, fresh H100s: one tree's selection tests (31 s) then three trees at 16 x 128k (LIMIT 330: 90-98 s a
 # tree, compiling) and 128k x 1 (LIMIT 130: 36-43 s) in one call of 435 s. A tree's full `test` (~125 s) before the timing
 # runs compiles into the tree's own cache, not /tmp/numba-ab: the runs compile again (LIMIT 240 cut both of a pair).
+# Twenty-third session, a fresh H100: four trees at 16 x 128k (LIMIT 460, --reps 3) were all cut at their ~114-s shares
+# while compiling (give a fresh machine's tree >= 150 s); the next call on the warm machine, .ab carried again, ran the
+# same four in 80 s each (321 s: the carried trees' kernels were found in /tmp/numba-ab), a new tree beside a cached
+# one in 108 s, and `test` of one tree took 147 s.
 # Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
