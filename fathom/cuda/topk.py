@@ -31,8 +31,9 @@ at 128k × 1 on two H100s). Both passes find their digits as the list kernels do
 the staged levels with no barrier between them; a CTA of the second pass reaches 2 barriers before its walk, of the
 first 3 in all, where each took 5), and at many sessions a CTA walks 16,384 tokens, not 8,192
 (:func:`pass_tokens_for`): both passes 7.44 -> 7.09 -> 6.62 ms a token at 16 × 128k (the token 36.0 -> 34.8-35.3
-ms), 1.21 -> 1.16 ms at 128k × 1, on one H100. Loading fewer words does not pay: a second pass that loaded only the blocks a note from
-the first said may hold its tokens (a quarter of them) took 3.79 ms where this one takes 3.90 (docs/results.md).
+ms), 1.21 -> 1.16 ms at 128k × 1, on one H100. Loading fewer words does not pay: a second pass that loaded only the
+blocks a note from the first said may hold its tokens (a quarter of them) took 3.79 ms where this one took 3.90
+(docs/results.md).
 
 Winners set bit ``h`` of a per-token head mask and bit ``j % 64`` of a per-stream row bitmap. ``union_rows``
 compacts the bitmap into the ascending row list of each KV head with each row's head mask (popcounts, then a write
@@ -691,8 +692,8 @@ def select(keys, lengths, heads_per_session: int, k: int, sink: int, local: int,
             :func:`union_rows` leaves them.
         threads: per CTA of the passes over the scores and over the lists, whole warps; select_threads: per CTA of
             the ties kernel (one a head); per_block: tokens per CTA of the two passes over the scores
-            (:func:`pass_tokens_for`); list_ctas: CTAs
-            a head of the two passes over its list (:func:`list_ctas_for`).
+            (:func:`pass_tokens_for`); list_ctas: CTAs a head of the two passes over its list
+            (:func:`list_ctas_for`).
 
     Example (``keys``: the scan's uint32 ``[streams, G, 2, key_columns(T)]``, ``hist``: its counts of the top bytes):
         select(keys, lengths, H, 512, 4, 32, hist, hists, cand_key, cand_idx, list_sizes, ties, winners, any_rows,
