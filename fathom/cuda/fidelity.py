@@ -172,23 +172,31 @@ class _Head:
 
     def store_moments(self, basis: str) -> StoreMoments:
         """Twin of :meth:`fathom.decode.HeadIndex.store_moments` at this head's contexts: the ``basis`` store's key
-        covariance and read noise (:func:`fathom.prediction.store_moments`), summed on the device in float64."""
+        covariance and read noise, summed on the device in float64 as :func:`fathom.prediction.store_moments` sums
+        them (running sums over the blocks up to each context: one pass over the keys)."""
         if basis not in self._moments:
             n, d = self.n_sealed, self.copies[basis].shape[1] // MAX_DEPTH
             khat = self.copies[basis].reshape(n, d, MAX_DEPTH).double()
             counts, which = np.unique(self.blocks, return_inverse=True)
-            cov, noise = [], []
-            for count in counts.tolist():
-                rows = khat[:count * BLOCK]
-                if count == 0:
-                    cov.append(torch.zeros((d, d), dtype=torch.float64, device=self.device))
-                    noise.append(torch.zeros((MAX_DEPTH, d), dtype=torch.float64, device=self.device))
-                    continue
+            zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=self.device)  # noqa: E731
+            total, outer, gap, gap2 = zeros(d), zeros(d, d), zeros(d, MAX_DEPTH), zeros(d, MAX_DEPTH)
+            cov, noise = zeros(len(counts), d, d), zeros(len(counts), d, MAX_DEPTH)
+            start = 0
+            for u, count in enumerate(counts.tolist()):
+                stop = count * BLOCK
+                rows = khat[start:stop]  # [m, d, depth]
                 full = rows[:, :, -1]
-                centred = full - full.mean(dim=0)
-                cov.append(centred.T @ centred / rows.shape[0])
-                noise.append((full[:, :, None] - rows).var(dim=0, correction=0).T)
-            self._moments[basis] = StoreMoments(torch.stack(cov).cpu().numpy(), torch.stack(noise).cpu().numpy(),
+                diff = full[:, :, None] - rows  # k̂_4 − k̂_t
+                total += full.sum(dim=0)
+                outer += full.T @ full
+                gap += diff.sum(dim=0)
+                gap2 += (diff * diff).sum(dim=0)
+                if stop:  # no block sealed yet: zero moments, as the reference's
+                    mean = total / stop
+                    cov[u] = outer / stop - torch.outer(mean, mean)
+                    noise[u] = gap2 / stop - (gap / stop) ** 2
+                start = stop
+            self._moments[basis] = StoreMoments(cov.cpu().numpy(), noise.transpose(1, 2).cpu().numpy(),
                                                 which.astype(np.int64))
         return self._moments[basis]
 
