@@ -152,13 +152,16 @@ def scan_kernel_sass(heads: int, cap: int = 128, warps: int = 32, levels: bool =
     from numba import types as T
 
     from fathom.cuda import scan
+    from fathom.cuda.interop import launch_bounds
 
+    resident = scan.resident_ctas(warps)
     warps, per_warp = scan.launch_shape(heads, cap, warps)
-    kernel = scan._scan_kernel(heads, warps, per_warp, levels)
+    kernel = scan._scan_kernel(heads, warps, per_warp, levels, resident)
     f32, i64, keys = T.float32[:, :, ::1], T.int64, T.uint32[:, :, :, ::1]
     signature = (f32, T.int8[:, ::1], T.int32[::1], i64, T.uint64[::1], T.uint64[::1]) + (i64,) * 8 \
         + (keys, T.int32[:, :, ::1], T.float32[::1] if levels else f32)  # the midpoint kernel is given q as its table
-    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0), launch_bounds=32 * warps)
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0),
+                              **launch_bounds(32 * warps, resident))  # the scan's own bounds (bench.sass: not simulated)
     with tempfile.TemporaryDirectory() as tmp:
         source, cubin = Path(tmp) / "scan.ptx", Path(tmp) / "scan.cubin"
         source.write_text(ptx)

@@ -29,10 +29,13 @@ def as_array(tensor: torch.Tensor):
     return cuda.as_cuda_array(tensor.detach(), sync=False)  # one stream: no host sync on the tensor's stream
 
 
-def launch_bounds(threads: int) -> dict:
-    """``cuda.jit`` options capping a kernel at ``threads`` per block, so it compiles within that many registers
-    (the simulator takes no such option)."""
-    return {} if SIMULATED else {"launch_bounds": threads}
+def launch_bounds(threads: int, ctas_per_sm: int = 1) -> dict:
+    """``cuda.jit`` options capping a kernel at ``threads`` per block and asking for ``ctas_per_sm`` such blocks
+    resident on a multiprocessor, so it compiles within the registers that many CTAs leave a thread (65,536 /
+    (threads · ctas_per_sm)); the simulator takes no such option."""
+    if SIMULATED:
+        return {}
+    return {"launch_bounds": threads if ctas_per_sm == 1 else (threads, ctas_per_sm)}
 
 
 def max_registers(count: int) -> dict:

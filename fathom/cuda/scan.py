@@ -75,7 +75,8 @@ from fathom.quantize import BLOCK, CELLS, PLANES
 
 MAX_D = 256
 MAX_HEADS = 8
-CHUNK_WORDS = 3072  # run words staged per chunk (24 KiB; a chunk may overrun by one run) at G <= 4
+SM_THREADS = 1024  # a multiprocessor's resident scan threads: one CTA of 32 warps, two of 16, four of 8
+CHUNK_WORDS = 3072  # run words staged per chunk on an SM (24 KiB; a chunk may overrun by one run) at G <= 4
 # Blocks a CTA scores: its staging buffer holds a chunk plus one run of up to 4 planes of them. At G = 1, 32 warps of
 # 16 blocks (512) would declare 52 KB of static shared memory, past the 48 KB a CTA may (ptxas refuses the kernel).
 MAX_CTA_BLOCKS = 256
@@ -88,6 +89,22 @@ _KERNELS: dict[tuple, object] = {}
 def blocks_per_warp(heads: int) -> int:
     """64-token blocks per warp: ``2 · blocks · heads`` fp32 accumulators per thread, at most 32."""
     return 1 << int(math.log2(max(16 // heads, 1)))
+
+
+def resident_ctas(warps: int) -> int:
+    """CTAs the scan is compiled to keep on a multiprocessor when asked for CTAs of ``warps`` warps:
+    :data:`SM_THREADS` threads in all, so a thread has the registers a CTA of 32 warps leaves it (64) at every CTA
+    size: a smaller CTA is a finer grain, not fewer warps an SM. (A launch shape with fewer warps than asked, G = 1's
+    eight, keeps the registers its own size leaves.)"""
+    return max(1, SM_THREADS // (32 * warps))
+
+
+def staged_words(heads: int, resident: int) -> int:
+    """Run words a CTA stages per chunk when ``resident`` CTAs share a multiprocessor: :data:`CHUNK_WORDS` an SM,
+    halved at G > 4 (within 48 KiB of shared memory beside G's arrays), shared among them, so a thread of a finer
+    grain holds as many words as one of a 32-warp CTA (more spill the held words to local memory, whose stores wait
+    for their loads: ptxas, sm_90)."""
+    return (CHUNK_WORDS if heads <= 4 else CHUNK_WORDS // 2) // resident
 
 
 def launch_shape(heads: int, cap: int, warps: int) -> tuple[int, int]:
@@ -158,14 +175,14 @@ def scan_levels(levels: np.ndarray) -> np.ndarray:
     return out
 
 
-def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
-    key = (heads, warps, per_warp, levels)
+def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool, resident: int):
+    key = (heads, warps, per_warp, levels, resident)
     if key in _KERNELS:
         return _KERNELS[key]
     threads = 32 * warps
     per_cta = warps * per_warp  # blocks per CTA
     max_run = per_cta // SCALES_PER_WORD + 2 + PLANES * per_cta  # words of the longest run (scale words + planes)
-    chunk_words = CHUNK_WORDS if heads <= 4 else CHUNK_WORDS // 2  # within 48 KiB of shared memory with G's arrays
+    chunk_words = staged_words(heads, resident)
     buffer_words = chunk_words + max_run
     held_words = -(-buffer_words // threads)  # registers per thread holding the next chunk
     slots = MAX_D + 1  # shared sizes must be constants, not expressions, for Numba on the GPU
@@ -181,7 +198,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool):
     first_bit = 8 if levels else 16  # where plane 0's bit lands
     first_shift = 29 if levels else 28  # the right shift taking a token's plane-0 bit there, less its lane
 
-    @cuda.jit(cache=True, **launch_bounds(threads))  # its closure holds only integers: cached on disk
+    @cuda.jit(cache=True, **launch_bounds(threads, resident))  # its closure holds only integers: cached on disk
     def kernel(q, depths, lengths, heads_per_session, near, far, n_seg, cap, scale_words, near_record_words,
                far_record_words, hbm_planes, sink, local, keys, top_hist, cells):
         g = cuda.blockIdx.x
@@ -417,6 +434,7 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
                              f"{levels.dtype} {levels.shape}")
         if not levels.is_c_contiguous():  # read flat: a view's strides would be misread
             raise ValueError("levels must be C-contiguous (scan_levels lays a table out so)")
+    resident = resident_ctas(warps)
     warps, per_warp = launch_shape(heads, layout.cap, warps)
     if layout.cap % (warps * per_warp):
         raise ValueError(f"segment capacity {layout.cap} must be a multiple of {warps * per_warp} blocks per CTA")
@@ -428,7 +446,7 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
         grid = (streams, parts)  # streams fastest: CTAs start segment by segment, the sessions' last ones last
         # the midpoint kernel never reads the table: q stands in for it (no allocation, which a graph capture forbids)
         cells = q if levels is None else levels.reshape(levels.size)
-        _scan_kernel(heads, warps, per_warp, levels is not None)[grid, 32 * warps, stream](
+        _scan_kernel(heads, warps, per_warp, levels is not None, resident)[grid, 32 * warps, stream](
             q, depths, lengths, heads_per_session, near, far, layout.segments, layout.cap, layout.scale_words,
             layout.near_record_words, layout.far_record_words, layout.hbm_planes, sink, local, keys, top_hist,
             cells)

@@ -250,18 +250,18 @@ def test_every_launch_shape_fits_in_static_shared_memory():
     the staging buffer of 512-block runs took 52 KB, so segments of 512 blocks or more could not scan at all. The
     sizes below are the kernel's shared arrays (checked against its PTX)."""
     from fathom.cuda.block import RADIX
-    from fathom.cuda.scan import CHUNK_WORDS, MAX_CTA_BLOCKS, MAX_D, MAX_HEADS, launch_shape
+    from fathom.cuda.scan import MAX_CTA_BLOCKS, MAX_D, MAX_HEADS, launch_shape, resident_ctas, staged_words
 
     for heads in range(1, MAX_HEADS + 1):
         for cap in (2**i for i in range(13)):
-            warps, per_warp = launch_shape(heads, cap, 32)
-            per_cta = warps * per_warp
-            assert per_cta <= MAX_CTA_BLOCKS and cap % per_cta == 0
-            chunk_words = CHUNK_WORDS if heads <= 4 else CHUNK_WORDS // 2
-            buffer_words = chunk_words + per_cta // 4 + 2 + 4 * per_cta
-            shared = 4 * (MAX_D + MAX_D + (MAX_D + 1) + (MAX_D + 2) + MAX_D * heads + 32 * warps + 2 + heads * RADIX) \
-                + 8 * buffer_words
-            assert shared <= 48 * 1024, (heads, cap, warps, per_warp, shared)
+            for asked in (32, 16, 8, 1):
+                warps, per_warp = launch_shape(heads, cap, asked)
+                per_cta = warps * per_warp
+                assert per_cta <= MAX_CTA_BLOCKS and cap % per_cta == 0
+                buffer_words = staged_words(heads, resident_ctas(asked)) + per_cta // 4 + 2 + 4 * per_cta
+                shared = 8 * buffer_words + 4 * (MAX_D + MAX_D + (MAX_D + 1) + (MAX_D + 2) + MAX_D * heads
+                                                 + 32 * warps + 2 + heads * RADIX)
+                assert shared <= 48 * 1024, (heads, cap, warps, per_warp, shared)
 
 
 def test_the_scan_refuses_a_layout_or_group_it_cannot_address():
