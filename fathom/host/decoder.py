@@ -61,7 +61,7 @@ from fathom.selection import Selection
 
 STAGES = ("plan", "scan", "select", "union", "slots", "attention")  # a step's stages in order (run's on_stage)
 # Launch sizes: the simulator runs every thread as a Python thread, so its defaults are the smallest that work.
-DEFAULT_SCAN_WARPS = 1 if SIMULATED else 32
+DEFAULT_SCAN_WARPS = 1 if SIMULATED else 8
 DEFAULT_THREADS = 32 if SIMULATED else 256
 # The ties kernel: one CTA per (query head, stream). When it walked a head's whole candidate list, 1,024 threads took
 # 531 µs of a 128k token and 2.1 ms of a 16-session one, 256 threads 1,010 µs and 3.0 ms (whole tokens on an H100,
