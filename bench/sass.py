@@ -144,7 +144,7 @@ def _opcode_and_operands(text: str) -> tuple[str, list[str]]:
     return words[0], [operand.strip() for operand in words[1].split(",")] if len(words) > 1 else []
 
 
-def scan_kernel_sass(heads: int, cap: int = 128, warps: int = 32, levels: bool = False) -> tuple[str, str]:
+def scan_kernel_sass(heads: int, cap: int = 128, warps: int | None = None, levels: bool = False) -> tuple[str, str]:
     """The scan kernel for ``heads`` query heads a KV head (as ``scan_planes`` launches it for ``cap``-block
     segments and at most ``warps`` warps; ``levels``: the one reading reconstruction tables) compiled for
     :data:`ARCH` -> (nvdisasm's listing, ptxas's report)."""
@@ -154,14 +154,15 @@ def scan_kernel_sass(heads: int, cap: int = 128, warps: int = 32, levels: bool =
     from fathom.cuda import scan
     from fathom.cuda.interop import launch_bounds
 
-    resident = scan.resident_ctas(warps)
+    warps = scan.SCAN_WARPS if warps is None else warps  # the decoder's, by default
+    resident = scan.resident_ctas(heads, cap, warps)
     warps, per_warp = scan.launch_shape(heads, cap, warps)
     kernel = scan._scan_kernel(heads, warps, per_warp, levels, resident)
     f32, i64, keys = T.float32[:, :, ::1], T.int64, T.uint32[:, :, :, ::1]
     signature = (f32, T.int8[:, ::1], T.int32[::1], i64, T.uint64[::1], T.uint64[::1]) + (i64,) * 8 \
         + (keys, T.int32[:, :, ::1], T.float32[::1] if levels else f32)  # the midpoint kernel is given q as its table
-    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0),
-                              **launch_bounds(32 * warps, resident))  # the scan's own bounds (bench.sass: not simulated)
+    # the scan's own bounds (bench.sass never runs under the simulator, which takes none)
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0), **launch_bounds(32 * warps, resident))
     with tempfile.TemporaryDirectory() as tmp:
         source, cubin = Path(tmp) / "scan.ptx", Path(tmp) / "scan.cubin"
         source.write_text(ptx)
@@ -200,8 +201,8 @@ def main(argv=None) -> None:
         parser.exit(2, f"error: {error}\n")
     reads = "reconstruction tables" if args.levels else "midpoints"
     print(f"plane scan through the {reads}, {ARCH} ({', '.join(str(t) for t in tools)})\n")
-    print("| G | warps × blocks a warp | registers | spill stores / loads (bytes) | global loads spilled | per-channel "
-          "loop (instructions a channel and warp) | a lane's token at b = 1 / 2 |")
+    print("| G | CTAs an SM × warps × blocks a warp | registers | spill stores / loads (bytes) | global loads "
+          "spilled | per-channel loop (instructions a channel and warp) | a lane's token at b = 1 / 2 |")
     print("|---|---|---|---|---|---|---|")
     from fathom.cuda import scan
 
@@ -209,11 +210,12 @@ def main(argv=None) -> None:
         listing, report = scan_kernel_sass(heads, args.cap, levels=args.levels)
         registers, stores, loads = _registers_and_spills(report)
         loop = channel_loop(listing)
-        warps, per_warp = scan.launch_shape(heads, args.cap, 32)
+        resident = scan.resident_ctas(heads, args.cap, scan.SCAN_WARPS)
+        warps, per_warp = scan.launch_shape(heads, args.cap, scan.SCAN_WARPS)
         per_token = [loop.instructions(b) / (2 * per_warp) for b in (1, 2)]
         spilled = loads_spilled(instructions(listing)[0])
-        print(f"| {heads} | {warps} × {per_warp} | {registers} | {stores} / {loads} | {spilled} | {loop.fixed} + "
-              f"{loop.per_plane}·(b − 1) | {per_token[0]:.1f} / {per_token[1]:.1f} |")
+        print(f"| {heads} | {resident} × {warps} × {per_warp} | {registers} | {stores} / {loads} | {spilled} | "
+              f"{loop.fixed} + {loop.per_plane}·(b − 1) | {per_token[0]:.1f} / {per_token[1]:.1f} |")
 
 
 if __name__ == "__main__":

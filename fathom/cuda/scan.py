@@ -6,25 +6,27 @@ block as one word of each half; the selection's passes read the high halves alon
 of every candidate's score for the selection (``fathom.cuda.topk``), so the selection's passes know the k-th's top
 byte before they start.
 
-One CUDA block (CTA) per (stream, part of a segment), launched stream-fastest so that CTAs start segment by
-segment and the sessions' last segments start last; the warps of a part-filled segment's CTA that hold no sealed
-block skip the scoring, so that CTA is short. A CTA of 32 warps fills an SM: 8 streams of 128k tokens and a few
-sealed blocks past them are 8 × 17 CTAs on the H200's 132 SMs: the scan took 3.3–3.5 ms a token (36 layers)
-against 2.1 at 128k exactly (measured) while every CTA, part-filled or not, scored a whole segment, which fits four
-CTAs of full length left over for a second wave. It reads, for every channel ``c`` the depths read (to
-depth ``b_c``), the channel's run ``[scales | planes 0 .. b_c-1]`` (``fathom.layout``) in chunks of whole runs
-through shared memory, the next chunk's loads in flight (held in registers) while the current one is scored. The
-store is tiered by plane (``t = layout.hbm_planes``): each word is loaded from the tier holding it — scales and
-planes ``< t`` from the near array in HBM, planes ``t .. b_c-1`` from the far array in mapped pinned host memory,
-over PCIe — so a run is one contiguous piece of each tier; ``t = 0`` is the all-host store, ``t = 4`` the all-HBM
-one. With ``cap = 128``-block segments and one CTA per segment a read is 1.3–4.3 KB contiguous, long enough to run
-at the link's rate (measured: 256-byte pieces of scattered runs reach a third of it); a tiered read's far part is
-``(b_c − t)`` KB. Each warp scores ``blocks_per_warp`` 64-token blocks, two tokens per lane (token ``j`` of a block
-is bit ``j`` of its plane words), each query head accumulated in registers, so the kernel is compiled per (G, warps,
-blocks per warp). It walks a chunk channel by channel, each channel's slot, depth and queries read once for all of
-the warp's blocks (measured on the H200: 17% less scan time than block by block, the same scores to the bit).
-Sizes that change per step — each session's sealed blocks — are read from the device lengths, so one launch with a
-fixed grid serves every step.
+One CUDA block (CTA) per (stream, part of a segment), launched stream-fastest so that CTAs start segment by segment and
+the sessions' last segments start last; the warps of a part-filled segment's CTA that hold no sealed block skip the
+scoring, so that CTA is short (measured when a CTA of 32 warps scored a whole segment, part-filled or not: 8 streams of
+128k tokens and a few sealed blocks past them, 8 × 17 such CTAs on the H200's 132 SMs, took 3.3–3.5 ms a token of 36
+layers against 2.1 at 128k exactly). The decoder's CTA has 8 warps (:data:`SCAN_WARPS`), compiled for four of them an SM
+(:func:`resident_ctas`: the widest CTA's 32 warps, each thread its 64 registers), so a CTA waiting on its first chunk's
+loads or at a barrier leaves the SM to three others. It reads, for every channel ``c`` the depths read (to depth
+``b_c``), the channel's run ``[scales | planes 0 .. b_c-1]`` (``fathom.layout``) in chunks of whole runs through shared
+memory, the next chunk's loads in flight (held in registers) while the current one is scored. The store is tiered by
+plane (``t = layout.hbm_planes``): each word is loaded from the tier holding it — scales and planes ``< t`` from the
+near array in HBM, planes ``t .. b_c-1`` from the far array in mapped pinned host memory, over PCIe — so a run is one
+contiguous piece of each tier; ``t = 0`` is the all-host store, ``t = 4`` the all-HBM one. A read is a run's part in one
+CTA's blocks: with ``cap = 128``-block segments, 0.3–1.1 KB contiguous for the decoder's 32 blocks a CTA at G = 4 (a
+tiered read's far part ``(b_c − t)`` × 256 bytes), 1.3–4.3 KB for a whole segment's (one CTA of 32 warps). Scattered
+256-byte pieces reached a third of the link's rate in a probe, yet at 1M × 1, where the link binds, the 8-warp CTAs took
+2.8% less time a token than the 32-warp ones (H100). Each warp scores ``blocks_per_warp`` 64-token blocks, two tokens
+per lane (token ``j`` of a block is bit ``j`` of its plane words), each query head accumulated in registers, so the
+kernel is compiled per (G, warps, blocks per warp). It walks a chunk channel by channel, each channel's slot, depth and
+queries read once for all of the warp's blocks (measured on the H200: 17% less scan time than block by block, the same
+scores to the bit). Sizes that change per step — each session's sealed blocks — are read from the device lengths, so one
+launch with a fixed grid serves every step.
 
 Integers in the loops are unsigned 32-bit offsets (``np.uint32``): Numba types integer arithmetic as int64 and pays
 a negative-index wraparound on signed indices, which made the per-channel loop 1,197 SASS instructions for a warp's
@@ -75,8 +77,9 @@ from fathom.quantize import BLOCK, CELLS, PLANES
 
 MAX_D = 256
 MAX_HEADS = 8
-SM_THREADS = 1024  # a multiprocessor's resident scan threads: one CTA of 32 warps, two of 16, four of 8
-CHUNK_WORDS = 3072  # run words staged per chunk on an SM (24 KiB; a chunk may overrun by one run) at G <= 4
+WIDEST_WARPS = 32  # the widest CTA (fewer warps where its blocks would pass a segment or MAX_CTA_BLOCKS)
+SCAN_WARPS = 8  # the decoder's CTA on a GPU: four of them an SM at G = 4 (see resident_ctas)
+CHUNK_WORDS = 3072  # run words the widest CTA stages per chunk (24 KiB; a chunk may overrun by one run) at G <= 4
 # Blocks a CTA scores: its staging buffer holds a chunk plus one run of up to 4 planes of them. At G = 1, 32 warps of
 # 16 blocks (512) would declare 52 KB of static shared memory, past the 48 KB a CTA may (ptxas refuses the kernel).
 MAX_CTA_BLOCKS = 256
@@ -91,19 +94,22 @@ def blocks_per_warp(heads: int) -> int:
     return 1 << int(math.log2(max(16 // heads, 1)))
 
 
-def resident_ctas(warps: int) -> int:
-    """CTAs the scan is compiled to keep on a multiprocessor when asked for CTAs of ``warps`` warps:
-    :data:`SM_THREADS` threads in all, so a thread has the registers a CTA of 32 warps leaves it (64) at every CTA
-    size: a smaller CTA is a finer grain, not fewer warps an SM. (A launch shape with fewer warps than asked, G = 1's
-    eight, keeps the registers its own size leaves.)"""
-    return max(1, SM_THREADS // (32 * warps))
+def resident_ctas(heads: int, cap: int, warps: int) -> int:
+    """CTAs the scan is compiled to keep on a multiprocessor when asked for CTAs of ``warps`` warps: as many as make
+    up the widest CTA's warps (:func:`launch_shape` at :data:`WIDEST_WARPS`), so a thread keeps the registers that
+    CTA leaves it (64 at G ≥ 3; G = 1 and 2's shapes have fewer warps and more): a smaller CTA is a finer grain of
+    the same warps an SM, not fewer warps. Measured on an H100 at G = 4 (fathom@48, t = 2, the whole token): CTAs of
+    8 warps, four an SM, against one of 32: 16 sessions of 8k–128k 33.89 / 33.91 ms against 35.36 / 35.50 (the scan
+    13.6 ms against 15.0), 1M × 1 25.41 against 26.15, 128k × 1 7.16 against 7.17; two of 16 warps: the scan 13.9 ms
+    at 16 sessions."""
+    return max(1, launch_shape(heads, cap, WIDEST_WARPS)[0] // launch_shape(heads, cap, warps)[0])
 
 
 def staged_words(heads: int, resident: int) -> int:
-    """Run words a CTA stages per chunk when ``resident`` CTAs share a multiprocessor: :data:`CHUNK_WORDS` an SM,
-    halved at G > 4 (within 48 KiB of shared memory beside G's arrays), shared among them, so a thread of a finer
-    grain holds as many words as one of a 32-warp CTA (more spill the held words to local memory, whose stores wait
-    for their loads: ptxas, sm_90)."""
+    """Run words a CTA stages per chunk when ``resident`` CTAs share a multiprocessor: the widest CTA's
+    :data:`CHUNK_WORDS`, halved at G > 4 (within 48 KiB of shared memory beside G's arrays), shared among them, so
+    a thread of a finer grain holds as many words as one of the widest CTA (more spill the held words to local
+    memory, whose stores wait for their loads: ptxas, sm_90)."""
     return (CHUNK_WORDS if heads <= 4 else CHUNK_WORDS // 2) // resident
 
 
@@ -434,7 +440,7 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
                              f"{levels.dtype} {levels.shape}")
         if not levels.is_c_contiguous():  # read flat: a view's strides would be misread
             raise ValueError("levels must be C-contiguous (scan_levels lays a table out so)")
-    resident = resident_ctas(warps)
+    resident = resident_ctas(heads, layout.cap, warps)
     warps, per_warp = launch_shape(heads, layout.cap, warps)
     if layout.cap % (warps * per_warp):
         raise ValueError(f"segment capacity {layout.cap} must be a multiple of {warps * per_warp} blocks per CTA")

@@ -51,6 +51,7 @@ from fathom.cuda.interop import DEVICE, SIMULATED, as_array, multiprocessors
 from fathom.cuda.row_cache import assign_slots, parts_pay, scratch_shapes
 from fathom.cuda.score_keys import HALVES, key_columns
 from fathom.cuda.scan import MAX_HEADS as MAX_GROUP_SIZE  # query heads a scan CTA accumulates
+from fathom.cuda.scan import SCAN_WARPS
 from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, pass_tokens_for, select, union_blocks, union_rows
 from fathom.decode import step_bits
 from fathom.host.cache import FLOAT_DTYPES, STATE, HostKVCache
@@ -61,7 +62,7 @@ from fathom.selection import Selection
 
 STAGES = ("plan", "scan", "select", "union", "slots", "attention")  # a step's stages in order (run's on_stage)
 # Launch sizes: the simulator runs every thread as a Python thread, so its defaults are the smallest that work.
-DEFAULT_SCAN_WARPS = 1 if SIMULATED else 8
+DEFAULT_SCAN_WARPS = 1 if SIMULATED else SCAN_WARPS
 DEFAULT_THREADS = 32 if SIMULATED else 256
 # The ties kernel: one CTA per (query head, stream). When it walked a head's whole candidate list, 1,024 threads took
 # 531 µs of a 128k token and 2.1 ms of a 16-session one, 256 threads 1,010 µs and 3.0 ms (whole tokens on an H100,
@@ -74,7 +75,8 @@ DEFAULT_TIES_THREADS = 32 if SIMULATED else 1024
 @dataclass(frozen=True)
 class DecoderSettings:
     """What a decoder does: the method (with its budget), the selection protocol, the softmax scale (None:
-    ``1/sqrt(d)``), and launch sizes: ``scan_warps`` warps per CTA of the plane scan (at most 32), ``threads`` per
+    ``1/sqrt(d)``), and launch sizes: ``scan_warps`` warps per CTA of the plane scan (at most 32; compiled for as
+    many CTAs an SM as make 32 warps: ``fathom.cuda.scan.resident_ctas``), ``threads`` per
     CTA of the selection's passes over the scores and of the row compaction, ``ties_threads`` per CTA of the
     selection's ties kernel (one CTA per query head and stream)."""
 

@@ -3,8 +3,9 @@
 #   here:  bash scripts/gpu/ab.sh prepare REV...   -> .ab/<rev>/{fathom,bench,tests,pyproject.toml} (git archive, no
 #          bench/results), then carry .whl and .ab (git-excluded) with the call
 #   there: bash scripts/gpu/ab.sh run NAME [bench timing arguments...]
-#          -> $OUT/timing-NAME-<rev>.json for every tree under .ab/, each run cut at an equal share of LIMIT s
-#             (default 560); draw them here with python -m bench timing --replot ... as timing.sh says
+#          -> $OUT/timing-NAME-<rev>.json for every tree under .ab/ (or those TREES names, in its order), each run
+#             cut at an equal share of LIMIT s (default 560); draw them here with python -m bench timing --replot ...
+#             as timing.sh says
 #   there: bash scripts/gpu/ab.sh test TREE [pytest paths...]
 #          -> the GPU tests from .ab/TREE's own tree and tests (default: the scan, the selection, the decoder, the
 #             integrations and the selection probe; ~85 s on an H100 with 8 workers), cut at TIMEOUT s (default 200)
@@ -35,6 +36,10 @@
 # while compiling (give a fresh machine's tree >= 150 s); the next call on the warm machine, .ab carried again, ran the
 # same four in 80 s each (321 s: the carried trees' kernels were found in /tmp/numba-ab), a new tree beside a cached
 # one in 108 s, and `test` of one tree took 147 s.
+# Twenty-fourth session, a fresh H100 after four refused starts (~650 s of the session's device time): two trees at
+# 16 x 128k (LIMIT 380: 140 and 123 s, compiling) then 128k x 1 (LIMIT 120: 52 and 50 s) in one call of 365 s; a third
+# carried tree at 16 x 128k alone (TREES) in 129 s; cached trees at 128k x 1 50 s, 1M x 1 (fathom@48 at k = 512 and
+# 2048) 54 s each, and `test` of four test files 63 s.
 # Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
@@ -58,6 +63,7 @@ case ${1:-} in
     name=${2:?usage: bash scripts/gpu/ab.sh run NAME [timing arguments...]}; shift 2
     source scripts/gpu/site.sh
     trees=(.ab/*/)
+    if [ -n "${TREES:-}" ]; then trees=(); for t in $TREES; do trees+=(".ab/$t/"); done; fi  # a subset, in this order
     limit=${LIMIT:-560}
     for i in "${!trees[@]}"; do
       tree=${trees[$i]%/}; label=${tree#.ab/}

@@ -245,6 +245,25 @@ def test_chunks_are_cut_after_every_channel_slot_is_written(monkeypatch):
     np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def test_a_finer_grain_keeps_the_widest_ctas_warps_an_sm_and_their_words_a_thread():
+    """CTAs of fewer warps are compiled to fill the multiprocessor as the widest CTA does (so ptxas leaves each thread
+    the same registers) and share its staging words (a thread holds as many)."""
+    from fathom.cuda.scan import CHUNK_WORDS, MAX_HEADS, WIDEST_WARPS, resident_ctas, staged_words
+
+    for heads in range(1, MAX_HEADS + 1):
+        for cap in (1, 8, 128, 1024):
+            widest, _ = launch_shape(heads, cap, WIDEST_WARPS)
+            assert resident_ctas(heads, cap, WIDEST_WARPS) == 1
+            for asked in (1, 2, 4, 8, 16):
+                warps, _ = launch_shape(heads, cap, asked)
+                resident = resident_ctas(heads, cap, asked)
+                assert resident * warps == widest  # the warps are powers of two: the grains divide the widest
+                assert staged_words(heads, resident) * widest == staged_words(heads, 1) * warps
+    assert [resident_ctas(4, 128, w) for w in (32, 16, 8)] == [1, 2, 4]  # Qwen3-8B's G: the decoder's 8 warps
+    assert resident_ctas(1, 128, 8) == 1 and launch_shape(1, 128, 32)[0] == 8  # G = 1's widest CTA has 8 warps
+    assert staged_words(4, 1) == CHUNK_WORDS and staged_words(8, 1) == CHUNK_WORDS // 2
+
+
 def test_every_launch_shape_fits_in_static_shared_memory():
     """A CTA may declare 48 KiB of static shared memory (ptxas refuses more): at G = 1 with 32 warps of 16 blocks
     the staging buffer of 512-block runs took 52 KB, so segments of 512 blocks or more could not scan at all. The
@@ -258,7 +277,7 @@ def test_every_launch_shape_fits_in_static_shared_memory():
                 warps, per_warp = launch_shape(heads, cap, asked)
                 per_cta = warps * per_warp
                 assert per_cta <= MAX_CTA_BLOCKS and cap % per_cta == 0
-                buffer_words = staged_words(heads, resident_ctas(asked)) + per_cta // 4 + 2 + 4 * per_cta
+                buffer_words = staged_words(heads, resident_ctas(heads, cap, asked)) + per_cta // 4 + 2 + 4 * per_cta
                 shared = 8 * buffer_words + 4 * (MAX_D + MAX_D + (MAX_D + 1) + (MAX_D + 2) + MAX_D * heads
                                                  + 32 * warps + 2 + heads * RADIX)
                 assert shared <= 48 * 1024, (heads, cap, warps, per_warp, shared)
