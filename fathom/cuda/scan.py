@@ -204,7 +204,9 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool, resident: 
     first_bit = 8 if levels else 16  # where plane 0's bit lands
     first_shift = 29 if levels else 28  # the right shift taking a token's plane-0 bit there, less its lane
 
-    @cuda.jit(cache=True, **launch_bounds(threads, resident))  # its closure holds only integers: cached on disk
+    # Its closure holds only integers: cached on disk. Numba's cache keys on the closure's values, not on the launch
+    # bounds: ``resident`` is in the closure through ``chunk_words`` (a different word count for every CTA count).
+    @cuda.jit(cache=True, **launch_bounds(threads, resident))
     def kernel(q, depths, lengths, heads_per_session, near, far, n_seg, cap, scale_words, near_record_words,
                far_record_words, hbm_planes, sink, local, keys, top_hist, cells):
         g = cuda.blockIdx.x
