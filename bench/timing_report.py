@@ -182,11 +182,21 @@ def markdown(payload: dict) -> str:
         profiled = {r["label"]: r["kernels_us"] for r in rows if r.get("kernels_us")}
         if profiled:
             lines += [f"GPU µs per token by kernel (eager token, torch's profiler; the {KERNELS_SHOWN} largest of "
-                      "any method):", "", kernel_table(profiled), ""]
+                      f"any method{sealing_note(rows)}):", "", kernel_table(profiled), ""]
     return "\n".join(lines) + "\n"
 
 
 KERNELS_SHOWN = 12
+
+
+def sealing_note(rows: list[dict]) -> str:
+    """How many of each method's profiled tokens sealed a block (their seal kernels do its work; the others' return
+    at once), for the kernel table's caption; '' for records made before it was recorded."""
+    counts = {(r["kernel_tokens"], r["kernel_sealing_tokens"]) for r in rows
+              if r.get("kernels_us") and r.get("kernel_sealing_tokens") is not None}
+    if not counts:
+        return ""
+    return "; " + ", ".join(f"{sealing} of {tokens} tokens sealed a block" for tokens, sealing in sorted(counts))
 
 
 def kernel_table(profiled: dict[str, dict[str, float]]) -> str:

@@ -11,6 +11,7 @@ from bench.synthetic_decode import Synthetic
 from bench.timing_report import tokens_per_s
 from bench.timing_settings import (GROUP_SIZE, HEAD_DIM, HEADROOM, KV_HEADS, LAYERS, Setting, method_table,
                                    physical_layers)
+from fathom.quantize import BLOCK
 
 # cycles of the sleep kernel that holds the GPU while the host enqueues a token (~2 GHz): longer than the enqueue of
 # a graph replay, or of an eager token (~3 ms of Numba launches per layer)
@@ -131,6 +132,7 @@ class Run:
         self.row_cache_filled: dict[str, float | None] = dict.fromkeys(labels)  # slots holding a row by then
         self.timed_from = dict.fromkeys(labels, 0)  # the longest session's tokens when the timed tokens began
         self.kernels_us: dict[str, dict[str, float]] = {}  # per method, with --kernels (:meth:`kernel_profile`)
+        self.kernel_sealing_tokens: dict[str, int] = {}  # of its profiled tokens, those that sealed some block
 
     def tokens_left(self) -> int:
         """Decode tokens the cache can still append: a token appends to a physical layer once for each of the
@@ -212,13 +214,23 @@ class Run:
 
     def kernel_profile(self, label: str) -> dict[str, float]:
         """GPU µs per token of each kernel of ``label``'s eager token, largest first (torch's profiler over
-        :data:`PROFILED_TOKENS` tokens; kernel durations, so the eager launch gaps are not in them)."""
+        :data:`PROFILED_TOKENS` tokens; kernel durations, so the eager launch gaps are not in them). How many of
+        them sealed a block goes to ``kernel_sealing_tokens``: such a token's seal kernels do the block's work, the
+        others' return at once, so the seal's figure is theirs, not a steady cost."""
         torch = self.torch
         self.token(label, "eager", queued=False)
+        physical = sorted(set(self.layer_order))
+        sealing = 0
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
             for _ in range(PROFILED_TOKENS):
+                blocks = [self.cache.lengths(layer) // BLOCK for layer in physical]
                 self.token(label, "eager", queued=False)
+                # a token that completes a 64-token block of a session in some physical layer (each takes one
+                # append a logical layer mapped onto it) seals it there
+                sealing += any((self.cache.lengths(layer) // BLOCK > before).any()
+                               for layer, before in zip(physical, blocks))
             torch.cuda.synchronize()
+        self.kernel_sealing_tokens[label] = sealing
         total: dict[str, float] = {}
         for event in profile.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -264,6 +276,8 @@ def records(run: Run, labels: list[str], link_gbps: float, hbm_gbps: float, args
                         "floor_ms": link_bytes / link_gbps / 1e6,
                         "hbm_scan_ms": scan / hbm_gbps / 1e6 if run.setting.regime == "hbm" else None,
                         "stages_ms": stage_ms, "kernels_us": run.kernels_us.get(label),
+                        "kernel_tokens": PROFILED_TOKENS if label in run.kernels_us else None,
+                        "kernel_sealing_tokens": run.kernel_sealing_tokens.get(label),
                         "fill_s": round(run.fill_s, 1)})
     by_key = {(r["label"], r["mode"]): r for r in out}
     for r in out:

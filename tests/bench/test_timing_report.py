@@ -32,6 +32,18 @@ def test_the_kernel_table_puts_the_largest_first_and_sums_every_kernel():
     assert table[3] == "| topk._ties_kernel | 2172 | — |" and table[-1] == "| all kernels | 6561 | 9381 |"
 
 
+def test_the_kernel_table_says_how_many_profiled_tokens_sealed_a_block():
+    """A sealing token's seal kernels quantize and pack every session's block; the others' return at once: the seal's
+    figure is read with the count. Runs made before it was recorded say nothing."""
+    payload = json.loads((RESULTS / "timing-warps-ab-main-k16-h100.json").read_text())
+    assert "sealed a block" not in markdown(payload)
+    for record in payload["records"]:
+        record.update(kernel_tokens=3, kernel_sealing_tokens=1)
+    caption = [line for line in markdown(payload).splitlines() if line.startswith("GPU µs per token by kernel")]
+    assert caption == ["GPU µs per token by kernel (eager token, torch's profiler; the 12 largest of any method; "
+                       "1 of 3 tokens sealed a block):"]
+
+
 def test_replot_into_a_readme_rewrites_its_sections_and_sets_ds_in_hbm_beside_its_run(tmp_path):
     """--readme rewrites each section its file holds, the rest untouched; an hbm-regime run of DS-136 fills the
     "DS-136 in HBM" column of the host run's setting (the H200 runs of 2026-12-05)."""
