@@ -35,6 +35,7 @@ def launch_bounds(threads: int, ctas_per_sm: int = 1) -> dict:
     (threads · ctas_per_sm)); the simulator takes no such option."""
     if SIMULATED:
         return {}
+    # one CTA an SM as the plain count: given (threads, 1), ptxas spilled the scan's registers differently
     return {"launch_bounds": threads if ctas_per_sm == 1 else (threads, ctas_per_sm)}
 
 

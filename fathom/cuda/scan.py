@@ -427,9 +427,9 @@ def scan_planes(q, depths, lengths, heads_per_session: int, near, far, layout, s
                     levels=cuda.to_device(scan_levels(tables)))  # tables: float32 [H, d, 4, 16]
     """
     streams, heads, d = q.shape
-    if not 1 <= heads <= MAX_HEADS or d > MAX_D or not 1 <= warps <= 32:
-        raise ValueError(f"1..{MAX_HEADS} query heads per KV head, at most {MAX_D} channels and 1..32 warps, "
-                         f"got {heads}, {d}, {warps}")
+    if not 1 <= heads <= MAX_HEADS or d > MAX_D or not 1 <= warps <= WIDEST_WARPS:
+        raise ValueError(f"1..{MAX_HEADS} query heads per KV head, at most {MAX_D} channels and 1..{WIDEST_WARPS} "
+                         f"warps, got {heads}, {d}, {warps}")
     if layout.d != d:  # the records' addresses count d channels per segment
         raise ValueError(f"layout.d must equal q's {d} channels, got {layout.d}")
     if depths.shape != (streams, d) or depths.dtype != np.int8:

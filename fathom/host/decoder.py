@@ -51,7 +51,7 @@ from fathom.cuda.interop import DEVICE, SIMULATED, as_array, multiprocessors
 from fathom.cuda.row_cache import assign_slots, parts_pay, scratch_shapes
 from fathom.cuda.score_keys import HALVES, key_columns
 from fathom.cuda.scan import MAX_HEADS as MAX_GROUP_SIZE  # query heads a scan CTA accumulates
-from fathom.cuda.scan import SCAN_WARPS
+from fathom.cuda.scan import SCAN_WARPS, WIDEST_WARPS
 from fathom.cuda.topk import TIES_PER_HEAD, list_ctas_for, pass_tokens_for, select, union_blocks, union_rows
 from fathom.decode import step_bits
 from fathom.host.cache import FLOAT_DTYPES, STATE, HostKVCache
@@ -97,8 +97,8 @@ class DecoderSettings:
             raise ValueError(f"selection must be a fathom.selection.Selection, got {type(self.selection).__name__}")
         if self.scale is not None and not (_checks.is_real(self.scale) and self.scale > 0):
             raise ValueError(f"scale must be finite and > 0 (or None), got {self.scale!r}")
-        if not _checks.is_integer(self.scan_warps) or not 1 <= self.scan_warps <= 32:
-            raise ValueError(f"scan_warps must be an integer in 1..32, got {self.scan_warps!r}")
+        if not _checks.is_integer(self.scan_warps) or not 1 <= self.scan_warps <= WIDEST_WARPS:
+            raise ValueError(f"scan_warps must be an integer in 1..{WIDEST_WARPS}, got {self.scan_warps!r}")
         if not _checks.is_integer(self.threads) or not 32 <= self.threads <= 1024 or self.threads % 32:
             raise ValueError(f"threads must be a multiple of 32 in 32..1024 (the selection votes across whole warps), "
                              f"got {self.threads!r}")
