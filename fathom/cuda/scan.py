@@ -84,8 +84,8 @@ CHUNK_WORDS = 3072  # run words the widest CTA stages per chunk (24 KiB; a chunk
 # 16 blocks (512) would declare 52 KB of static shared memory, past the 48 KB a CTA may (ptxas refuses the kernel).
 MAX_CTA_BLOCKS = 256
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension: a stream's CTAs
-MIDPOINT_BASE = 2.0 ** 19  # the float whose mantissa's unit is 2^-4: 2^19 + C / 8 is its bits OR C << 1
-MIDPOINT_BASE_BITS = int(np.float32(MIDPOINT_BASE).view(np.uint32))  # its bits: exponent 127 + 19, mantissa 0
+MIDPOINT_BASE = 2.0  # the float whose mantissa's unit is 2^-22: 2 + C / 8 is its bits OR C << 19
+MIDPOINT_BASE_BITS = int(np.float32(MIDPOINT_BASE).view(np.uint32))  # its bits: exponent 128, mantissa 0
 _KERNELS: dict[tuple, object] = {}
 
 
@@ -197,12 +197,12 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool, resident: 
     group = 2 if per_warp % 2 == 0 else 1  # blocks whose planes one pass of the plane loop reads
     group_tokens = 2 * group  # a thread's tokens in them
     aligned = per_warp % SCALES_PER_WORD == 0  # a warp's scales start on a slot word
-    # The midpoint kernel gathers a prefix as the float 2^19 + C / 8 (its bits: 2^19's, and C one bit up, where the
-    # mantissa's unit is 2^-4), so a token's bracket is one exact add, with no integer conversion; the table kernel
+    # The midpoint kernel gathers a prefix as the float 2 + C / 8 (its bits: 2's, and C 19 bits up, where the
+    # mantissa's unit is 2^-22), so a token's k̂ is one exact FMA, with no integer conversion; the table kernel
     # gathers C itself, an index into the channel's row.
     prefix_base = 0 if levels else MIDPOINT_BASE_BITS
-    first_bit = 8 if levels else 16  # where plane 0's bit lands
-    first_shift = 29 if levels else 28  # the right shift taking a token's plane-0 bit there, less its lane
+    first_bit = 8 if levels else 1 << 22  # where plane 0's bit lands
+    first_shift = 29 if levels else 10  # the right shift taking a token's plane-0 bit there, less its lane
 
     # Its closure holds only integers: cached on disk. Numba's cache keys on the closure's values, not on the launch
     # bounds: ``resident`` is in the closure through ``chunk_words`` (a different word count for every CTA count).
@@ -319,8 +319,9 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool, resident: 
                 # k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ with Δ = s / 8, s the fp16 scale widened, is
                 # (C / 8 + 2^(-b) − 1) · s with C = P · 2^(4-b), the prefix as the plane loop gathers it: the bracket
                 # is exact in float32 (small integers and halves, divided by 8) and s / 8 is exact, so the product
-                # rounds as the reference's does. The midpoint kernel's prefix is the float 2^19 + C / 8, so its
-                # bracket is one add of 2^(-b) − 1 − 2^19 (exact: a multiple of 2^-4 below 2^20), no conversion.
+                # rounds as the reference's does. The midpoint kernel's prefix is the float x = 2 + C / 8, so k̂ is
+                # x · s + (2^(-b) − 3) · s: the second product is exact (6 significant bits times the scale's 11) and
+                # an FMA rounds the sum once, to the reference's k̂ (a block's product computed once for its tokens).
                 offset = f32_from_bits((np.uint32(127) - t_read) << np.uint32(23)) - np.float32(
                     1 if levels else 1 + MIDPOINT_BASE)
                 cell_row = np.uint32(kv_cells + (np.uint32(chan[i]) * np.uint32(PLANES) + t_read - np.uint32(1))
@@ -336,7 +337,7 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool, resident: 
                     # plane p's bit of token ``lane`` (bit ``lane`` of the word's low half) and of token ``lane + 32``
                     # (of its high half) lands at bit 3 - p, where the 4-bit code holds it (one higher in the
                     # midpoint kernel): one shift and one masked OR a token and plane, and the prefix reads
-                    # C = P · 2^(4-b) (the midpoint kernel's: 2^19 + C / 8 as a float)
+                    # C = P · 2^(4-b) (the midpoint kernel's: 2 + C / 8 as a float)
                     to_bit = np.uint64(first_shift) + np.uint64(lane)  # plane p's right shift: first_shift + lane + p
                     bit = np.uint32(first_bit)
                     for x in range(group):  # plane 0, read by every active channel: the prefix starts from it
@@ -363,9 +364,10 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool, resident: 
                         if levels:  # the prefix indexes the channel's row of the table at its depth
                             k_lo = cells[np.uint32(cell_row + prefix[2 * x])] * scale
                             k_hi = cells[np.uint32(cell_row + prefix[2 * x + 1])] * scale
-                        else:  # (2^19 + C / 8) + (2^(-b) − 1 − 2^19): exact, one add
-                            k_lo = (f32_from_bits(prefix[2 * x]) + offset) * scale
-                            k_hi = (f32_from_bits(prefix[2 * x + 1]) + offset) * scale
+                        else:  # (2 + C / 8) · s + (2^(-b) − 3) · s: one FMA a token
+                            bracket = offset * scale
+                            k_lo = cuda.fma(f32_from_bits(prefix[2 * x]), scale, bracket)
+                            k_hi = cuda.fma(f32_from_bits(prefix[2 * x + 1]), scale, bracket)
                         for h in range(heads):
                             acc[2 * jb, h] += q_i[h] * k_lo
                             acc[2 * jb + 1, h] += q_i[h] * k_hi
