@@ -84,6 +84,9 @@ CHUNK_WORDS = 3072  # run words the widest CTA stages per chunk (24 KiB; a chunk
 # 16 blocks (512) would declare 52 KB of static shared memory, past the 48 KB a CTA may (ptxas refuses the kernel).
 MAX_CTA_BLOCKS = 256
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension: a stream's CTAs
+RUN_BITS = 20  # an active channel's count in the packed scan sits above its run's words (< 2^20: 256 channels of
+# at most 1,089 words)
+RUN_MASK = (1 << RUN_BITS) - 1
 MIDPOINT_BASE = 2.0  # the float whose mantissa's unit is 2^-22: 2 + C / 8 is its bits OR C << 19
 MIDPOINT_BASE_BITS = int(np.float32(MIDPOINT_BASE).view(np.uint32))  # its bits: exponent 128, mantissa 0
 _KERNELS: dict[tuple, object] = {}
@@ -191,6 +194,8 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool, resident: 
     chunk_words = staged_words(heads, resident)
     buffer_words = chunk_words + max_run
     held_words = -(-buffer_words // threads)  # registers per thread holding the next chunk
+    if max_run >= chunk_words:  # a chunk's first slot is found from its start alone (below)
+        raise ValueError(f"a run of {max_run} words must be shorter than a chunk's {chunk_words}")
     slots = MAX_D + 1  # shared sizes must be constants, not expressions, for Numba on the GPU
     chunk_slots = MAX_D + 2
     pairs = 2 * per_warp
@@ -232,46 +237,44 @@ def _scan_kernel(heads: int, warps: int, per_warp: int, levels: bool, resident: 
         chunk_first = cuda.shared.array(chunk_slots, np.int32)  # first active of each chunk (+ sentinel)
         q_read = cuda.shared.array((MAX_D, heads), np.float32)
         counts = cuda.shared.array(threads, np.int32)
-        state = cuda.shared.array(2, np.int32)  # actives, chunks
         hist = cuda.shared.array((heads, RADIX), np.int32)
         buffer = cuda.shared.array(buffer_words, np.uint64)
         for x in range(t, heads * RADIX, threads):
             hist[x // RADIX, x % RADIX] = 0
         part_scale_words = (local0 + per_cta - 1) // SCALES_PER_WORD - local0 // SCALES_PER_WORD + 1
 
-        # the active channels and their run slots: block scans over the channels, threads-wide at a time
+        # the active channels and their run slots: one block scan over the channels, threads-wide at a time, of
+        # their counts packed in one word (an active channel 1 << RUN_BITS, its run's words below)
         actives = 0
         words = 0
         for c0 in range(0, d, threads):
             c = c0 + t
             width = min(threads, d - c0)  # the scans span this round's channels only (d = 128: 7 steps, not 10)
             read = np.int32(depths[g, c]) if c < d else np.int32(0)
-            counts[t] = 1 if read > 0 else 0
+            counts[t] = (1 << RUN_BITS) + part_scale_words + read * per_cta if read > 0 else 0
             before, total = exclusive_scan(counts, t, width)
             if read > 0:
-                i = actives + before
+                i = actives + (before >> RUN_BITS)
                 chan[i] = c
                 depth[i] = read
                 for h in range(heads):
                     q_read[i, h] = q[g, h, c]
-            counts[t] = part_scale_words + read * per_cta if read > 0 else 0
-            slot_before, slot_total = exclusive_scan(counts, t, width)
-            if read > 0:
-                start[actives + before] = words + slot_before
-            actives += total
-            words += slot_total
-        cuda.syncthreads()  # every thread's start[] of the last round is written before thread 0 reads them all
+                start[i] = words + (before & RUN_MASK)
+            actives += total >> RUN_BITS
+            words += total & RUN_MASK
+        cuda.syncthreads()  # every thread's start[] of the last round is written before any is read
+        # A chunk starts where a slot starts past the next chunk_words boundary. A run is shorter than a chunk
+        # (max_run < chunk_words), so consecutive slots' starts lie in the same or the next chunk_words: the chunk of
+        # slot i is start[i] // chunk_words, and each chunk's first slot is found by its thread, not by a walk.
+        for i in range(t, actives, threads):
+            chunk = np.uint32(start[i]) // chunk_words
+            if i == 0 or np.uint32(start[i - 1]) // chunk_words != chunk:
+                chunk_first[chunk] = i
+        n_chunks = np.uint32(start[actives - 1]) // chunk_words + 1 if actives > 0 else 0
         if t == 0:
             start[actives] = words
-            n_chunks = 0
-            for i in range(actives):  # a chunk starts where a slot starts past the next chunk_words boundary
-                if i == 0 or np.uint32(start[i]) // chunk_words != np.uint32(start[i - 1]) // chunk_words:
-                    chunk_first[n_chunks] = i
-                    n_chunks += 1
             chunk_first[n_chunks] = actives
-            state[1] = n_chunks
         cuda.syncthreads()
-        n_chunks = state[1]
 
         acc = cuda.local.array((pairs, heads), np.float32)
         for x in range(2 * per_warp):
