@@ -48,12 +48,19 @@ before the plane loop and the prefix starts from it (no prefix set for every tok
 (``python -m bench.sass``), the scores the same to the bit (the simulator's scan tests); on an H100 the scan took
 6–7% less time (14.52 -> 13.48 ms a 1M token). Eight blocks a warp at G = 4 (16 warps of 128 registers) cut another
 17% of the instructions a token and made the scan 14–36% slower: half the warps an SM hide the loads' latency worse.
+The prefix is now the float 2 + C / 8, whose k̂ is one FMA a token (:data:`MIDPOINT_BASE`), and a CTA finds its
+active channels and run slots in one block scan of packed counts, each chunk's first slot by its own thread
+(:data:`RUN_BITS`; a scan, another scan and thread 0's walk before): 154 + 36·(b − 1) at G = 4, half the spill
+stores (156 bytes, 12 held chunk words spilled after their loads against 24), 398 + 144·(b − 1) at G = 1 and
+123 + 18·(b − 1) at G = 8; the scores the same to the bit (the simulator's scan and decoder tests, and an H100's GPU
+tests). On an H100, 16 ragged sessions of 128k: the scan 13.6 -> 12.4 ms a token, the token 34.3–34.6 -> 33.0–33.1
+ms. CTAs of 4 warps, eight an SM, were slower at every setting (docs/results.md).
 
 Score of token ``j`` in channel ``c`` read to depth ``b`` (design §2): with ``P`` the ``b``-bit prefix of its code,
 ``k̂ = ((P + 0.5) · 2^(4-b) − 8) · Δ`` and ``score[h, j] += q[h, c] · k̂``. Through a reconstruction table
 (``levels``, the calibrated cell means of ``fathom.calibration``) ``k̂ = levels[c, b - 1, P] · Δ``: the kernel reads
 the table :func:`scan_levels` lays out, indexed by the code as the plane loop gathers it (``P · 2^(4-b)``), so a
-token's read is one load where the midpoint is an add (an FMA and a conversion before), in a kernel compiled per
+token's read is one load where the midpoint is one FMA, in a kernel compiled per
 case. Its index is a 32-bit sum: Numba widens an unsigned sum to 64 bits, whose address arithmetic cost four
 instructions a token and made ptxas spill every held chunk word at G = 4 (166 -> 155 + 36·b a channel, 644 -> 328
 bytes of spill stores).

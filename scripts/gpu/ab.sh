@@ -40,6 +40,10 @@
 # 16 x 128k (LIMIT 380: 140 and 123 s, compiling) then 128k x 1 (LIMIT 120: 52 and 50 s) in one call of 365 s; a third
 # carried tree at 16 x 128k alone (TREES) in 129 s; cached trees at 128k x 1 50 s, 1M x 1 (fathom@48 at k = 512 and
 # 2048) 54 s each, and `test` of four test files 63 s.
+# Twenty-fifth session, a fresh H100 (after one refused H200 start, 91 s): three trees at 16 x 128k (LIMIT 480: 109, 99
+# and 106 s a tree, compiling) in one call of 314 s; a fourth carried tree and two cached ones at 16 x 128k in 93, 65
+# and 67 s; the throughput table's four runs from a cached tree (fathom@48 and DS-136) in 350 s; `test` of one tree
+# (the default files) 98 s; two cached trees at 1M x 1 then 128k x 1 in 168 s.
 # Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"

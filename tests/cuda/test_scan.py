@@ -197,9 +197,9 @@ def test_more_channels_than_threads():
 
 @pytest.mark.skipif(not SIMULATED, reason="steers the CUDA simulator's thread schedule")
 def test_chunks_are_cut_after_every_channel_slot_is_written(monkeypatch):
-    """Thread 0 cuts the chunks from every active channel's slot start, those of the last round of channels too:
-    with the other threads held back after each block scan (a legal warp order) and shared memory stale (zero), a
-    chunk cut from unwritten starts overran the staging buffer (d = 64 over 32 threads: the 3072-word chunk boundary
+    """The chunks are cut from every active channel's slot start, those of the last round of channels too: with the
+    other threads held back after each block scan (a legal warp order) and shared memory stale (zero), a chunk cut
+    by thread 0 from unwritten starts overran the staging buffer (d = 64 over 32 threads: the 3072-word chunk boundary
     falls at channel 46, in the last round)."""
     import inspect
     import sys
@@ -264,10 +264,11 @@ def test_a_finer_grain_keeps_the_widest_ctas_warps_an_sm_and_their_words_a_threa
     assert staged_words(4, 1) == CHUNK_WORDS and staged_words(8, 1) == CHUNK_WORDS // 2
 
 
-def test_every_launch_shape_fits_in_static_shared_memory():
+def test_every_launch_shape_fits_in_static_shared_memory_and_stages_runs_shorter_than_a_chunk():
     """A CTA may declare 48 KiB of static shared memory (ptxas refuses more): at G = 1 with 32 warps of 16 blocks
     the staging buffer of 512-block runs took 52 KB, so segments of 512 blocks or more could not scan at all. The
-    sizes below are the kernel's shared arrays (checked against its PTX)."""
+    sizes below are the kernel's shared arrays (checked against its PTX). Its longest run is shorter than a chunk, so
+    a chunk's first slot is found from its own start (the kernel refuses a shape where it is not)."""
     from fathom.cuda.block import RADIX
     from fathom.cuda.scan import MAX_CTA_BLOCKS, MAX_D, MAX_HEADS, launch_shape, resident_ctas, staged_words
 
@@ -277,9 +278,11 @@ def test_every_launch_shape_fits_in_static_shared_memory():
                 warps, per_warp = launch_shape(heads, cap, asked)
                 per_cta = warps * per_warp
                 assert per_cta <= MAX_CTA_BLOCKS and cap % per_cta == 0
-                buffer_words = staged_words(heads, resident_ctas(heads, cap, asked)) + per_cta // 4 + 2 + 4 * per_cta
-                shared = 8 * buffer_words + 4 * (MAX_D + MAX_D + (MAX_D + 1) + (MAX_D + 2) + MAX_D * heads
-                                                 + 32 * warps + 2 + heads * RADIX)
+                chunk_words = staged_words(heads, resident_ctas(heads, cap, asked))
+                max_run = per_cta // 4 + 2 + 4 * per_cta
+                assert max_run < chunk_words, (heads, cap, warps, per_warp, max_run, chunk_words)
+                shared = 8 * (chunk_words + max_run) + 4 * (MAX_D + MAX_D + (MAX_D + 1) + (MAX_D + 2) + MAX_D * heads
+                                                            + 32 * warps + heads * RADIX)
                 assert shared <= 48 * 1024, (heads, cap, warps, per_warp, shared)
 
 
