@@ -18,9 +18,10 @@ from fathom.integrations.sessions import (LayerStats, OffloadedSessions, Referen
 from fathom.integrations.transformers import FathomCache
 from fathom.quantize import midpoint_levels
 from fathom.selection import Selection
-from tests.integrations.test_transformers import (  # noqa: F401  (_quiet_and_single_threaded: autouse here too)
-    _cached, _calibration, _quiet_and_single_threaded, batch, generate)
+from tests.integrations.test_transformers import _cached, _calibration, batch, generate
 from tests.tiny_models import OFFLOAD_SETTINGS, tiny_llama, tiny_offload_llama
+
+pytestmark = pytest.mark.usefixtures("quiet_and_single_threaded")  # tests/integrations/conftest.py
 
 
 # --- units ------------------------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@ random Llama and Gemma-3 configs, batch 2 with left padding; SmolLM2 real weight
 budget that reads everything equal dense, a later plain generate is unchanged, and bad arguments are refused.
 The sessions behind the cache (reference and offloaded backends, the pool): test_sessions.py."""
 
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,16 +16,7 @@ from fathom.integrations.transformers import ATTENTION, CALIBRATION_QUERIES, Fat
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
 PROMPT, NEW, PAD = 150, 12, 37  # row 1 is left-padded by PAD positions
-
-
-@pytest.fixture(autouse=True)
-def _quiet_and_single_threaded():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU (10x slower here)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # 5.24 renames generate's past_key_values to cache
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("quiet_and_single_threaded")  # tests/integrations/conftest.py
 
 
 def batch(vocab: int = 97, n: int = PROMPT, pad: int = PAD):
