@@ -2,10 +2,11 @@
 section made from the committed runs."""
 
 import json
+import re
 
 from bench.__main__ import main
 from bench.report import RESULTS
-from bench.timing_report import PEERS, kernel_table, markdown, throughput_table
+from bench.timing_report import PEERS, THROUGHPUT_END, THROUGHPUT_START, kernel_table, markdown, throughput_table
 from bench.timing_run import kernel_name
 
 
@@ -63,12 +64,14 @@ def test_replot_into_a_readme_rewrites_its_sections_and_sets_ds_in_hbm_beside_it
 
 
 def test_the_readme_throughput_section_is_the_committed_runs_table_with_the_peers():
-    """The README's throughput table is the one the committed run makes (so a new run that is not replotted into it
-    shows here): the H100 run of 2026-12-07, its three settings merged into one JSON."""
-    merged = json.loads((RESULTS / "timing-throughput-h100.json").read_text())
+    """The README's throughput table is the one the committed run it names makes (so a new run that is not replotted
+    into it, or a run named but not committed, shows here): its settings merged into one JSON."""
     readme = (RESULTS.parents[1] / "README.md").read_text()
-    assert throughput_table(merged) in readme
-    assert "bench/results/timing-throughput-h100.json" in readme
+    section = readme.split(THROUGHPUT_START)[1].split(THROUGHPUT_END)[0]
+    named = re.findall(r"recorded in `bench/results/(timing-[\w.-]+\.json)`", section)
+    assert len(named) == 1, named
+    merged = json.loads((RESULTS / named[0]).read_text())
+    assert throughput_table(merged) in section
     assert all(f"| {name} | {setting} | {hardware} | {rate:g} |" in readme for name, setting, hardware, rate in PEERS)
 
 
