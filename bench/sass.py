@@ -144,19 +144,26 @@ def _opcode_and_operands(text: str) -> tuple[str, list[str]]:
     return words[0], [operand.strip() for operand in words[1].split(",")] if len(words) > 1 else []
 
 
+def scan_shape(heads: int, cap: int = 128, warps: int | None = None) -> tuple[int, int, int]:
+    """(CTAs an SM, warps, blocks a warp) of the scan kernel ``scan_planes`` launches for ``heads`` query heads a KV
+    head, ``cap``-block segments and at most ``warps`` warps (None: the decoder's)."""
+    from fathom.cuda import scan
+
+    warps = scan.SCAN_WARPS if warps is None else warps
+    return (scan.resident_ctas(heads, cap, warps),) + scan.launch_shape(heads, cap, warps)
+
+
 def scan_kernel_sass(heads: int, cap: int = 128, warps: int | None = None, levels: bool = False) -> tuple[str, str]:
     """The scan kernel for ``heads`` query heads a KV head (as ``scan_planes`` launches it for ``cap``-block
-    segments and at most ``warps`` warps; ``levels``: the one reading reconstruction tables) compiled for
-    :data:`ARCH` -> (nvdisasm's listing, ptxas's report)."""
+    segments and at most ``warps`` warps, :func:`scan_shape`; ``levels``: the one reading reconstruction tables)
+    compiled for :data:`ARCH` -> (nvdisasm's listing, ptxas's report)."""
     from numba import cuda
     from numba import types as T
 
     from fathom.cuda import scan
     from fathom.cuda.interop import launch_bounds
 
-    warps = scan.SCAN_WARPS if warps is None else warps  # the decoder's, by default
-    resident = scan.resident_ctas(heads, cap, warps)
-    warps, per_warp = scan.launch_shape(heads, cap, warps)
+    resident, warps, per_warp = scan_shape(heads, cap, warps)
     kernel = scan._scan_kernel(heads, warps, per_warp, levels, resident)
     f32, i64, keys = T.float32[:, :, ::1], T.int64, T.uint32[:, :, :, ::1]
     signature = (f32, T.int8[:, ::1], T.int32[::1], i64, T.uint64[::1], T.uint64[::1]) + (i64,) * 8 \
@@ -204,14 +211,11 @@ def main(argv=None) -> None:
     print("| G | CTAs an SM × warps × blocks a warp | registers | spill stores / loads (bytes) | global loads "
           "spilled | per-channel loop (instructions a channel and warp) | a lane's token at b = 1 / 2 |")
     print("|---|---|---|---|---|---|---|")
-    from fathom.cuda import scan
-
     for heads in args.heads:
         listing, report = scan_kernel_sass(heads, args.cap, levels=args.levels)
         registers, stores, loads = _registers_and_spills(report)
         loop = channel_loop(listing)
-        resident = scan.resident_ctas(heads, args.cap, scan.SCAN_WARPS)
-        warps, per_warp = scan.launch_shape(heads, args.cap, scan.SCAN_WARPS)
+        resident, warps, per_warp = scan_shape(heads, args.cap)
         per_token = [loop.instructions(b) / (2 * per_warp) for b in (1, 2)]
         spilled = loads_spilled(instructions(listing)[0])
         print(f"| {heads} | {resident} × {warps} × {per_warp} | {registers} | {stores} / {loads} | {spilled} | "
