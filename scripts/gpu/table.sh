@@ -12,19 +12,17 @@
 # usage: [TREE=.ab/REV] [LIMIT=560] bash scripts/gpu/table.sh
 set -uo pipefail
 source scripts/gpu/site.sh
+timing=$PWD/scripts/gpu/timing.sh
 limit=${LIMIT:-560}
 if [ -n "${TREE:-}" ]; then
   cd "$TREE" || exit 2
   export NUMBA_CACHE_DIR=/tmp/numba-ab
 fi
-common=(--hbm-planes 2 --modes graph --methods fathom@48,double-sparsity@136 --row-cache-rows 32768 --kernels
-        --out /tmp/timing)
-run() {  # NAME SECONDS ARGS...: one run, cut at SECONDS, skipped when fewer remain of the call
+common=(--hbm-planes 2 --modes graph --methods fathom@48,double-sparsity@136 --row-cache-rows 32768 --kernels)
+run() {  # NAME SECONDS ARGS...: one timing.sh run, cut at SECONDS, skipped when fewer remain of the call
   local name=$1 share=$2; shift 2
   if [ $((limit - SECONDS)) -lt "$share" ]; then echo "skipped $name: $((limit - SECONDS)) s left"; return; fi
-  rm -f /tmp/timing/timing-"$name".json  # an earlier call's file of this name is never taken for this run's
-  timeout "$share" python3 -m bench timing "${common[@]}" "$@" --name "$name" 2>&1 | grep -E "^\| [0-9]|wrote|error"
-  cp /tmp/timing/timing-"$name".json "$OUT"/ || echo "error: timing-$name.json not written" >&2
+  TIMEOUT=$share bash "$timing" "$name" "${common[@]}" "$@" | grep -E "^\| [0-9]|wrote|error"
   echo "$name done at $SECONDS s"
 }
 run table-k16 210 --regimes host --reps 2 --host-gb 90 --contexts 131072 --sessions 16
