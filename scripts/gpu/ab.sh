@@ -44,6 +44,9 @@
 # and 106 s a tree, compiling) in one call of 314 s; a fourth carried tree and two cached ones at 16 x 128k in 93, 65
 # and 67 s; the throughput table's four runs from a cached tree (fathom@48 and DS-136) in 350 s; `test` of one tree
 # (the default files) 98 s; two cached trees at 1M x 1 then 128k x 1 in 168 s.
+# Twenty-sixth session, a fresh H100 (after ~480 s of refused starts, the start itself ~540 s): two trees at 16 x 128k
+# (LIMIT 340: 134 and 118 s, compiling) then 1M x 1 (LIMIT 130: 49 and 53 s) in one call of 354 s; `test` of one tree
+# 137 s; the pair again, cached and in reversed order (TREES), 77 + 78 s at 16 x 128k and 48 + 49 s at 1M.
 # Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
