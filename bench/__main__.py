@@ -10,20 +10,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import (agreement, channel_stats, cli, fetch, fidelity, generate, headline, rowreuse, ruler, soak,
-                   timing)
+from bench import (agreement, artifacts, channel_stats, cli, fetch, fidelity, generate, headline, rowreuse, ruler,
+                   soak, timing)
 from bench.report import command_line
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run one command. Bad input (:class:`bench.cli.UsageError`) prints ``error: …`` and exits 2; a failed
-    download or cache repair (:class:`bench.fetch.FetchError`) prints ``error: …`` and exits 1; a bug raises."""
+    download or cache repair (:class:`bench.artifacts.FetchError`) prints ``error: …`` and exits 1; a bug raises."""
     try:
         _run(sys.argv[1:] if argv is None else argv)
     except cli.UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    except fetch.FetchError as error:
+    except artifacts.FetchError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench import cli, corpora, decoding, fetch, models
+from bench import artifacts, cli, corpora, decoding, models
 from bench.cli import UsageError
 from bench.capture import global_layers
 from bench.decoding import MethodSpec
@@ -205,7 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the model runs (default cpu); cuda with --path step: FathomCache's offloaded "
                              "backend, the GPU kernels (the batched path is the NumPy reference, on the host)")
     parser.add_argument("--cache", type=Path, default=None,
-                        help=f"model / corpus cache folder (default ${fetch.CACHE_ENV} or ~/.cache/fathom)")
+                        help=f"model / corpus cache folder (default ${artifacts.CACHE_ENV} or ~/.cache/fathom)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     parser.add_argument("--name", default=None,
                         help="file name stem (default agreement-<model>-<context>-T<steps>-w<windows>[-k<k>])")

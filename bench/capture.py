@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench import corpora, fetch, models
+from bench import artifacts, corpora, models
 from bench.cli import UsageError
 from fathom.capture import Capture
 
@@ -165,7 +165,7 @@ def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path 
         text, text_name = corpora.load(corpus, cache), corpus
     text_sha256 = hashlib.sha256(text.encode()).hexdigest()
     tag = text_sha256[:12] if isinstance(corpus, Path) else corpus
-    path = fetch.cache_dir(cache) / "captures" / f"{model_name}-{tag}-{n}-{positions}.npz"
+    path = artifacts.cache_dir(cache) / "captures" / f"{model_name}-{tag}-{n}-{positions}.npz"
 
     def made_from() -> dict:
         return {"model_sha256": models.digest(model_name, cache), "text_sha256": text_sha256}
@@ -183,13 +183,13 @@ def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path 
     def load(cached: Path) -> Capture:
         result = Capture.load(cached)
         if {key: result.meta.get(key) for key in ("model_sha256", "text_sha256")} != made_from():
-            raise fetch.CacheMismatch(f"{cached} was made from another build of {model_name} or another text")
+            raise artifacts.CacheMismatch(f"{cached} was made from another build of {model_name} or another text")
         if result.keys.shape[2] != n or len(result.positions) != positions:  # a file renamed or copied over
-            raise fetch.CacheMismatch(f"{cached} holds {result.keys.shape[2]} tokens and {len(result.positions)} "
+            raise artifacts.CacheMismatch(f"{cached} holds {result.keys.shape[2]} tokens and {len(result.positions)} "
                                       f"decode positions, not {n} and {positions}")
         return result
 
-    result = fetch.load_cached(path, build, load)
+    result = artifacts.load_cached(path, build, load)
     return result, result.meta["prefill_s"]
 
 
@@ -229,12 +229,12 @@ def check_probe_arguments(args):
 def probe_capture(parser, args) -> Capture:
     """The capture a research probe reads (:func:`load_capture` of ``args``' model, corpus, context and positions),
     its failures in one line as ``python -m bench`` gives them: a text too short for the context
-    (:class:`~bench.cli.UsageError`) exits 2, a failed download or cache repair (:class:`~bench.fetch.FetchError`)
+    (:class:`~bench.cli.UsageError`) exits 2, a failed download or cache repair (:class:`~bench.artifacts.FetchError`)
     exits 1."""
     try:
         capture, _ = load_capture(args.model, args.corpus, args.context, positions=args.positions)
     except UsageError as error:
         parser.exit(2, f"error: {error}\n")
-    except fetch.FetchError as error:
+    except artifacts.FetchError as error:
         parser.exit(1, f"error: {error}\n")
     return capture

