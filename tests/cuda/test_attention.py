@@ -117,6 +117,62 @@ def test_attend_rows_matches_reference_at_model_head_dims(heads, d):
         np.testing.assert_allclose(got[g], want, rtol=1e-4, atol=1e-5)
 
 
+def _check_rows_from_sources(seed: int, heads: int, d: int, tokens: int, rows: int, slots: int) -> None:
+    """Two streams' listed rows, each a hit (its K/V in the slab, garbage in host memory), a fill (read from host
+    memory and written to its slot) or a bypass (read from host memory): the reference over the true rows, and each
+    filled slot holding its row's words afterwards."""
+    rng = np.random.default_rng(seed)
+    streams = 2
+    k, v = _bf16(rng.standard_normal((2, streams, tokens, d)).astype(np.float32))
+    q = rng.standard_normal((streams, heads, d)).astype(np.float32)
+    kv = np.stack([_words(k), _words(v)], axis=2)
+    n_rows = np.array([rows, rows // 2 + 1], np.int32)
+    row_index = np.zeros((streams, rows), np.int32)
+    source = np.full((streams, rows), -1, np.int32)
+    slab = rng.integers(0, 2**63, (streams, slots) + kv.shape[2:], dtype=np.uint64)  # stale slots
+    stored = kv.copy()  # host memory: a hit's row there is garbage, so only its slab copy gives the reference
+    for g in range(streams):
+        listed = np.sort(rng.choice(tokens, n_rows[g], replace=False))
+        row_index[g, :n_rows[g]] = listed
+        kind = rng.choice(3, n_rows[g], p=[0.6, 0.25, 0.15])  # hit, fill, bypass
+        kind[0] = 2  # a miss in the first batch
+        slot = rng.permutation(slots)[:n_rows[g]]
+        hit, fill = np.flatnonzero(kind == 0), np.flatnonzero(kind == 1)
+        source[g, hit], source[g, fill] = slot[hit], slot[fill] + slots
+        slab[g, slot[hit]] = kv[g, listed[hit]]
+        stored[g, listed[hit]] = rng.integers(0, 2**63, (len(hit),) + kv.shape[2:], dtype=np.uint64)
+    head_mask = rng.integers(1, 1 << heads, (streams, rows)).astype(np.int32)
+    chunks = -(-rows // CHUNK_ROWS)
+    parts = [cuda.device_array((streams, chunks, heads), np.float32) for _ in range(2)]
+    out, slab_dev = cuda.device_array((streams, heads, d), np.float32), cuda.to_device(slab)
+    attend_rows(cuda.to_device(q), cuda.to_device(row_index), cuda.to_device(head_mask), cuda.to_device(n_rows),
+                cuda.to_device(np.full(streams, tokens, np.int32)), 1, False, cuda.to_device(stored), d ** -0.5,
+                cuda.to_device(np.zeros(4, np.int32)), *parts, cuda.device_array((streams, chunks, heads, d),
+                                                                                 np.float32), out,
+                cuda.to_device(source), slab_dev)
+    got, slab_after = out.copy_to_host(), slab_dev.copy_to_host()
+    for g in range(streams):
+        listed = row_index[g, :n_rows[g]]
+        mask = ((head_mask[g, :n_rows[g], None] >> np.arange(heads)) & 1).T.astype(bool)
+        np.testing.assert_allclose(got[g], attention(q[g], k[g, listed], v[g, listed], mask, scale=d ** -0.5),
+                                   rtol=1e-4, atol=1e-5)
+        filled = source[g, :n_rows[g]] >= slots
+        np.testing.assert_array_equal(slab_after[g, source[g, :n_rows[g]][filled] - slots], kv[g, listed[filled]])
+
+
+def test_each_row_is_read_from_its_source_and_a_fill_writes_its_slot():
+    """Hits from the slab, fills and bypasses from host memory: the reference over the rows, the fills in the
+    slab."""
+    _check_rows_from_sources(5, 3, 16, tokens=120, rows=80, slots=96)  # G = 3: a padded head
+
+
+@pytest.mark.gpu  # the simulator would take minutes
+@pytest.mark.parametrize("heads, d", [(4, 128), (3, 64), (8, 256)])
+def test_each_row_is_read_from_its_source_at_model_head_dims(heads, d):
+    """The same at the models' shapes, over many chunks."""
+    _check_rows_from_sources(heads * d, heads, d, tokens=4096, rows=1800, slots=2048)
+
+
 def test_far_negative_logits_over_many_chunks_at_a_small_head_dim():
     """Every logit near −2400 across chunks (two: a whole one and a partial one; the simulator is slow), with d = 8
     channels (the combine's CTA has fewer threads than the 32 partial maxima it reads): exp(logit − max) must not
