@@ -185,8 +185,8 @@ def load_capture(model_name: str, corpus: str | Path, n: int, cache: str | Path 
         if {key: result.meta.get(key) for key in ("model_sha256", "text_sha256")} != made_from():
             raise artifacts.CacheMismatch(f"{cached} was made from another build of {model_name} or another text")
         if result.keys.shape[2] != n or len(result.positions) != positions:  # a file renamed or copied over
-            raise artifacts.CacheMismatch(f"{cached} holds {result.keys.shape[2]} tokens and {len(result.positions)} "
-                                      f"decode positions, not {n} and {positions}")
+            raise artifacts.CacheMismatch(f"{cached} holds {result.keys.shape[2]} tokens and "
+                                          f"{len(result.positions)} decode positions, not {n} and {positions}")
         return result
 
     result = artifacts.load_cached(path, build, load)

@@ -144,7 +144,8 @@ def test_build_once_builds_folders(tmp_path):
     manifest = json.loads(artifacts.done_marker(target).read_text(encoding="utf-8"))
     assert manifest == {"files": {"sub/a.txt": [hashlib.sha256(b"a").hexdigest(), 1]}, "links": {}}
     # a folder's digest is its manifest's: it names the exact build
-    assert artifacts.recorded_sha256(target) == hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    assert artifacts.recorded_sha256(target) == digest
 
 
 # --- models: assembly and caching with a fake downloader --------------------------
