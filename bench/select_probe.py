@@ -44,7 +44,7 @@ def session_lengths(context: int, sessions: int) -> np.ndarray:
     """int32 ``[sessions]``: ``context`` for one session, else ragged as ``bench timing``'s batches."""
     from bench.timing_settings import Setting
 
-    return np.array(Setting(context, sessions, "host", ragged=sessions > 1).lengths, np.int32)
+    return np.array(Setting(context, sessions, "host", ragged=sessions > 1).block_lengths, np.int32)
 
 
 def top_histogram(scores, lengths, heads_per_session: int, sink: int, local: int):

@@ -216,7 +216,9 @@ class Run:
         """GPU µs per token of each kernel of ``label``'s eager token, largest first (torch's profiler over
         :data:`PROFILED_TOKENS` tokens; kernel durations, so the eager launch gaps are not in them). How many of
         them sealed a block goes to ``kernel_sealing_tokens``: such a token's seal kernels do the block's work, the
-        others' return at once, so the seal's figure is theirs, not a steady cost."""
+        others' return at once. Several sessions' ends are staggered (``Setting.lengths``), so most of their tokens
+        seal, as a server's do; one session seals on one token in 64 / (its appends a token to a physical layer), so
+        there the seal's figure is those tokens', not a steady cost."""
         torch = self.torch
         self.token(label, "eager", queued=False)
         physical = range(self.physical)

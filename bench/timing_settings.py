@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fathom.quantize import BLOCK
+
 LAYERS, KV_HEADS, GROUP_SIZE, HEAD_DIM = 36, 8, 4, 128  # Qwen3-8B
 CONTEXTS = (32768, 131072, 262144, 1048576)
 SESSIONS = (1, 4, 16)
@@ -14,7 +16,8 @@ HEADROOM = 4096  # tokens appended while timing
 
 @dataclass(frozen=True)
 class Setting:
-    """One cache: ``sessions`` at ``context`` tokens (``ragged``: session i holds ``context · (1 + i) / S``)."""
+    """One cache: ``sessions`` at ``context`` tokens (``ragged``: session i holds ``context · (1 + i) / S``), their
+    ends staggered within a block (:attr:`lengths`)."""
 
     context: int
     sessions: int
@@ -23,10 +26,22 @@ class Setting:
     ragged: bool = False
 
     @property
-    def lengths(self) -> list[int]:
+    def block_lengths(self) -> list[int]:
+        """Each session's tokens in whole blocks: ``context``, or with ``ragged`` session i's
+        ``context · (1 + i) / S`` down to a block."""
         if not self.ragged:
             return [self.context] * self.sessions
-        return [self.context * (i + 1) // self.sessions // 64 * 64 for i in range(self.sessions)]
+        return [self.context * (i + 1) // self.sessions // BLOCK * BLOCK for i in range(self.sessions)]
+
+    @property
+    def lengths(self) -> list[int]:
+        """The tokens each session holds when the timing starts: :attr:`block_lengths`, session i short of it by
+        ``(S − 1 − i) · 64 / S`` (the longest, last, by none). A server's sessions complete their 64-token blocks on
+        different tokens, so every token seals some: a decode token's seal launches work for ~S / 64 of the sessions
+        a layer appends to, and a launch takes its slowest CTA's time. Block-aligned lengths would complete every
+        session's block on the same token, one in 64 / (appends a physical layer takes a token), which a median
+        token never is."""
+        return [n - (self.sessions - 1 - i) * BLOCK // self.sessions for i, n in enumerate(self.block_lengths)]
 
     @property
     def label(self) -> str:

@@ -18,7 +18,7 @@ def test_a_batch_is_ragged_as_the_timing_bench_makes_it():
     from bench.timing_settings import Setting
 
     assert session_lengths(131072, 1).tolist() == [131072]
-    assert session_lengths(131072, 16).tolist() == Setting(131072, 16, "host", ragged=True).lengths
+    assert session_lengths(131072, 16).tolist() == Setting(131072, 16, "host", ragged=True).block_lengths
     assert session_lengths(131072, 16)[0] == 8192
 
 

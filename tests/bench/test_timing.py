@@ -1,4 +1,4 @@
-"""bench.timing's loop: a row cache's warm-up budget."""
+"""bench.timing's loop: a row cache's warm-up budget, the layers pinned memory holds, the sessions' lengths."""
 
 from bench.timing import ROW_CACHE_WARMUP_MAX, warmup_most
 
@@ -42,3 +42,20 @@ def test_the_physical_layers_fit_the_pinned_budget_as_the_cache_counts_it():
             assert pinned + per_layer > host_gb * 1e9  # one layer more would not fit
     assert held_layers(Setting(131072, 16, "hbm", ragged=True), Namespace(host_gb=90.0, hbm_planes=2,
                                                                           row_cache_rows=32768)) == 9
+
+
+def test_sessions_complete_their_blocks_on_different_tokens():
+    """Several sessions, ragged or not, end at different places in their blocks, as a server's do: over 64 appended
+    tokens each session completes one block and no token completes more than ceil(S / 64); the longest session holds
+    the context, and every session is within a block of its block-aligned length. One session is as it was."""
+    import numpy as np
+
+    from bench.timing_settings import Setting
+
+    assert Setting(1048576, 1, "host").lengths == [1048576]
+    for sessions, ragged in ((16, True), (4, False), (3, True), (64, True)):
+        setting = Setting(131072, sessions, "host", ragged=ragged)
+        lengths, aligned = np.array(setting.lengths), np.array(setting.block_lengths)
+        assert lengths.max() == 131072 and ((aligned - lengths >= 0) & (aligned - lengths < 64)).all()
+        completes = np.array([(lengths + t + 1) % 64 == 0 for t in range(64)])  # [token, session]
+        assert (completes.sum(axis=0) == 1).all() and completes.sum(axis=1).max() == -(-sessions // 64)
