@@ -9,7 +9,9 @@ specs) through ``generate``'s own loop, or with ``+graph`` (``fathom@48+graph``)
 Models: ``qwen3-8b`` and ``llama3.1-8b`` are those models' **shapes with random bf16 weights** (speed does not
 depend on the values; accuracy comes from the fidelity and RULER benches), built on the GPU in seconds;
 ``smollm2-135m`` is the real model (``bench.models``). Prompts are random token ids; with a batch the rows are
-ragged: row ``i`` holds ``context · (i + 1) / B`` real tokens, left-padded.
+ragged: row ``i`` holds ``context · (i + 1) / B`` real tokens, less ``(B − 1 − i) · 64 / B`` so that the rows
+complete their 64-token blocks on different tokens, as a server's sessions do (``bench.timing_settings.staggered``),
+left-padded.
 
 Times are CUDA events recorded where each forward's logits are ready (on the GPU's timeline, no sync per token:
 a loop that overlaps the host with the GPU keeps doing so, and one that leaves the GPU waiting shows it).
@@ -71,6 +73,7 @@ from bench.generate_report import (RECORD_FIELDS, REPLOT_FIELDS, check_readme, l
                                    publish)
 from bench.report import RESULTS, write_json
 from bench.shapes import REAL, SHAPES, build_model, context_of, head_dim, shape_layers
+from bench.timing_settings import staggered
 
 HF_SYSTEMS = ("hf-sdpa", "hf-offloaded")
 GRAPH = "+graph"
@@ -249,15 +252,17 @@ def replot(args) -> Path:
 
 
 def prompts(model, context: int, batch: int):
-    """Random token ids ``[B, context]``, row ``i`` with ``context · (i + 1) / B`` real tokens (left-padded)."""
+    """Random token ids ``[B, context]``, row ``i`` with ``context · (i + 1) / B`` real tokens, staggered within a
+    block (``bench.timing_settings.staggered``), left-padded."""
     import torch
 
     vocab = model.config.get_text_config(decoder=True).vocab_size
     g = torch.Generator(device="cuda").manual_seed(context + batch)
     ids = torch.randint(1, vocab, (batch, context), device="cuda", generator=g)
     mask = torch.ones_like(ids)
+    real = staggered([context * (i + 1) // batch for i in range(batch)])
     for i in range(batch):
-        pad = context - context * (i + 1) // batch
+        pad = context - real[i]
         ids[i, :pad], mask[i, :pad] = 0, 0
     return ids, mask
 

@@ -35,13 +35,20 @@ class Setting:
 
     @property
     def lengths(self) -> list[int]:
-        """The tokens each session holds when the timing starts: :attr:`block_lengths`, session i short of it by
-        ``(S − 1 − i) · 64 / S`` (the longest, last, by none). A server's sessions complete their 64-token blocks on
-        different tokens, so every token seals some: a decode token's seal launches work for ~S / 64 of the sessions
-        a layer appends to, and a launch takes its slowest CTA's time. Block-aligned lengths would complete every
-        session's block on the same token, one in 64 / (appends a physical layer takes a token), which a median
-        token never is."""
-        return [n - (self.sessions - 1 - i) * BLOCK // self.sessions for i, n in enumerate(self.block_lengths)]
+        """The tokens each session holds when the timing starts: :attr:`block_lengths` :func:`staggered` (session i
+        short by ``(S − 1 − i) · 64 / S``; the longest, last, by none). A server's sessions complete their 64-token
+        blocks on different tokens, so most tokens seal some: a decode token's seal launches work for ~S / 64 of the
+        sessions a layer appends to, and a launch takes its slowest CTA's time. Block-aligned lengths would complete
+        every session's block on the same token, one in 64 / (appends a physical layer takes a token), which a
+        median token never is."""
+        return staggered(self.block_lengths)
+
+
+def staggered(lengths: list[int]) -> list[int]:
+    """``lengths`` of S sessions, session i's short by ``(S − 1 − i) · 64 / S`` tokens: ends spread over a 64-token
+    block, so that over any 64 appended tokens each session completes one block and no token more than ⌈S / 64⌉
+    of them (as a server's sessions do; the same lengths would complete theirs all on one token)."""
+    return [n - (len(lengths) - 1 - i) * BLOCK // len(lengths) for i, n in enumerate(lengths)]
 
     @property
     def label(self) -> str:
