@@ -590,5 +590,3 @@ def _probe(cache: str) -> tuple[float, int]:
                           env={**os.environ, "NUMBA_CACHE_DIR": cache})
     seconds, compiled = done.stdout.split()[-2:]
     return float(seconds), int(compiled)
-
-

@@ -20,7 +20,8 @@ COLUMNS = [("setting", "model, context (text)", "s"), ("d", "d", "d"), ("basis",
            ("hits", "top-k hit fathom-48 / DS r=d/4 / sparq-68", "s"), ("channels", "channels read @48", "s"),
            ("device", "device", "s"), ("prefill", "prefills (min)", ".1f"), ("evaluation", "evaluation (min)", ".1f")]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of fidelity-*.json (default bench/results)")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="folder of fidelity-*.json (default bench/results)")
 
 
 def _saving(summary: dict, key: str) -> str:

@@ -89,4 +89,3 @@ def stream_sessions(streams: int, heads_per_session, lengths) -> None:
     if tuple(lengths.shape) != (streams // heads_per_session,):
         raise ValueError(f"lengths must hold one length per session, [{streams // heads_per_session}], got "
                          f"{list(lengths.shape)}")
-

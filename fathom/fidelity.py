@@ -31,7 +31,6 @@ from fathom.selection import Selection, protocol_masks, select_many
 from fathom.waterfill import per_layer_plan
 
 
-
 @dataclass(frozen=True)
 class MethodResult:
     """One method on one capture. Bytes are per decode step of one sequence, summed over layers and KV heads."""

@@ -208,4 +208,3 @@ class PlaneStore:
     def scan_nbytes(self, depths: np.ndarray) -> float:
         """Bytes a scan at ``depths`` reads (planes + scales): ``n_sealed · scan_bits(depths) / 8``."""
         return sum(r.nbytes for r in self.runs(depths))
-

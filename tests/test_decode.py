@@ -89,4 +89,3 @@ def test_head_index_appends_to_every_store_or_to_none():
     with pytest.raises(ValueError, match="beyond the float16 range"):
         index.append(keys)
     assert [store.n_tokens for store in index.stores.values()] == [0, 0] and len(index.keys) == 0
-

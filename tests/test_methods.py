@@ -215,7 +215,6 @@ def test_a_depth_policy_refuses_what_its_scan_cannot_read(make, message):
         make()
 
 
-
 @given(st.integers(0, 2 ** 32 - 1), st.integers(1, 4), st.floats(0, 80), st.sampled_from(["design", "calibrated"]))
 def test_a_pooled_plan_fits_the_mean_budget_and_equals_the_groups_plan_on_alike_heads(seed, heads, budget, gains):
     """One water line for a layer's heads: their mean cost fits the budget at every position, and heads with the

@@ -110,4 +110,3 @@ def test_a_refused_append_leaves_the_store_as_it_was():
         assert (store.n_tokens, store.n_sealed) == (10, 0)
     store.append(rng.standard_normal((60, 4)).astype(np.float32))
     assert (store.n_tokens, store.n_sealed) == (70, 64)
-

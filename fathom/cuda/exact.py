@@ -120,5 +120,5 @@ def scan_rows(q, rows, bf16: bool, tokens_per_row: int, lengths, heads_per_sessi
     check_keys(keys, streams, heads)
     if streams:
         grid = (math.ceil(rows.shape[1] / rows_per_cta(d // 4, heads)), streams)
-        _row_kernel(heads, bf16, tokens_per_row, d // 4)[grid, threads, stream](q, rows, lengths, heads_per_session, sink,
-                                                                         local, keys.view(np.uint16), top_hist)
+        kernel = _row_kernel(heads, bf16, tokens_per_row, d // 4)
+        kernel[grid, threads, stream](q, rows, lengths, heads_per_session, sink, local, keys.view(np.uint16), top_hist)

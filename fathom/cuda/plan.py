@@ -365,7 +365,6 @@ def _depth_at(gain, c, theta):
                     + (1 if gain[c, 2] > theta else 0) + (1 if gain[c, 3] > theta else 0))
 
 
-
 def waterfill(q, sigma2, scale_sq_sum, from_store, budget: float, depths, lengths, heads_per_session: int = 1,
               threads: int = WATERFILL_THREADS, split_bits: int = MAX_SPLIT_BITS, stream=0, gains=None,
               pooled: bool = False) -> None:

@@ -679,4 +679,3 @@ def _check_host_memory(nbytes: int, shape: CacheShape) -> None:
 def _stream_index(sessions: torch.Tensor, heads: int) -> torch.Tensor:
     """Streams of ``sessions`` (KV head fastest), ``[S'·H]``."""
     return (sessions.long()[:, None] * heads + torch.arange(heads, device=sessions.device)).reshape(-1)
-

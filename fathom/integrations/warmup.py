@@ -204,7 +204,8 @@ def argument_parser() -> argparse.ArgumentParser:
                                  "process loads its kernels instead of compiling them in its first prefill.")
     parser.add_argument("--head-dim", type=int, help=f"attention head dim d (a multiple of 4 in 4..{MAX_HEAD_DIM}); "
                                                      "with --group-size")
-    parser.add_argument("--group-size", type=int, help=f"query heads per KV head G (1..{MAX_GROUP_SIZE}); with --head-dim")
+    parser.add_argument("--group-size", type=int,
+                        help=f"query heads per KV head G (1..{MAX_GROUP_SIZE}); with --head-dim")
     parser.add_argument("--model", action="append", default=[],
                         help="a transformers config to read d and G from: a folder, a config.json, or a hub id already "
                              "in the local cache (nothing is downloaded); may repeat")

@@ -27,8 +27,8 @@ def test_headline_tables_the_real_settings_only(tmp_path):
     assert table.count("| m 16k") == 1
     assert "| m 16k (t) | 0.2500 (double-sparsity@68)" not in table  # no curves reported: no second-table row
     family = {"fathom48_error": 0.11, "equal_error_saving_quarter": 2.0, "equal_error_how_quarter": "at most"}
-    with_curves = {**real, "capture": {"tokens": 32768, "head_dim": 64}, "summary": {**summary, "heads_rotated": 3, "heads": 8,
-                                       "families": {"fathom-mixed": family}}}
+    with_curves = {**real, "capture": {"tokens": 32768, "head_dim": 64},
+                   "summary": {**summary, "heads_rotated": 3, "heads": 8, "families": {"fathom-mixed": family}}}
     (tmp_path / "fidelity-m-32k-t.json").write_text(json.dumps(with_curves))
     main(["headline", "--results", str(tmp_path)])
     table = (tmp_path / "headline.md").read_text()

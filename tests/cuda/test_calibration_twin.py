@@ -25,8 +25,8 @@ def random_capture(seed: int, L: int, H: int, n: int, d: int, P: int, G: int) ->
 def twin_calibrate(cap: Capture, needs=twin.NEEDS) -> Calibration:
     L, H, P, G, d = cap.queries.shape
     queries = cap.queries.reshape(L, H, P * G, d)
-    layers = [twin.calibrate_layer(torch.from_numpy(cap.keys[l]), torch.from_numpy(queries[l]), needs)
-              for l in range(L)]
+    layers = [twin.calibrate_layer(torch.from_numpy(cap.keys[layer]), torch.from_numpy(queries[layer]), needs)
+              for layer in range(L)]
     return twin.stack(layers, cap.meta)
 
 

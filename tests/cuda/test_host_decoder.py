@@ -338,7 +338,8 @@ def test_graph_replay_equals_eager():
             np.testing.assert_array_equal(got, want)
             assert (graph_cache.lengths(LAYER) == eager_cache.lengths(LAYER)).all()
         for g in range(shape.streams):
-            np.testing.assert_array_equal(sealed_planes(graph_cache, LAYER, g)[0], sealed_planes(eager_cache, LAYER, g)[0])
+            np.testing.assert_array_equal(sealed_planes(graph_cache, LAYER, g)[0],
+                                          sealed_planes(eager_cache, LAYER, g)[0])
 
 
 def test_a_step_built_on_other_buffers_reads_and_writes_them_only():
@@ -799,4 +800,3 @@ def test_a_refused_calibration_changes_nothing():
         with pytest.raises(ValueError, match="head_basis must be"):
             decoder.set_calibration(1, np.full((2, D), 7.0), None, head_basis=np.array(["raw", "bogus"]))
         torch.testing.assert_close(decoder.strategy.depth_plan.sigma2[1], before, rtol=0, atol=0)
-

@@ -223,4 +223,3 @@ def test_top_channels_refuses_an_r_or_depths_it_cannot_write():
                                (2, np.zeros((1, 8), np.float32), "depths int8")):
         with pytest.raises(ValueError, match=message):
             top_channels(q, r, cuda.to_device(depths))
-

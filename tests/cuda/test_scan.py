@@ -303,7 +303,8 @@ def test_the_scan_refuses_a_layout_or_group_it_cannot_address():
         with pytest.raises(ValueError, match=r"levels must be float32 \[1, 8, 4, 16\]"):
             scan_planes(cuda.to_device(np.zeros((1, 1, 8), np.float32)), cuda.to_device(np.zeros((1, 8), np.int8)),
                         lengths, 1, store, store, layout, 0, 0, keys, top_hist, levels=cuda.to_device(levels))
-    bad_keys = (np.zeros((1, 1, 2, 32), np.float32), np.zeros((1, 1, 2, 48), np.uint32), np.zeros((1, 2, 2, 32), np.uint32))
+    bad_keys = (np.zeros((1, 1, 2, 32), np.float32), np.zeros((1, 1, 2, 48), np.uint32),
+                np.zeros((1, 2, 2, 32), np.uint32))
     for bad in bad_keys:
         with pytest.raises(ValueError, match=r"keys must be uint32 \[1, 1, 2, C\] with C a multiple of 32"):
             scan_planes(cuda.to_device(np.zeros((1, 1, 8), np.float32)), cuda.to_device(np.zeros((1, 8), np.int8)),

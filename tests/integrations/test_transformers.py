@@ -437,5 +437,3 @@ def _readme_example() -> str:
 def test_the_readme_example_runs_as_written(monkeypatch):
     monkeypatch.chdir(Path(__file__).parents[2])  # the example names a calibration file under bench/results
     exec(compile(_readme_example(), "README.md", "exec"), {})
-
-
