@@ -43,17 +43,17 @@ class Setting:
         median token never is."""
         return staggered(self.block_lengths)
 
+    @property
+    def label(self) -> str:
+        s = f"{self.context // 1024}k × {self.sessions}" + (" ragged" if self.ragged else "")
+        return s + ("" if self.k == 512 else f", k = {self.k}")
+
 
 def staggered(lengths: list[int]) -> list[int]:
     """``lengths`` of S sessions, session i's short by ``(S − 1 − i) · 64 / S`` tokens: ends spread over a 64-token
     block, so that over any 64 appended tokens each session completes one block and no token more than ⌈S / 64⌉
     of them (as a server's sessions do; the same lengths would complete theirs all on one token)."""
     return [n - (len(lengths) - 1 - i) * BLOCK // len(lengths) for i, n in enumerate(lengths)]
-
-    @property
-    def label(self) -> str:
-        s = f"{self.context // 1024}k × {self.sessions}" + (" ragged" if self.ragged else "")
-        return s + ("" if self.k == 512 else f", k = {self.k}")
 
 
 def method_table():
