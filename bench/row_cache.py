@@ -83,6 +83,31 @@ def lru_misses(steps: list[np.ndarray], capacity: int) -> list[np.ndarray]:
     return misses
 
 
+def set_associative_misses(steps: list[np.ndarray], capacity: int, ways: int) -> list[np.ndarray]:
+    """The rows a set-associative cache of ``capacity`` rows misses at each step t = 0.. (in the step's order):
+    ``capacity // ways`` sets of ``ways`` rows, row ``r`` only ever in set ``r % sets``, each set an LRU of its own
+    (:func:`lru_misses`' order within it). A GPU finds a row's slot among its set's ``ways`` with no table of every
+    position and no pass over every slot, at the price of the rows evicted while other sets hold older ones; one set
+    of ``capacity`` ways is the LRU."""
+    if not 1 <= ways <= capacity:
+        raise ValueError(f"ways must lie in 1..capacity ({capacity}), got {ways}")
+    sets = capacity // ways
+    held: dict[int, OrderedDict[int, None]] = {}
+    misses = []
+    for rows in steps:
+        listed = rows.tolist()
+        misses.append(np.array([row for row in listed if row not in held.get(row % sets, ())], np.int64))
+        for row in listed:  # hits first, then misses, each in the step's order, as lru_misses inserts them
+            if row in held.get(row % sets, ()):
+                held[row % sets].move_to_end(row)
+        for row in listed:
+            held.setdefault(row % sets, OrderedDict())[row] = None
+        for index in {row % sets for row in listed}:
+            while len(held[index]) > ways:
+                held[index].popitem(last=False)
+    return misses
+
+
 def step_hits(steps: list[np.ndarray], misses: list[np.ndarray]) -> np.ndarray:
     """Each step's rows less its ``misses`` (:func:`lru_misses`), at steps t = 1.. (int64 ``[T − 1]``)."""
     return np.array([len(rows) - len(missed) for rows, missed in zip(steps, misses)][1:], np.int64)

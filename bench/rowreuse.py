@@ -13,8 +13,10 @@ The prompt holds ``context − new_tokens`` tokens of the corpus, so the last
 step decodes at ``context``; one dense prefill per (model, context) is shared
 by the methods (:func:`~fathom.integrations.prefill.prefill`). Per
 (layer, session, KV head) the row sets are replayed through
-:mod:`bench.row_cache`: keeping only the previous step's rows, and LRU caches
-of ``c ×`` that head's mean rows per step. Reported per method and context:
+:mod:`bench.row_cache`: keeping only the previous step's rows, LRU caches
+of ``c ×`` that head's mean rows per step, and with ``--ways`` set-associative
+caches of the same sizes (what a GPU can assign slots in with one parallel
+pass, where the LRU takes a pass over every slot). Reported per method and context:
 each head's hit rate (mean over steps), then the mean and the 10th percentile
 over heads, and the fraction of the selected rows' bytes that still cross the
 link (all misses / all selected rows). And how well the rows that cross share
@@ -38,7 +40,7 @@ from bench import artifacts, cli, corpora, decoding, models
 from bench.cli import UsageError
 from bench.decoding import MethodSpec
 from bench.report import RESULTS, context_label, markdown_table, write_json
-from bench.row_cache import LAYOUTS, lru_misses, pages_touched, previous_step_reuse, step_hits
+from bench.row_cache import LAYOUTS, lru_misses, pages_touched, previous_step_reuse, set_associative_misses, step_hits
 from fathom import methods
 from fathom.selection import Selection
 
@@ -86,11 +88,13 @@ def rows_per_page(steps: dict[tuple[int, int, int], list[np.ndarray]], row_bytes
 
 
 def reuse_summary(rows: dict[tuple[int, int, int], list[np.ndarray]], capacities: list[int],
-                  row_bytes: int) -> dict:
+                  row_bytes: int, ways: list[int] = ()) -> dict:
     """Previous-step reuse and LRU hit rates of every (layer, session, KV head)'s row sets: per policy the mean
     over heads of each head's mean over steps, its 10th percentile and minimum over heads, the per-layer means,
     the mean over heads at each step and the fraction of selected rows that miss (the link's share); for all
-    selected rows and each LRU's misses, :func:`rows_per_page` (``row_bytes``: a token's K and V of one head)."""
+    selected rows and each LRU's misses, :func:`rows_per_page` (``row_bytes``: a token's K and V of one head).
+    ``ways``: also a set-associative cache of each capacity with sets of that many rows (``set_associative``: the
+    same figures, but the pages)."""
     heads = sorted(rows)
     selected = np.array([[len(r) for r in rows[h][1:]] for h in heads])  # [heads, T - 1]
     mean_rows = np.array([np.mean([len(r) for r in rows[h]]) for h in heads])
@@ -112,8 +116,16 @@ def reuse_summary(rows: dict[tuple[int, int, int], list[np.ndarray]], capacities
         hits = np.array([step_hits(rows[h], misses[h]) for h in heads])
         lru.append({"capacity": c, "rows_held_mean": float(sizes.mean()), **policy(hits),
                     "miss_rows_per_page": rows_per_page(misses, row_bytes)})
+    associative = []
+    for w in ways:
+        for c in capacities:
+            sizes = np.maximum(w, np.rint(c * mean_rows)).astype(int)  # at least one set
+            hits = np.array([step_hits(rows[h], set_associative_misses(rows[h], int(size), w))
+                             for h, size in zip(heads, sizes)])
+            associative.append({"capacity": c, "ways": w, "rows_held_mean": float((sizes // w * w).mean()),
+                                **policy(hits)})
     return {"heads": len(heads), "steps": selected.shape[1] + 1, "mean_rows": float(mean_rows.mean()),
-            "previous_step": policy(np.nan_to_num(previous)), "lru": lru,
+            "previous_step": policy(np.nan_to_num(previous)), "lru": lru, "set_associative": associative,
             "row_bytes": row_bytes, "selected_rows_per_page": rows_per_page(rows, row_bytes)}
 
 
@@ -149,6 +161,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default oracle,fathom@48)")
     parser.add_argument("--capacities", type=cli.int_list, default=[1, 2, 4, 8],
                         help="LRU capacities in units of a head's mean rows per step (default 1,2,4,8)")
+    parser.add_argument("--ways", type=cli.int_list, default=[],
+                        help="also set-associative caches of every capacity, with sets of these many rows "
+                             "(comma-separated; default: none)")
     parser.add_argument("--no-repeat-ngram", type=int, default=0,
                         help="greedy, but never repeating an n-gram of this length (small models loop on plain "
                              "greedy decoding; default %(default)s: plain greedy)")
@@ -174,12 +189,14 @@ def check_args(args) -> dict[str, tuple[list[MethodSpec], Path | None]]:
         cli.at_least("-k", args.k, 1)
     for c in args.capacities:
         cli.at_least("--capacities", c, 1)
+    for w in args.ways:
+        cli.at_least("--ways", w, 1)
     if args.corpus not in corpora.CORPORA:
         raise UsageError(f"--corpus must be one of {', '.join(corpora.CORPORA)}, got {args.corpus!r}")
     if args.calibration is not None and len(args.models) > 1:
         raise UsageError("--calibration is per model: name one model with it")
     for name, values in (("--models", args.models), ("--contexts", args.contexts), ("--methods", args.methods),
-                         ("--capacities", args.capacities)):
+                         ("--capacities", args.capacities), ("--ways", args.ways)):
         if len(set(values)) < len(values):
             raise UsageError(f"{name} names a value more than once: {','.join(map(str, values))}")
     plan = {}
@@ -239,7 +256,8 @@ def run(args: argparse.Namespace) -> Path:
                                                        calibration, args.no_repeat_ngram, bar)
                     runs.append({"model": name, "context": context, "prompt_tokens": len(ids),
                                  "method": spec.label, "k": k,
-                                 **reuse_summary(rows, args.capacities, 4 * models.info(name).head_dim),
+                                 **reuse_summary(rows, args.capacities, 4 * models.info(name).head_dim,
+                                                 args.ways),
                                  "decode_s": round(time.perf_counter() - began, 1),
                                  "generated": tokenizer.decode(generated)})
     name = args.name or (f"rowreuse-{'-'.join(args.models)}-{'-'.join(context_label(c) for c in args.contexts)}"
@@ -250,19 +268,20 @@ def run(args: argparse.Namespace) -> Path:
              "/ local / tail, per (layer, KV head)")
     path = write_json(args.out / f"{name}.json", args.command_line, {
         "models": args.models, "corpus": args.corpus, "contexts": args.contexts, "new_tokens": args.new_tokens,
-        "no_repeat_ngram": args.no_repeat_ngram,
-        "capacities": args.capacities, "calibration": {m: None if c is None else str(c) for m, (_, c) in plan.items()},
+        "no_repeat_ngram": args.no_repeat_ngram, "capacities": args.capacities, "ways": args.ways,
+        "calibration": {m: None if c is None else str(c) for m, (_, c) in plan.items()},
         "hit_rate": "per head: hits / selected rows, mean over steps 1..T-1 (step 0 finds the cache cold); "
                     "then the mean and the 10th percentile over (layer, session, KV head)",
         "link_fraction": "all misses / all selected rows (sink, local and tail excluded from both)",
         "wall_s": round(time.perf_counter() - start, 1), "runs": runs})
-    _write_table(args.out / f"{name}.md", runs, args.capacities, title, args.command_line)
+    _write_table(args.out / f"{name}.md", runs, args.capacities, args.ways, title, args.command_line)
     _plot(args.out / f"{name}.png", runs, title)
     print((args.out / f"{name}.md").read_text())
     return path
 
 
-def _write_table(path: Path, runs: list[dict], capacities: list[int], title: str, command: str) -> None:
+def _write_table(path: Path, runs: list[dict], capacities: list[int], ways: list[int], title: str,
+                 command: str) -> None:
     rows = []
     for r in runs:
         row = {"model": r["model"], "context": context_label(r["context"]), "method": r["method"], "k": r["k"],
@@ -272,16 +291,20 @@ def _write_table(path: Path, runs: list[dict], capacities: list[int], title: str
             row[f"lru{c['capacity']}"] = _hit(c)
             row[f"link{c['capacity']}"] = c["link_fraction"]
             row[f"pages{c['capacity']}"] = _per_page(c["miss_rows_per_page"])
+        for c in r.get("set_associative", []):
+            row[f"set{c['ways']}x{c['capacity']}"] = _hit(c)
         rows.append(row)
     columns = [("model", "model", "s"), ("context", "context", "s"), ("method", "method", "s"), ("k", "k", "d"),
                ("rows", "rows / step", ".0f"), ("previous", "previous step: mean (p10)", "s"),
                *[(f"lru{c}", f"LRU {c}×: mean (p10)", "s") for c in capacities],
+               *[(f"set{w}x{c}", f"{w}-way {c}×: mean (p10)", "s") for w in ways for c in capacities],
                *[(f"link{c}", f"link {c}×", ".3f") for c in capacities],
                ("pages", "rows / page: selected", "s"), *[(f"pages{c}", f"rows / page: LRU {c}× misses", "s")
                                                           for c in capacities]]
     lines = [f"Row reuse on generated tokens — {title}. Made by `{command}`.", "",
              "Hit rate per (layer, KV head): hits / selected rows, mean over steps; the table gives its mean and "
-             "10th percentile over heads. LRU c×: c times the head's mean rows per step. link: misses / selected "
+             "10th percentile over heads. LRU c×: c times the head's mean rows per step; w-way c×: as many rows "
+             "in sets of w (row r in set r mod the sets), each set an LRU. link: misses / selected "
              "rows, what still crosses the link. rows / page: the rows a (layer, session) step fetches over the "
              "4 KiB host pages they lie on, in the host cache's layout (each KV head's rows contiguous) / with a "
              "token's KV heads side by side (a random gather over the link is paid per page: with 8 rows of 512 B a "

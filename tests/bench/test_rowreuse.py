@@ -1,4 +1,4 @@
-"""python -m bench rowreuse: the row-cache simulation against hand-worked sequences, the rows a step records (sink,
+"""python -m bench rowreuse: the row-cache simulation (LRU and set-associative) against hand-worked sequences, the rows a step records (sink,
 local and tail left out), bad arguments refused before any load, and one run end to end on a tiny random Llama
 (no download)."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from bench import corpora, models, rowreuse
 from bench.__main__ import main
-from bench.row_cache import lru_hits, lru_misses, pages_touched, previous_step_reuse
+from bench.row_cache import lru_hits, lru_misses, pages_touched, previous_step_reuse, set_associative_misses
 from fathom.selection import Selection
 from tests.cli import refused
 
@@ -44,6 +44,30 @@ def test_lru_misses_by_hand_are_each_steps_rows_less_its_hits():
     assert [m.tolist() for m in lru_misses(STEPS, 2)] == [[1, 2, 3], [4], [1, 5], []]
     # capacity 1 keeps [3], then [4] (its hit 3 goes first), then [5]
     assert [m.tolist() for m in lru_misses(STEPS, 1)] == [[1, 2, 3], [2, 4], [1, 5], []]
+
+
+def test_set_associative_misses_by_hand():
+    # capacity 4 in sets of 2: rows 1, 3, 5 in set 1, rows 2, 4 in set 0. [1 2 3] -> set 1 [1 3], set 0 [2];
+    # [2 3 4]: hits 2, 3, miss 4 -> set 0 [2 4]; [1 4 5]: hits 1, 4; 5 evicts set 1's oldest, 3 (the LRU of 4 rows
+    # would have evicted 2) -> set 1 [1 5]; [5]: hit
+    steps = STEPS
+    assert [m.tolist() for m in set_associative_misses(steps, 4, 2)] == [[1, 2, 3], [4], [5], []]
+    # one way a set: row r in set r % 4; 1 and 5 share set 1, so step 2's 5 evicts 1 there
+    assert [m.tolist() for m in set_associative_misses(steps, 4, 1)] == [[1, 2, 3], [4], [5], []]
+    assert [m.tolist() for m in set_associative_misses([np.array([1]), np.array([5]), np.array([1])], 4, 1)] == [
+        [1], [5], [1]]
+    with pytest.raises(ValueError, match="ways"):
+        set_associative_misses(steps, 4, 5)
+
+
+def test_one_set_of_every_way_is_the_lru():
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        steps = [np.unique(rng.integers(0, 60, rng.integers(0, 30))) for _ in range(rng.integers(1, 10))]
+        capacity = int(rng.integers(1, 40))
+        expected = lru_misses(steps, capacity)
+        for got, want in zip(set_associative_misses(steps, capacity, capacity), expected, strict=True):
+            assert got.tolist() == want.tolist()
 
 
 def test_pages_touched_by_hand_in_both_layouts():
@@ -102,6 +126,8 @@ def test_a_step_records_its_fetched_rows_without_sink_local_and_tail():
     (["--new-tokens", "1"], "--new-tokens must be >= 2"),
     (["--no-repeat-ngram", "-1"], "--no-repeat-ngram must be >= 0"),
     (["--capacities", "0,2"], "--capacities must be >= 1"),
+    (["--ways", "0"], "--ways must be >= 1"),
+    (["--ways", "4,4"], "--ways names a value more than once"),
     (["--contexts", "256"], "--contexts must lie in 512..8192"),
     (["--contexts", "16384"], "--contexts must lie in 512..8192 (smollm2-135m"),
     (["--contexts", "4096,4096"], "--contexts names a value more than once"),
@@ -139,7 +165,7 @@ def test_a_tiny_run_end_to_end(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(models, "load", lambda name, cache=None: (tiny_llama(), CharTokenizer()))
     monkeypatch.setattr(corpora, "load", lambda name, cache=None: "a long text of plain words " * 60)
     main(["rowreuse", "--models", "tiny", "--contexts", "512,640", "--new-tokens", "6", "--methods",
-          "oracle,fathom@24", "--capacities", "1,2,8", "-k", "16", "--out", str(tmp_path)])
+          "oracle,fathom@24", "--capacities", "1,2,8", "--ways", "1,4", "-k", "16", "--out", str(tmp_path)])
     stem = "rowreuse-tiny-512-640-T6"
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.{ext}" for ext in ("json", "md", "png")]
     result = json.loads((tmp_path / f"{stem}.json").read_text())
@@ -153,6 +179,13 @@ def test_a_tiny_run_end_to_end(monkeypatch, tmp_path, capsys):
         hits = [c["hit_mean"] for c in r["lru"]]
         assert all(0 <= h <= 1 for h in hits) and hits == sorted(hits)  # LRU: more room never hits less
         assert len(r["lru"][0]["per_step"]) == 5
+        assert [(c["ways"], c["capacity"]) for c in r["set_associative"]] == [
+            (1, 1), (1, 2), (1, 8), (4, 1), (4, 2), (4, 8)]
+        # a set-associative cache holds as many rows as the LRU, down to whole sets (at least one)
+        for c in r["set_associative"]:
+            lru = next(x for x in r["lru"] if x["capacity"] == c["capacity"])
+            assert c["rows_held_mean"] <= max(lru["rows_held_mean"], c["ways"]) and 0 <= c["hit_mean"] <= 1
         assert r["row_bytes"] == 4 * 16 and all(v >= 1 for v in r["selected_rows_per_page"].values())
-    assert "| tiny | 640 | fathom@24 | 16 |" in (tmp_path / f"{stem}.md").read_text()
+    table = (tmp_path / f"{stem}.md").read_text()
+    assert "| tiny | 640 | fathom@24 | 16 |" in table and "4-way 8×: mean (p10)" in table
     assert f"wrote {tmp_path / stem}.json" in capsys.readouterr().out
