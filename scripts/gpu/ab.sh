@@ -47,6 +47,10 @@
 # Twenty-sixth session, a fresh H100 (after ~480 s of refused starts, the start itself ~540 s): two trees at 16 x 128k
 # (LIMIT 340: 134 and 118 s, compiling) then 1M x 1 (LIMIT 130: 49 and 53 s) in one call of 354 s; `test` of one tree
 # 137 s; the pair again, cached and in reversed order (TREES), 77 + 78 s at 16 x 128k and 48 + 49 s at 1M.
+# Twenty-seventh session: no machine lent (three calls refused or failed to start, ~270 s of device time). Prepared
+# for the next: main, try-seal3, try-miss-early2, try-set-rows (the 16-session lengths now staggered in every tree).
+# Four fresh trees at 16 x 128k need ~600 s compiling: three in one call (LIMIT 480), then on the warm machine
+# TREES="try-set-rows main" at 16 x 128k (LIMIT 300) and all four cached at 128k x 1 (LIMIT 240).
 # Trees run in the order of their folders' names: to time main last as well as first, rename .ab/main (e.g. zmain).
 # The throughput table's three settings, as the A/Bs of 2026-12-06 ran them (C: what they share):
 #   C="--hbm-planes 2 --modes graph --row-cache-rows 32768 --kernels --regimes host"
