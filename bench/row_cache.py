@@ -65,30 +65,17 @@ LAYOUTS = ("stream-major", "token-major")
 def lru_misses(steps: list[np.ndarray], capacity: int) -> list[np.ndarray]:
     """The rows an LRU cache of ``capacity`` rows misses at each step t = 0.. (in the step's order; step 0 finds
     the cache empty and misses every row), each step's rows distinct (see the module docstring for the order of
-    eviction)."""
+    eviction): :func:`set_associative_misses` with one set."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
-    cache: OrderedDict[int, None] = OrderedDict()
-    misses = []
-    for rows in steps:
-        listed = rows.tolist()
-        held = [row for row in listed if row in cache]
-        misses.append(np.array([row for row in listed if row not in cache], np.int64))
-        for row in held:
-            cache.move_to_end(row)
-        for row in listed:
-            cache[row] = None  # a miss is inserted last; a hit keeps its refreshed place
-        while len(cache) > capacity:
-            cache.popitem(last=False)
-    return misses
+    return set_associative_misses(steps, capacity, capacity)
 
 
 def set_associative_misses(steps: list[np.ndarray], capacity: int, ways: int) -> list[np.ndarray]:
     """The rows a set-associative cache of ``capacity`` rows misses at each step t = 0.. (in the step's order):
-    ``capacity // ways`` sets of ``ways`` rows, row ``r`` only ever in set ``r % sets``, each set an LRU of its own
-    (:func:`lru_misses`' order within it). A GPU finds a row's slot among its set's ``ways`` with no table of every
-    position and no pass over every slot, at the price of the rows evicted while other sets hold older ones; one set
-    of ``capacity`` ways is the LRU."""
+    ``capacity // ways`` sets of ``ways`` rows, row ``r`` only ever in set ``r % sets``, each set an LRU of its own.
+    A GPU finds a row's slot among its set's ``ways`` with no table of every position and no pass over every slot,
+    at the price of the rows evicted while other sets hold older ones; one set of ``capacity`` ways is the LRU."""
     if not 1 <= ways <= capacity:
         raise ValueError(f"ways must lie in 1..capacity ({capacity}), got {ways}")
     sets = capacity // ways
@@ -96,15 +83,16 @@ def set_associative_misses(steps: list[np.ndarray], capacity: int, ways: int) ->
     misses = []
     for rows in steps:
         listed = rows.tolist()
-        misses.append(np.array([row for row in listed if row not in held.get(row % sets, ())], np.int64))
-        for row in listed:  # hits first, then misses, each in the step's order, as lru_misses inserts them
-            if row in held.get(row % sets, ()):
-                held[row % sets].move_to_end(row)
-        for row in listed:
-            held.setdefault(row % sets, OrderedDict())[row] = None
-        for index in {row % sets for row in listed}:
-            while len(held[index]) > ways:
-                held[index].popitem(last=False)
+        lrus = [held.setdefault(row % sets, OrderedDict()) for row in listed]  # each row's set
+        misses.append(np.array([row for row, lru in zip(listed, lrus) if row not in lru], np.int64))
+        for row, lru in zip(listed, lrus):  # the hits refreshed, in the step's order
+            if row in lru:
+                lru.move_to_end(row)
+        for row, lru in zip(listed, lrus):  # the misses inserted last, in the step's order
+            lru[row] = None
+        for lru in lrus:
+            while len(lru) > ways:
+                lru.popitem(last=False)
     return misses
 
 
